@@ -1,0 +1,91 @@
+"""mlx-lily's startup hook (installed as mlx_lily_hook.pth + this module).
+
+At interpreter start it only puts a tiny import finder first in sys.meta_path; nothing heavy is
+imported. When ``mlx_lm.utils`` is imported later, the finder lets it load
+normally and then:
+
+* for an mlx-lm command-line program (``mlx_lm.generate``, ``mlx_lm.server``,
+  ``mlx_lm chat``, ``python -m mlx_lm.generate`` ...), takes ``--backend lily|mlx``
+  out of ``sys.argv`` so mlx-lm's own argument parser never sees it;
+* if the backend asked for (the flag, else ``MLX_LM_BACKEND``) is ``lily``,
+  calls ``mlx_lily.enable()``.
+
+``MLX_LILY_HOOK=0`` switches the hook off entirely.
+"""
+
+import os
+import sys
+
+_TARGET = "mlx_lm.utils"
+
+
+def _is_mlx_lm_program(argv0):
+    name = os.path.basename(argv0)
+    if name.startswith("mlx_lm"):
+        return True  # console scripts: mlx_lm, mlx_lm.generate, mlx_lm.server, ...
+    parts = os.path.normpath(argv0).split(os.sep)
+    return len(parts) >= 2 and parts[-2] == "mlx_lm"  # python -m mlx_lm[.X]
+
+
+def _take_backend_flag(argv):
+    """Remove --backend X / --backend=X from argv; return X or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--backend":
+            if i + 1 >= len(argv):
+                _fail("--backend needs a value: lily or mlx")
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            return value
+        if arg.startswith("--backend="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _fail(message):
+    sys.stderr.write(f"mlx-lily: {message}\n")
+    raise SystemExit(2)
+
+
+def _after_mlx_lm_utils():
+    backend = None
+    if sys.argv and _is_mlx_lm_program(sys.argv[0]):
+        backend = _take_backend_flag(sys.argv)
+    if backend is None:
+        backend = os.environ.get("MLX_LM_BACKEND") or "mlx"
+    if backend not in ("lily", "mlx"):
+        _fail(f"unknown backend {backend!r}: use lily or mlx")
+    if backend == "lily":
+        import mlx_lily
+
+        mlx_lily.enable()
+
+
+class _Loader:
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _after_mlx_lm_utils()
+
+
+class _Finder:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != _TARGET:
+            return None
+        sys.meta_path.remove(cls)  # one shot
+        from importlib.machinery import PathFinder
+
+        spec = PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if os.environ.get("MLX_LILY_HOOK", "1") != "0" and _TARGET not in sys.modules:
+    sys.meta_path.insert(0, _Finder)

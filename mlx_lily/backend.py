@@ -1,0 +1,82 @@
+"""Make mlx-lm's own loader build lily's model classes.
+
+mlx-lm has no plugin mechanism. Every loader in ``mlx_lm.utils`` (``load``,
+``sharded_load``, ``pipeline_load``) calls the module-level ``load_model``,
+which takes a ``get_model_classes`` argument. ``enable()`` replaces
+``mlx_lm.utils.load_model`` with a wrapper that passes lily's class resolver;
+``disable()`` puts the original back. Model types lily does not specialize
+resolve to stock classes, after one notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from typing import Any, Iterator
+
+import mlx_lm.utils as mlx_utils
+
+from ._notice import notice_once
+from .models import SPECIALIZED
+
+BACKENDS = ("lily", "mlx")
+
+_stock_load_model = mlx_utils.load_model
+
+
+def resolve_classes(config: dict):
+    """mlx-lm's class resolution, with lily's classes for the types it specializes."""
+    model_class, args_class = mlx_utils._get_classes(config)
+    model_type = model_class.__module__.rsplit(".", 1)[-1]
+    if model_type in SPECIALIZED:
+        lily = importlib.import_module(SPECIALIZED[model_type])
+        notice_once(f"lily:{model_type}", f"backend lily: {model_type} runs on lily's model")
+        return lily.Model, lily.ModelArgs
+    notice_once(
+        f"stock:{model_type}",
+        f"backend lily does not specialize model type {config.get('model_type')!r}; "
+        "running stock mlx-lm",
+    )
+    return model_class, args_class
+
+
+@functools.wraps(_stock_load_model)
+def _lily_load_model(model_path, *args: Any, **kwargs: Any):
+    # load_model(model_path, lazy, strict, model_config, get_model_classes, ...)
+    if len(args) < 4:
+        kwargs.setdefault("get_model_classes", resolve_classes)
+    return _stock_load_model(model_path, *args, **kwargs)
+
+
+def enable() -> None:
+    """Make mlx-lm's loaders build lily's classes (in this process)."""
+    mlx_utils.load_model = _lily_load_model
+
+
+def disable() -> None:
+    """Give mlx-lm its stock loader back."""
+    mlx_utils.load_model = _stock_load_model
+
+
+def is_enabled() -> bool:
+    return mlx_utils.load_model is _lily_load_model
+
+
+@contextlib.contextmanager
+def using(backend: str) -> Iterator[None]:
+    """Run a block with the given backend, restoring the previous state after."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    was = is_enabled()
+    enable() if backend == "lily" else disable()
+    try:
+        yield
+    finally:
+        enable() if was else disable()
+
+
+def load(path_or_hf_repo: str, backend: str = "lily", **kwargs: Any):
+    """``mlx_lm.load`` with the chosen backend; same arguments, same return value."""
+    with using(backend):
+        return mlx_utils.load(path_or_hf_repo, **kwargs)

@@ -1,0 +1,313 @@
+"""Random ``qwen3_5_moe`` checkpoints that need no network: for the demo, the
+tests and the benchmark.
+
+``make_checkpoint()`` writes a directory mlx-lm loads like any converted
+checkpoint: ``config.json``, ``model.safetensors``, and a small real tokenizer
+(byte-level BPE trained here on a built-in text) with a ChatML chat template.
+Weights are random and quantized as mlx-community quantizes the real model:
+4-bit affine, group 64, with the router and shared-expert gates at 8 bits.
+
+``build_model()`` makes the same model in memory, layer by layer, so that the
+real Qwen3.6-35B-A3B shapes never hold more than one layer's unquantized
+experts at once.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+# Bump when the files written here change, so cached checkpoints are rebuilt.
+FORMAT_VERSION = 1
+MARKER = "lily_checkpoint.json"
+
+_COMMON = {
+    "model_type": "qwen3_5_moe",
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+}
+
+SHAPES: Dict[str, Dict[str, Any]] = {
+    # Small enough to run on a CPU in seconds; every feature of the real model.
+    "demo": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "intermediate_size": 256,
+        "vocab_size": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    },
+    # Other head counts, GQA ratio, value/key head ratio, expert count and top-k.
+    "small-alt": {
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "full_attention_interval": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 3,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128,
+        "intermediate_size": 256,
+        "vocab_size": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    },
+    # Qwen3.6-35B-A3B.
+    "qwen3.6-35b-a3b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "full_attention_interval": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "intermediate_size": 512,
+        "vocab_size": 248320,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    },
+}
+
+QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
+def model_config(shape: Union[str, Dict[str, Any]] = "demo", **overrides: Any) -> Dict[str, Any]:
+    """The config.json dict for a named shape (or a dict of text-config fields)."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+        fields = copy.deepcopy(SHAPES[shape])
+    else:
+        fields = copy.deepcopy(SHAPES["demo"]) | dict(shape)
+    fields.update(overrides)
+    text = dict(_COMMON) | fields
+    text["model_type"] = "qwen3_5_moe_text"
+    return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
+
+
+def _progress(message: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[mlx-lily] {message}", file=sys.stderr, flush=True)
+
+
+def build_model(
+    shape: Union[str, Dict[str, Any]] = "demo",
+    *,
+    seed: int = 0,
+    quantize: bool = True,
+    dtype: mx.Dtype = mx.bfloat16,
+    model_class: Optional[Callable] = None,
+    quiet: bool = True,
+):
+    """Build a random model in memory; returns (model, config).
+
+    Layer by layer: each layer's weights are drawn, cast, quantized and
+    evaluated before the next layer's, bounding peak memory to one layer.
+    ``model_class`` defaults to stock mlx-lm's qwen3_5_moe Model.
+    """
+    from mlx_lm.models import qwen3_5_moe as stock
+
+    config = model_config(shape)
+    model_class = model_class or stock.Model
+    mx.random.seed(seed)
+    model = model_class(stock.ModelArgs.from_dict(config))
+    quantization = dict(QUANTIZATION)
+    predicate = model.quant_predicate
+
+    def quantize_part(prefix: str, module: nn.Module) -> None:
+        def class_predicate(path: str, m: nn.Module):
+            full = f"{prefix}{path}" if path else prefix.rstrip(".")
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % 64 != 0:
+                return False
+            choice = predicate(full, m) if predicate else True
+            if isinstance(choice, dict):
+                quantization[full] = dict(choice, mode="affine")
+            return choice
+
+        nn.quantize(module, group_size=64, bits=4, class_predicate=class_predicate)
+
+    def finish(prefix: str, module: nn.Module) -> None:
+        # Cast first so scales and biases come out in the activation dtype.
+        cast = model.cast_predicate
+        module.update(_cast_tree(module, dtype, lambda k: cast(f"{prefix}{k}")))
+        if quantize:
+            quantize_part(prefix, module)
+        mx.eval(module.parameters())
+
+    text = model.language_model
+    n = len(text.model.layers)
+    start = time.time()
+    for i, layer in enumerate(text.model.layers):
+        finish(f"language_model.model.layers.{i}.", layer)
+        if (i + 1) % 10 == 0 or i + 1 == n:
+            _progress(f"built layer {i + 1}/{n} ({time.time() - start:.1f}s)", quiet)
+    # Embeddings, final norm and lm_head (the layers are quantized already).
+    finish("", model)
+    if quantize:
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
+    model.eval()
+    return model, config
+
+
+def _cast_tree(module: nn.Module, dtype: mx.Dtype, should_cast: Callable[[str], bool]):
+    from mlx.utils import tree_unflatten
+
+    flat = []
+    for k, v in tree_flatten(module.parameters()):
+        if should_cast(k) and mx.issubdtype(v.dtype, mx.floating):
+            v = v.astype(dtype)
+        flat.append((k, v))
+    return tree_unflatten(flat)
+
+
+# A few paragraphs to train the demo tokenizer on: enough for common English
+# words and code-ish text to become single tokens.
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. A model reads a prompt and writes
+one token at a time. Each token is a small piece of text: a word, part of a
+word, a space or a sign. The hybrid model mixes two kinds of layers. Most are
+Gated DeltaNet layers, which keep a fixed-size state for every head and update
+it with each token. Every fourth layer is full attention, which looks back at
+all earlier tokens through a key and value cache. Every layer ends with a
+mixture of experts: a router picks eight of many small networks for each token,
+and a shared expert sees every token.
+Hello! How are you today? I am fine, thank you. What is the capital of France?
+The capital of France is Paris. Write a short poem about the sea. The sea is
+wide and blue, the waves come in and go out again, and the wind sings over the
+water. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. def main(): return 0
+for i in range(10): print(i) if x > 0: y = x * 2 else: y = -x
+System, user, assistant. Tell me a story. Once upon a time there was a small
+engine that wanted to run faster. It learned to read fewer bytes and to do more
+work in each step, and it became quick and light.
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def make_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on
+    the built-in text, with Qwen's ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("MLX_LILY_CACHE")
+    if root:
+        return Path(root)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx_lily"
+
+
+def _marker(shape: Union[str, Dict[str, Any]], seed: int) -> Dict[str, Any]:
+    return {"format": FORMAT_VERSION, "shape": shape, "seed": seed}
+
+
+def make_checkpoint(
+    path: Optional[Union[str, Path]] = None,
+    shape: Union[str, Dict[str, Any]] = "demo",
+    *,
+    seed: int = 0,
+    force: bool = False,
+    quiet: bool = True,
+) -> Path:
+    """Write (once) a random, quantized qwen3_5_moe checkpoint; return its path.
+
+    With no ``path`` it goes to the user's cache directory
+    (``$MLX_LILY_CACHE`` or ``~/.cache/mlx_lily``). An existing checkpoint is
+    reused when it was written by this version's format with the same shape
+    and seed, and rebuilt otherwise.
+    """
+    from mlx_lm.utils import save_config, save_model
+
+    if path is None:
+        name = shape if isinstance(shape, str) else "custom"
+        path = default_cache_dir() / "checkpoints" / f"{name}-seed{seed}"
+    path = Path(path)
+    marker = path / MARKER
+    want = _marker(shape, seed)
+    if not force and marker.exists():
+        try:
+            if json.loads(marker.read_text()) == want:
+                return path
+        except (OSError, ValueError):
+            pass
+    _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model, config = build_model(shape, seed=seed, quiet=quiet)
+    tokenizer = make_tokenizer()
+    config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    save_model(tmp, model, donate_model=True)
+    save_config(config, tmp / "config.json")
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).write_text(json.dumps(want))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path

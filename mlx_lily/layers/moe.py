@@ -1,0 +1,21 @@
+"""Sparse MoE block: router top-k over the experts plus a gated shared expert."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+from .. import kernels as K
+from .fast_path import note_stock, why_stock
+
+
+class LilySparseMoeBlock(Qwen3NextSparseMoeBlock):
+    def __call__(self, x: mx.array) -> mx.array:
+        reason = why_stock(self, x)
+        if reason is not None:
+            note_stock("MoE", reason)
+            return super().__call__(x)
+        inds, scores = K.router_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        y = K.moe_experts(x, inds, self.switch_mlp)
+        shared = self.shared_expert(x)
+        return K.moe_combine(y, scores, shared, self.shared_expert_gate(x))
