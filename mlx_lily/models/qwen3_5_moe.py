@@ -57,16 +57,24 @@ class ModelArgs(stock.ModelArgs):
         return super().from_dict(params)
 
 
+def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
+    """Switch a built qwen3_5_moe model's layers to lily's classes (or back to
+    stock's) in place. The weights are shared, not copied, so one model can be
+    measured both ways in one process (bench/)."""
+    table = _SPECIALIZE if lily else {v: k for k, v in _SPECIALIZE.items()}
+    for layer in model.layers:
+        for name in ("linear_attn", "self_attn", "mlp"):
+            module = getattr(layer, name, None)
+            new_class = table.get(type(module))
+            if new_class is not None:
+                module.__class__ = new_class  # same instance layout, other __call__
+    return model
+
+
 class Model(stock.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        for layer in self.layers:
-            for name in ("linear_attn", "self_attn", "mlp"):
-                module = getattr(layer, name, None)
-                lily_class = _SPECIALIZE.get(type(module))
-                if lily_class is not None:
-                    # Same instance layout, lily's __call__.
-                    module.__class__ = lily_class
+        specialize(self)
 
     def load_weights(self, file_or_weights, strict: bool = True):
         if strict and not isinstance(file_or_weights, str):
