@@ -21,7 +21,7 @@ def moe_combine_reference(y, scores, shared_y, shared_gate_logit):
 
 
 def _sample_experts():
-    experts = SwitchGLU(64, 32, 8)
+    experts = SwitchGLU(64, 64, 8)
     nn.quantize(experts, group_size=64, bits=4)
     x = mx.random.normal((3, 64), key=mx.random.key(9)).astype(mx.bfloat16)
     inds = mx.array([[0, 3], [7, 1], [2, 2]], dtype=mx.uint32)

@@ -1,0 +1,82 @@
+"""``python -m mlx_lily {generate,serve,chat,benchmark,demo,doctor}``.
+
+``generate``, ``serve``, ``chat`` and ``benchmark`` are mlx-lm's own commands
+with every flag unchanged, plus ``--backend lily|mlx`` (default: lily here).
+They work whether or not the startup hook is installed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import backend
+
+# Our command name -> mlx-lm's module that implements it.
+MLX_LM_COMMANDS = {
+    "generate": "mlx_lm.generate",
+    "serve": "mlx_lm.server",
+    "server": "mlx_lm.server",
+    "chat": "mlx_lm.chat",
+    "benchmark": "mlx_lm.benchmark",
+}
+
+USAGE = """usage: python -m mlx_lily COMMAND [options]
+
+commands:
+  generate   mlx-lm's generate, on lily's backend   (mlx_lm.generate --help)
+  serve      mlx-lm's OpenAI-style server, on lily  (mlx_lm.server --help)
+  chat       mlx-lm's chat REPL, on lily            (mlx_lm.chat --help)
+  benchmark  mlx-lm's benchmark, on lily            (mlx_lm.benchmark --help)
+  demo       a random Qwen3.5-MoE checkpoint, stock vs lily side by side
+  doctor     platform, versions, each op's path, and a self-check of every op
+
+generate/serve/chat/benchmark accept --backend lily|mlx (default lily).
+"""
+
+
+def take_backend(argv: list[str], default: str) -> str:
+    """Remove --backend X / --backend=X from argv (in place); return X."""
+    for i, arg in enumerate(argv):
+        if arg == "--backend" and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i : i + 2]
+            break
+        if arg.startswith("--backend="):
+            value = arg.split("=", 1)[1]
+            del argv[i]
+            break
+    else:
+        return default
+    if value not in backend.BACKENDS:
+        sys.exit(f"mlx-lily: unknown backend {value!r}: use lily or mlx")
+    return value
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return
+    command, rest = argv[0], argv[1:]
+    if command in MLX_LM_COMMANDS:
+        import importlib
+
+        chosen = take_backend(rest, default="lily")
+        module = importlib.import_module(MLX_LM_COMMANDS[command])
+        backend.enable() if chosen == "lily" else backend.disable()
+        sys.argv = [f"mlx_lily {command}"] + rest
+        module.main()
+    elif command == "demo":
+        from .demo import main as demo_main
+
+        sys.exit(demo_main(rest))
+    elif command == "doctor":
+        from .doctor import main as doctor_main
+
+        sys.exit(doctor_main(rest))
+    else:
+        sys.exit(f"mlx-lily: unknown command {command!r}\n\n{USAGE}")
+
+
+if __name__ == "__main__":
+    main()

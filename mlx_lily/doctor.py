@@ -1,0 +1,96 @@
+"""``python -m mlx_lily doctor``: what lily will do on this machine, and whether it works.
+
+Prints the platform, MLX's version and backend, mlx-lm's version, and for each
+lily op the path it takes here (kernel or reference, and why). Then runs each
+op on small inputs: where the op has a kernel, the kernel (on the GPU, or in
+the CPU emulator when there is no GPU) against the reference, with the error
+size; where it has none, the reference alone, to show it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import shutil
+from typing import List
+
+import mlx.core as mx
+
+from . import __version__
+from .kernels import OPS, gpu_backend
+
+
+def _flatten(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def max_error(got, want) -> float:
+    """Largest absolute difference over all outputs, in fp32."""
+    err = 0.0
+    for g, w in zip(_flatten(got), _flatten(want)):
+        if g.shape != w.shape:
+            return float("inf")
+        diff = mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max()
+        err = max(err, diff.item())
+    return err
+
+
+def check_op(op, tolerance: float) -> tuple[str, str]:
+    """(status, detail) for one op on its sample inputs."""
+    args, kwargs = op.sample()
+    want = op.reference(*args, **kwargs)
+    mx.eval(want)
+    if op.kernel is None:
+        return "ok", "reference runs (no kernel to compare yet)"
+    if gpu_backend() is not None:
+        ok, why = op.kernel.ready()
+        if not ok:
+            return "FALLBACK", f"kernel unusable, reference runs: {why}"
+        got, where = op.kernel(*args, **kwargs), gpu_backend()
+    elif shutil.which("c++") or shutil.which("g++"):
+        got, where = op.kernel.emulate(*args, **kwargs), "CPU emulator"
+    else:
+        return "skipped", "no GPU and no C++ compiler for the emulator"
+    compare = getattr(op, "compare", None)
+    if compare is not None:
+        good, err = compare(got, want)
+    else:
+        err = max_error(got, want)
+        good = err <= tolerance
+    return ("pass" if good else "FAIL"), f"kernel on {where}, max error {err:.3g}"
+
+
+def report_platform() -> None:
+    import mlx_lm
+
+    device = mx.default_device()
+    backend = gpu_backend() or "cpu"
+    print(f"mlx-lily   {__version__}")
+    print(f"platform   {platform.platform()} ({platform.machine()}), Python {platform.python_version()}")
+    print(f"mlx        {mx.__version__}, default device {device}, backend {backend}")
+    print(f"mlx-lm     {mlx_lm.__version__}")
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_lily doctor", description=__doc__)
+    parser.add_argument("--tolerance", type=float, default=3e-2,
+                        help="largest absolute error a kernel may have vs its reference (bf16 sized)")
+    args = parser.parse_args(argv)
+
+    report_platform()
+    print("\nops (path on this machine):")
+    for name, op in OPS.items():
+        path, why = op.planned_path()
+        print(f"  {name:16s} {path:9s} {why}")
+
+    print("\nself-check (small inputs):")
+    failures = 0
+    for name, op in OPS.items():
+        try:
+            status, detail = check_op(op, args.tolerance)
+        except Exception as e:  # report, never crash: doctor is for broken setups
+            status, detail = "ERROR", f"{type(e).__name__}: {e}"
+        failures += status in ("FAIL", "ERROR")
+        print(f"  {name:16s} {status:8s} {detail}")
+    print("\nall ops ok" if not failures else f"\n{failures} op(s) failed")
+    return 1 if failures else 0
