@@ -19,12 +19,17 @@ import sys
 _TARGET = "mlx_lm.utils"
 
 
-def _is_mlx_lm_program(argv0):
-    name = os.path.basename(argv0)
-    if name.startswith("mlx_lm"):
+def _is_mlx_lm_program():
+    if not sys.argv:
+        return False
+    if os.path.basename(sys.argv[0]).startswith("mlx_lm"):
         return True  # console scripts: mlx_lm, mlx_lm.generate, mlx_lm.server, ...
-    parts = os.path.normpath(argv0).split(os.sep)
-    return len(parts) >= 2 and parts[-2] == "mlx_lm"  # python -m mlx_lm[.X]
+    # python -m mlx_lm[.X]: mlx_lm.utils is imported while argv[0] is still '-m'.
+    orig = getattr(sys, "orig_argv", [])
+    if "-m" in orig:
+        i = orig.index("-m")
+        return i + 1 < len(orig) and orig[i + 1].split(".")[0] == "mlx_lm"
+    return False
 
 
 def _take_backend_flag(argv):
@@ -49,7 +54,7 @@ def _fail(message):
 
 def _after_mlx_lm_utils():
     backend = None
-    if sys.argv and _is_mlx_lm_program(sys.argv[0]):
+    if _is_mlx_lm_program():
         backend = _take_backend_flag(sys.argv)
     if backend is None:
         backend = os.environ.get("MLX_LM_BACKEND") or "mlx"
