@@ -85,6 +85,15 @@ class Model(stock.Model):
 def _check_weights(model: Model, weights: Dict[str, mx.array]) -> None:
     """Name the first missing, unexpected or mis-shaped tensor, with a hint."""
     expected = dict(tree_flatten(model.parameters()))
+    # A packed (uint32) weight without its scales: mlx-lm then leaves the layer
+    # unquantized, and the mismatch would surface far from its cause.
+    for name, value in sorted(weights.items()):
+        prefix = name[: -len(".weight")]
+        if name.endswith(".weight") and value.dtype == mx.uint32 and f"{prefix}.scales" not in weights:
+            raise CheckpointError(
+                f"checkpoint is missing tensor '{prefix}.scales': '{name}' is "
+                "quantized (packed uint32) but has no scales"
+            )
     missing = sorted(expected.keys() - weights.keys())
     if missing:
         name = missing[0]

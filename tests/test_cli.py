@@ -1,0 +1,118 @@
+"""The command lines as users type them, in subprocesses: mlx-lm's own
+programs with --backend, the startup hook, and python -m mlx_lily."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ENV = {k: v for k, v in os.environ.items() if k not in ("MLX_LM_BACKEND", "MLX_LILY_HOOK")}
+
+
+def run(args, env=None, timeout=300):
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})}
+    )
+
+
+def generated_text(stdout: str) -> str:
+    """The text between mlx_lm.generate's two '==========' rulers."""
+    parts = stdout.split("==========")
+    assert len(parts) >= 3, stdout
+    return parts[1]
+
+
+def test_hook_is_installed():
+    # The CLI tests below need the package installed (pip install .), which
+    # puts mlx_lily_hook.pth into site-packages.
+    purelib = Path(sysconfig.get_paths()["purelib"])
+    assert (purelib / "mlx_lily_hook.pth").exists(), "run: pip install -e '.[test]'"
+
+
+def test_plain_import_is_untouched():
+    code = (
+        "import sys, mlx_lm, mlx_lm.utils as u;"
+        "print('mlx_lily' in sys.modules, u.load_model.__module__, u.load_model.__qualname__)"
+    )
+    out = run([sys.executable, "-c", code])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "mlx_lm.utils", "load_model"]
+    assert out.stderr == ""
+
+
+def test_env_selects_lily_and_hook_can_be_switched_off():
+    code = "import mlx_lm.utils as u, mlx_lily.backend as b; print(b.is_enabled())"
+    assert run([sys.executable, "-c", code], {"MLX_LM_BACKEND": "lily"}).stdout.strip() == "True"
+    assert run([sys.executable, "-c", code], {"MLX_LM_BACKEND": "mlx"}).stdout.strip() == "False"
+    off = {"MLX_LM_BACKEND": "lily", "MLX_LILY_HOOK": "0"}
+    assert run([sys.executable, "-c", code], off).stdout.strip() == "False"
+
+
+def test_generate_lily_equals_stock(demo_checkpoint):
+    common = ["--model", str(demo_checkpoint), "--prompt", "Tell me a story", "--max-tokens", "16", "--temp", "0"]
+    lily = run(["mlx_lm.generate", *common, "--backend", "lily"])
+    stock = run(["mlx_lm.generate", *common, "--backend", "mlx"])
+    assert lily.returncode == 0 and stock.returncode == 0, lily.stderr + stock.stderr
+    assert "runs on lily's model" in lily.stderr
+    assert "lily" not in stock.stderr
+    assert generated_text(lily.stdout) == generated_text(stock.stdout)
+
+
+def test_generate_via_python_m_and_env(demo_checkpoint):
+    common = ["--model", str(demo_checkpoint), "--prompt", "hi", "--max-tokens", "4"]
+    out = run([sys.executable, "-m", "mlx_lm", "generate", *common, "--backend=lily"])
+    assert out.returncode == 0, out.stderr
+    assert "runs on lily's model" in out.stderr
+    out = run([sys.executable, "-m", "mlx_lm.generate", *common], {"MLX_LM_BACKEND": "lily"})
+    assert out.returncode == 0 and "runs on lily's model" in out.stderr, out.stderr
+
+
+def test_unknown_backend_is_a_clear_error(demo_checkpoint):
+    out = run(["mlx_lm.generate", "--model", str(demo_checkpoint), "--backend", "fast"])
+    assert out.returncode == 2
+    assert "unknown backend 'fast'" in out.stderr
+
+
+def test_backend_lily_on_other_model_type_runs_stock(tmp_path):
+    # A tiny qwen3 (dense) checkpoint: lily does not specialize it.
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+    from mlx_lm.utils import save_config
+
+    from mlx_lily.checkpoints import make_tokenizer
+
+    config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  vocab_size=600, max_position_embeddings=512, rope_theta=1e4, tie_word_embeddings=True)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    save_config(config, tmp_path / "config.json")
+    make_tokenizer().save_pretrained(tmp_path)
+    out = run(["mlx_lm.generate", "--model", str(tmp_path), "--prompt", "hi", "--max-tokens", "3", "--backend", "lily"])
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("does not specialize model type 'qwen3'; running stock mlx-lm") == 1
+
+
+def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
+    out = run([sys.executable, "-m", "mlx_lily", "generate", "--model", str(demo_checkpoint),
+               "--prompt", "hi", "--max-tokens", "4"])
+    assert out.returncode == 0 and "runs on lily's model" in out.stderr, out.stderr
+
+    demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"], {"MLX_LILY_CACHE": str(tmp_path)})
+    assert demo.returncode == 0, demo.stderr
+    assert "greedy tokens agree: yes" in demo.stdout
+    assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
+
+    doctor = run([sys.executable, "-m", "mlx_lily", "doctor"])
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    from mlx_lily.kernels import OPS
+
+    for name in OPS:
+        assert doctor.stdout.count(name) == 2  # its path, and its self-check
+    assert "all ops ok" in doctor.stdout
