@@ -1,0 +1,69 @@
+"""The random-checkpoint maker: cached, rebuilt on format change, real shapes."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_lily import checkpoints
+from mlx_lily.checkpoints import build_model, make_checkpoint, model_config
+
+
+def test_checkpoint_is_cached_and_rebuilt_on_format_change(tmp_path, monkeypatch):
+    path = make_checkpoint(tmp_path / "c", shape="demo")
+    weights = path / "model.safetensors"
+    first = weights.stat().st_mtime_ns
+    assert make_checkpoint(tmp_path / "c", shape="demo") == path
+    assert weights.stat().st_mtime_ns == first
+    monkeypatch.setattr(checkpoints, "FORMAT_VERSION", checkpoints.FORMAT_VERSION + 1)
+    make_checkpoint(tmp_path / "c", shape="demo")
+    assert json.loads((path / checkpoints.MARKER).read_text())["format"] == checkpoints.FORMAT_VERSION
+    assert weights.stat().st_mtime_ns != first
+
+
+def test_default_location_is_the_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
+    assert make_checkpoint(shape="demo").parent == tmp_path / "checkpoints"
+
+
+def test_quantized_like_mlx_community(demo_checkpoint):
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    q = config["quantization"]
+    assert (q["group_size"], q["bits"], q["mode"]) == (64, 4, "affine")
+    gates = [k for k in q if k.endswith(("mlp.gate", "shared_expert_gate"))]
+    assert len(gates) == 2 * config["text_config"]["num_hidden_layers"]
+    assert all(q[k]["bits"] == 8 for k in gates)
+    weights = mx.load(str(demo_checkpoint / "model.safetensors"))
+    assert weights["language_model.model.layers.0.mlp.switch_mlp.down_proj.weight"].dtype == mx.uint32
+    assert weights["language_model.model.layers.0.mlp.switch_mlp.down_proj.scales"].dtype == mx.bfloat16
+    assert weights["language_model.model.layers.0.linear_attn.A_log"].dtype == mx.float32
+
+
+def test_real_shapes():
+    text = model_config("qwen3.6-35b-a3b")["text_config"]
+    assert text["hidden_size"] == 2048 and text["num_hidden_layers"] == 40
+    assert (text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]) == (16, 2, 256)
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"]) == (16, 32)
+    assert (text["linear_key_head_dim"], text["linear_value_head_dim"]) == (128, 128)
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"]) == (256, 8, 512)
+    assert text["vocab_size"] == 248320 and text["full_attention_interval"] == 4
+    assert text["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert text["rope_parameters"]["rope_theta"] == 1e7
+
+
+def test_built_layer_by_layer():
+    # Experts dominate: all 12 layers' unquantized fp32 experts together are
+    # ~600 MB; built layer by layer the peak stays within a few layers' worth.
+    shape = dict(num_hidden_layers=12, num_experts=64, moe_intermediate_size=256, hidden_size=256)
+    one_layer_experts = 64 * 3 * 256 * 256 * 4
+    mx.reset_peak_memory()
+    model, _ = build_model(shape)
+    peak = mx.get_peak_memory()
+    assert peak < 4 * one_layer_experts, (peak, one_layer_experts)
+
+
+def test_unknown_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown shape 'huge'"):
+        model_config("huge")
