@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 import mlx_lily
 from mlx_lily import kernels as K
@@ -114,3 +114,28 @@ def test_quantized_kv_cache_takes_stock_attention(engines, op_calls):
     cs, cl = quantized_cache(stock), quantized_cache(lily)
     assert close(lily(TOKENS, cache=cl), stock(TOKENS, cache=cs)) == 0.0
     assert op_calls["attention"] == 0 and op_calls["gated_delta"] > 0
+
+
+def test_rotating_kv_cache_takes_stock_attention(engines, op_calls):
+    stock, lily = engines
+    def rotating_cache(model):
+        cache = make_prompt_cache(model)
+        return [RotatingKVCache(max_size=8) if isinstance(c, KVCache) else c for c in cache]
+
+    cs, cl = rotating_cache(stock), rotating_cache(lily)
+    for a, b in ((0, 6), (6, 12), (12, 16)):
+        assert close(lily(TOKENS[:, a:b], cache=cl), stock(TOKENS[:, a:b], cache=cs)) == 0.0
+    assert op_calls["attention"] == 0 and op_calls["gated_delta"] > 0
+
+
+def test_left_padded_batch_generation_matches_stock(engines, demo_checkpoint):
+    # batch_generate pads prompts of different lengths on the left and uses
+    # batched caches: every layer takes stock code for those calls.
+    from mlx_lm.generate import batch_generate
+
+    stock, lily = engines
+    _, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="mlx")
+    prompts = [[5, 9, 300, 41, 7], [12, 800], [64, 65, 66]]
+    want = batch_generate(stock, tokenizer, prompts, max_tokens=6, return_token_ids=True)
+    got = batch_generate(lily, tokenizer, prompts, max_tokens=6, return_token_ids=True)
+    assert got.token_ids == want.token_ids
