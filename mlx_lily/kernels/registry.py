@@ -3,11 +3,20 @@
 Every piece of math in lily's layers goes through a :class:`LilyOp`. The op
 decides per call which path runs:
 
-* the **kernel**, when one is registered, the default device is a GPU, the
-  kernel built and passed its one-time self-check on this machine, and the
-  op's ``supports`` predicate accepts the call's shapes and dtypes;
+* the **kernel**, when one is registered, a kernel backend is active (see
+  :func:`kernel_backend`), the kernel built and passed its one-time self-check
+  on this machine, and the op's ``supports`` predicate accepts the call's shapes
+  and dtypes;
 * otherwise the **reference**, a pure-MLX function that is the ground truth in
   tests and what runs on a CPU.
+
+Kernels are written once and built for the active backend by
+``kernels/toolchain.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
+SIMT emulator when asked for. ``MLX_LILY_KERNEL_BACKEND`` picks the backend:
+``auto`` (the default: the default device's GPU backend, else the reference),
+``emulator`` (run kernels in the CPU emulator, even on a CPU: tests, CI),
+``reference`` (no kernels), or ``metal`` / ``cuda`` (that backend, and the
+reference where it is not the default device's).
 
 ``MLX_LILY_KERNELS=0`` forces the reference everywhere (a kill switch for
 debugging and for A/B checks). Every decision is recorded per op so that
@@ -27,9 +36,16 @@ class KernelLike(Protocol):
     """What an op needs from a built kernel (see ``kernels/toolchain.py``)."""
 
     def ready(self) -> tuple[bool, str]:
-        """(usable on this machine, why not / which backend)."""
+        """(usable on the active backend, why not / which backend).
+
+        Builds and self-checks the kernel the first time per backend and process.
+        """
 
     def __call__(self, *args, **kwargs): ...
+
+
+BACKEND_ENV = "MLX_LILY_KERNEL_BACKEND"
+BACKEND_CHOICES = ("auto", "metal", "cuda", "emulator", "reference")
 
 
 def kernels_enabled() -> bool:
@@ -48,6 +64,29 @@ def gpu_backend() -> Optional[str]:
     return None
 
 
+def kernel_backend() -> tuple[Optional[str], str]:
+    """('metal' | 'cuda' | 'emulator', why) where kernels run, or (None, why not).
+
+    Read on every call (two environment look-ups), so that tests and users can
+    switch backends within a process.
+    """
+    if not kernels_enabled():
+        return None, "MLX_LILY_KERNELS=0"
+    wanted = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if wanted not in BACKEND_CHOICES:
+        return None, f"{BACKEND_ENV}={wanted!r} is not one of {', '.join(BACKEND_CHOICES)}"
+    if wanted == "reference":
+        return None, f"{BACKEND_ENV}=reference"
+    if wanted == "emulator":
+        return "emulator", f"{BACKEND_ENV}=emulator (kernels run in the CPU emulator)"
+    gpu = gpu_backend()
+    if gpu is None:
+        return None, "no GPU"
+    if wanted != "auto" and wanted != gpu:
+        return None, f"{BACKEND_ENV}={wanted} but the default device runs {gpu}"
+    return gpu, gpu
+
+
 @dataclass
 class LilyOp:
     name: str
@@ -59,6 +98,10 @@ class LilyOp:
     description: str = ""
     # sample() -> (args, kwargs): small inputs for doctor and the test suite.
     sample: Optional[Callable[[], tuple]] = None
+    # compare(got, want) -> (acceptable, error size): how doctor judges a
+    # kernel's result against the reference's, for ops whose outputs are not
+    # comparable element by element (None: the largest absolute difference).
+    compare: Optional[Callable[..., tuple]] = None
     last_path: Optional[str] = field(default=None, compare=False)
     last_reason: Optional[str] = field(default=None, compare=False)
 
@@ -66,10 +109,9 @@ class LilyOp:
         """Return (function, 'kernel'|'reference', reason)."""
         if self.kernel is None:
             return self.reference, "reference", "no kernel yet"
-        if not kernels_enabled():
-            return self.reference, "reference", "MLX_LILY_KERNELS=0"
-        if gpu_backend() is None:
-            return self.reference, "reference", "no GPU"
+        backend, why = kernel_backend()
+        if backend is None:
+            return self.reference, "reference", why
         ok, why = self.kernel.ready()
         if not ok:
             return self.reference, "reference", why
@@ -88,10 +130,11 @@ class LilyOp:
         """The path this op takes for shapes it supports, without running it."""
         if self.kernel is None:
             return "reference", "no kernel yet"
-        if not kernels_enabled():
-            return "reference", "MLX_LILY_KERNELS=0"
-        if gpu_backend() is None:
-            return "reference", "no GPU (the reference runs on the CPU)"
+        backend, why = kernel_backend()
+        if backend is None:
+            if why == "no GPU":
+                why = "no GPU (the reference runs on the CPU)"
+            return "reference", why
         ok, why = self.kernel.ready()
         return ("kernel" if ok else "reference"), why
 

@@ -1,0 +1,508 @@
+"""Lily's kernel toolchain: one kernel body, built for whatever runs it.
+
+Each lily kernel is written once, as a Metal Shading Language *body* (what
+``mx.fast.metal_kernel`` takes: the inside of the kernel function, whose
+signature MLX generates) in the portable subset that ``kernels/lint.py``
+documents and checks. The body lives in its own file, ``kernels/<name>.metal``,
+beside the Python launcher that computes each call's grid, threadgroup,
+template constants and output shapes. A :class:`Kernel` builds that body for
+the active backend (``registry.kernel_backend()``):
+
+* ``metal``: ``mx.fast.metal_kernel`` with the body as written;
+* ``cuda``: ``mx.fast.cuda_kernel`` with the same body, after the CUDA prelude
+  (``kernels/prelude_cuda.h``, passed as MLX's ``header``) that defines the
+  subset's Metal names for CUDA;
+* ``emulator``: ``mlx_lily.emulator.metal_kernel``, a CPU SIMT emulator with
+  ``mx.fast.metal_kernel``'s interface and Metal's semantics, which reports
+  deadlocks and out-of-bounds accesses (tests, CI, ``doctor``).
+
+A kernel is trusted only after a one-time self-check per backend and process:
+it runs on its op's ``sample()`` inputs and must agree with the op's reference.
+A build failure or a disagreement turns the kernel off with one notice, and its
+op keeps running the reference; nothing crashes.
+
+Launch rules the toolchain applies on every backend, so that Metal, CUDA and
+the emulator run the same threads:
+
+* every grid dimension is rounded up to a whole number of threadgroups (MLX's
+  CUDA backend runs whole blocks, Metal clips the last threadgroup; rounding
+  makes both run whole ones), so bodies guard the tail themselves;
+* a body that uses SIMD-group functions must be launched with threadgroups of
+  a whole number of 32-lane SIMD groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence
+
+import mlx.core as mx
+
+from .._notice import notice_once
+from .registry import kernel_backend
+
+KERNELS_DIR = Path(__file__).resolve().parent
+CUDA_PRELUDE = KERNELS_DIR / "prelude_cuda.h"
+
+# Apple GPUs and NVIDIA GPUs both run 32-lane SIMD groups (warps).
+SIMD_WIDTH = 32
+# The most threads a threadgroup may have on either backend.
+MAX_THREADGROUP = 1024
+
+BACKENDS = ("metal", "cuda", "emulator")
+
+# Names whose presence in a body means it runs SIMD-group collectives.
+_SIMD_USE = re.compile(r"\bsimd_\w+|\bsimdgroup_\w+|\bthread_index_in_simdgroup\b")
+
+Dim3 = tuple[int, int, int]
+
+
+@dataclass
+class Launch:
+    """One call's arguments for a built kernel, as a launcher computes them."""
+
+    inputs: Sequence[mx.array]
+    grid: Dim3
+    threadgroup: Dim3
+    output_shapes: Sequence[Sequence[int]]
+    output_dtypes: Sequence[mx.Dtype]
+    # (name, int | bool | Dtype): template parameters on Metal, constexpr on CUDA.
+    template: Sequence[tuple[str, Any]] = ()
+    init_value: Optional[float] = None
+    # outputs -> the op's result (reshapes, tuples); None returns the list.
+    finish: Optional[Callable[[list], Any]] = None
+
+
+def whole_threadgroups(grid: Dim3, threadgroup: Dim3) -> tuple[Dim3, Dim3]:
+    """(grid, threadgroup) as every backend will run them.
+
+    MLX clips a threadgroup dimension to the grid's when the grid is smaller,
+    and CUDA runs whole blocks; rounding the grid up to whole threadgroups makes
+    Metal and the emulator run the same threads as CUDA.
+    """
+    group = tuple(min(t, g) if g > 0 else t for g, t in zip(grid, threadgroup))
+    rounded = tuple(math.ceil(g / t) * t for g, t in zip(grid, group))
+    return rounded, group  # type: ignore[return-value]
+
+
+def default_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """Outputs within loose bf16-level tolerance, else a one-line mismatch."""
+    got = got if isinstance(got, (list, tuple)) else [got]
+    want = want if isinstance(want, (list, tuple)) else [want]
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.shape != w.shape:
+            return f"output {i}: shape {g.shape} != reference {w.shape}"
+        if not mx.allclose(g.astype(mx.float32), w.astype(mx.float32), rtol=2e-2, atol=2e-2).item():
+            diff = mx.abs(g.astype(mx.float32) - w.astype(mx.float32)).max().item()
+            return f"output {i}: max |kernel - reference| = {diff:.3g}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_prelude() -> str:
+    return CUDA_PRELUDE.read_text()
+
+
+@dataclass(eq=False)
+class Kernel:
+    """A lily kernel: a portable Metal-subset body plus its launcher.
+
+    ``launch(*args, **kwargs) -> Launch`` maps the op's arguments to the
+    kernel's inputs, grid and outputs. ``reference`` and ``sample`` are the
+    op's (the self-check runs ``sample()``'s inputs through both);
+    ``agree(got, want, *args, **kwargs)`` returns None when the kernel's result
+    is acceptable, else why not.
+    """
+
+    name: str
+    input_names: Sequence[str]
+    output_names: Sequence[str]
+    launch: Callable[..., Launch]
+    # The body: a file name in kernels/ (``body``), or the text (``source``).
+    body: Optional[str] = None
+    source: Optional[str] = None
+    # Extra Metal-subset code placed before the kernel on every backend.
+    header: str = ""
+    reference: Optional[Callable] = None
+    sample: Optional[Callable[[], tuple]] = None
+    agree: Callable[..., Optional[str]] = default_agree
+    atomic_outputs: bool = False
+    # Dynamic shared memory (bytes) to request on CUDA.
+    shared_memory: int = 0
+    _text: Optional[str] = field(default=None, init=False, repr=False)
+    _built: Dict[str, Callable] = field(default_factory=dict, init=False, repr=False)
+    _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
+
+    def __post_init__(self):
+        if (self.body is None) == (self.source is None):
+            raise ValueError(f"kernel {self.name!r}: give exactly one of body= or source=")
+
+    # -- the KernelLike protocol ------------------------------------------
+
+    def ready(self) -> tuple[bool, str]:
+        backend, why = kernel_backend()
+        if backend is None:
+            return False, why
+        return self.ready_on(backend)
+
+    def __call__(self, *args, **kwargs):
+        backend, why = kernel_backend()
+        if backend is None:
+            raise RuntimeError(f"kernel {self.name}: no kernel backend is active ({why})")
+        return self.run_on(backend, *args, **kwargs)
+
+    # -- explicit backends ---------------------------------------------------
+
+    def emulate(self, *args, **kwargs):
+        """Run the kernel in the CPU emulator, whatever the active backend."""
+        return self.run_on("emulator", *args, **kwargs)
+
+    def run_on(self, backend: str, *args, **kwargs):
+        """Run on ``backend`` ('metal', 'cuda' or 'emulator'), no self-check."""
+        launch = self.launch(*args, **kwargs)
+        grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
+        self._check_group(group)
+        outputs = self._build(backend)(
+            inputs=list(launch.inputs),
+            template=list(launch.template) or None,
+            grid=grid,
+            threadgroup=group,
+            output_shapes=[tuple(s) for s in launch.output_shapes],
+            output_dtypes=list(launch.output_dtypes),
+            init_value=launch.init_value,
+        )
+        return launch.finish(outputs) if launch.finish is not None else outputs
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        """Build and self-check once per backend and process; warn once on failure."""
+        known = self._checked.get(backend)
+        if known is not None:  # every op call asks: answer without the lock
+            return known
+        with self._lock:
+            if backend not in self._checked:
+                ok, why = self._self_check(backend)
+                self._checked[backend] = (ok, why)
+                if not ok:
+                    notice_once(
+                        f"kernel-off:{self.name}:{backend}",
+                        f"kernel {self.name} is off on {backend} ({why}); "
+                        "its op runs the pure-MLX reference",
+                    )
+            return self._checked[backend]
+
+    def forget(self) -> None:
+        """Drop built kernels, self-check results and the cached body (tests)."""
+        with self._lock:
+            self._text = None
+            self._built.clear()
+            self._checked.clear()
+
+    # -- sources -------------------------------------------------------------
+
+    def body_text(self) -> str:
+        """The body's source (read from its file once: launches ask on every call)."""
+        if self._text is None:
+            self._text = self.source if self.source is not None else (KERNELS_DIR / self.body).read_text()
+        return self._text
+
+    def cuda_translation_unit(self, *args, **kwargs) -> str:
+        """The CUDA source MLX's cuda_kernel generates for this call.
+
+        Mirrors the layout of MLX 0.32's generated code (its default includes,
+        the header, then the kernel inside ``namespace mlx::core::cu``), so that
+        the prelude and body can be compile-checked with nvcc without a GPU.
+        """
+        launch = self.launch(*args, **kwargs)
+        body = self.body_text()
+        params = []
+        for name, arr in zip(self.input_names, launch.inputs):
+            params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
+            if arr.ndim > 0:
+                if f"{name}_shape" in body:
+                    params.append(f"    const __grid_constant__ Shape {name}_shape")
+                if f"{name}_strides" in body:
+                    params.append(f"    const __grid_constant__ Strides {name}_strides")
+                if f"{name}_ndim" in body:
+                    params.append(f"    const __grid_constant__ int {name}_ndim")
+        for name, dtype in zip(self.output_names, launch.output_dtypes):
+            params.append(f"    {_cuda_type(dtype)}* {name}")
+        constants = []
+        for name, value in launch.template:
+            if isinstance(value, bool):
+                constants.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+            elif isinstance(value, int):
+                constants.append(f"  constexpr int {name} = {value};")
+            else:
+                constants.append(f"  using {name} = {_cuda_type(value)};")
+        suffix = "".join(_template_suffix(v) for _, v in launch.template)
+        return "".join(
+            [
+                '#include "mlx/backend/cuda/device/utils.cuh"\n\n',
+                "#include <cooperative_groups.h>\n\n",
+                cuda_prelude(),
+                self.header,
+                "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
+                f"__global__ void custom_kernel_{self.name}{suffix}(\n",
+                ",\n".join(params),
+                ") {\n",
+                "\n".join(constants),
+                "\n\n" if constants else "",
+                body,
+                "\n}\n\n} // namespace mlx::core::cu\n",
+            ]
+        )
+
+    # -- internals -----------------------------------------------------------
+
+    def _build(self, backend: str) -> Callable:
+        built = self._built.get(backend)
+        if built is not None:
+            return built
+        with self._lock:
+            if backend not in self._built:
+                self._built[backend] = self._make(backend)
+            return self._built[backend]
+
+    def _make(self, backend: str) -> Callable:
+        common = dict(
+            name=self.name,
+            input_names=list(self.input_names),
+            output_names=list(self.output_names),
+            source=self.body_text(),
+            ensure_row_contiguous=True,
+        )
+        if backend == "metal":
+            return mx.fast.metal_kernel(
+                header=self.header, atomic_outputs=self.atomic_outputs, **common
+            )
+        if backend == "cuda":
+            return mx.fast.cuda_kernel(
+                header=cuda_prelude() + self.header, shared_memory=self.shared_memory, **common
+            )
+        if backend == "emulator":
+            from ..emulator import metal_kernel as emulated_metal_kernel
+
+            return emulated_metal_kernel(
+                header=self.header, atomic_outputs=self.atomic_outputs, **common
+            )
+        raise ValueError(f"unknown kernel backend {backend!r} (one of {', '.join(BACKENDS)})")
+
+    def _check_group(self, group: Dim3) -> None:
+        threads = group[0] * group[1] * group[2]
+        if threads > MAX_THREADGROUP:
+            raise ValueError(
+                f"kernel {self.name}: threadgroup of {threads} threads (at most {MAX_THREADGROUP})"
+            )
+        if threads % SIMD_WIDTH and _SIMD_USE.search(self.body_text()):
+            raise ValueError(
+                f"kernel {self.name}: threadgroup {group} is not a whole number of "
+                f"{SIMD_WIDTH}-lane SIMD groups, which its SIMD-group functions need"
+            )
+
+    def _self_check(self, backend: str) -> tuple[bool, str]:
+        try:
+            self._build(backend)
+        except Exception as exc:  # a missing emulator, an MLX without this backend
+            return False, f"{backend} build failed: {_one_line(exc)}"
+        if self.sample is None or self.reference is None:
+            return True, f"{backend} kernel (no self-check: no sample or reference)"
+        args, kwargs = self.sample()
+        try:
+            got = self.run_on(backend, *args, **kwargs)
+            mx.eval(got)
+        except Exception as exc:  # compile errors surface here, at the first eval
+            return False, f"{backend} self-check failed to run: {_one_line(exc)}"
+        want = self.reference(*args, **kwargs)
+        mx.eval(want)
+        try:
+            mismatch = self.agree(got, want, *args, **kwargs)
+        except Exception as exc:  # e.g. outputs of the wrong shape or dtype
+            mismatch = f"comparison failed: {_one_line(exc)}"
+        if mismatch is not None:
+            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} kernel, self-check passed"
+
+
+_CUDA_TYPES = {
+    mx.bool_: "bool",
+    mx.int8: "int8_t",
+    mx.int16: "int16_t",
+    mx.int32: "int32_t",
+    mx.int64: "int64_t",
+    mx.uint8: "uint8_t",
+    mx.uint16: "uint16_t",
+    mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+
+
+def _cuda_type(dtype: mx.Dtype) -> str:
+    return _CUDA_TYPES[dtype]
+
+
+def _template_suffix(value: Any) -> str:
+    if isinstance(value, bool):
+        return "_t" if value else "_f"
+    if isinstance(value, int):
+        return f"_{value}"
+    return "_" + str(value).rsplit(".", 1)[-1]
+
+
+def _one_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    limit = 300
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+# -- the subset probe -----------------------------------------------------------
+#
+# subset_probe.metal uses each feature of the portable subset once and stores a
+# column per feature. Running it on a backend and comparing with numpy checks
+# that backend's meaning of the subset: on CUDA, that the prelude is right.
+
+PROBE_THREADGROUP = 64  # two SIMD groups, as TG in the body
+# Not a whole number of threadgroups: the last one has a tail that stores nothing.
+PROBE_THREADS = 2 * PROBE_THREADGROUP + SIMD_WIDTH
+PROBE_COLUMNS = (
+    "simd_sum simd_max simd_min simd_product simd_shuffle simd_shuffle_xor "
+    "simd_shuffle_down simd_shuffle_up simd_shuffle_rotate_down simd_shuffle_rotate_up "
+    "simd_broadcast simd_broadcast_first simd_prefix_inclusive_sum simd_prefix_exclusive_sum "
+    "simd_sum_uint simd_min_int simd_and simd_or simd_xor simd_all simd_any simd_ballot "
+    "simd_is_first simd_sum_half bfloat16_round_trip threadgroup_neighbour "
+    "threadgroup_atomic_add threadgroup_atomic_max uint3_times_2 "
+    "thread_position_in_threadgroup threadgroup_position_in_grid threads_per_threadgroup "
+    "threadgroups_per_grid threads_per_grid simdgroup_index_in_threadgroup "
+    "simdgroups_per_threadgroup threads_per_simdgroup exp fast_exp precise_log "
+    "sqrt_rsqrt clamp_select max_min fma_tanh_floor_ceil vectors"
+).split()
+# Columns whose values come from transcendental functions: (rtol, atol).
+_PROBE_TOLERANCE = {
+    "exp": (1e-5, 1e-6),
+    "fast_exp": (1e-3, 1e-5),
+    "precise_log": (1e-5, 1e-6),
+    "sqrt_rsqrt": (1e-5, 1e-6),
+    "fma_tanh_floor_ceil": (1e-5, 1e-6),
+}
+
+
+def _launch_subset_probe(x: mx.array) -> Launch:
+    return Launch(
+        inputs=[x],
+        grid=(x.size, 1, 1),
+        threadgroup=(PROBE_THREADGROUP, 1, 1),
+        output_shapes=[(x.size, len(PROBE_COLUMNS))],
+        output_dtypes=[mx.float32],
+        template=[("COLS", len(PROBE_COLUMNS))],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+subset_probe_kernel = Kernel(
+    name="lily_subset_probe",
+    input_names=("x",),
+    output_names=("out",),
+    body="subset_probe.metal",
+    launch=_launch_subset_probe,
+)
+
+
+def subset_probe_input() -> mx.array:
+    """Quarter-integers: every sum and scan of them is exact in fp32, in any order."""
+    i = mx.arange(PROBE_THREADS)
+    return ((i * 7) % 17 - 8).astype(mx.float32) * 0.25
+
+
+def subset_probe_expected(x: mx.array):
+    """What subset_probe.metal must store, from numpy: [n, len(PROBE_COLUMNS)]."""
+    import numpy as np
+
+    n, tg, w = x.size, PROBE_THREADGROUP, SIMD_WIDTH
+    padded = math.ceil(n / tg) * tg
+    v = np.zeros(padded, np.float32)
+    v[:n] = np.array(x)
+    i = np.arange(padded)
+    lane, t = i % w, i % tg
+    simd = v.reshape(-1, w)
+    rows = simd[i // w]  # each thread's SIMD group's values, [padded, 32]
+    take = lambda src: rows[np.arange(padded), src]  # noqa: E731
+    inclusive = np.cumsum(rows, axis=1)[np.arange(padded), lane]
+    xor3 = np.bitwise_xor.reduce(np.arange(w) * 3)
+    bf16 = np.array(mx.array(v).astype(mx.bfloat16).astype(mx.float32))
+    groups = padded // tg
+    col = {
+        "simd_sum": rows.sum(1),
+        "simd_max": rows.max(1),
+        "simd_min": rows.min(1),
+        "simd_product": np.full(padded, 2.0),
+        "simd_shuffle": take((lane + 3) % w),
+        "simd_shuffle_xor": take(lane ^ 5),
+        "simd_shuffle_down": take(np.where(lane + 2 < w, lane + 2, lane)),
+        "simd_shuffle_up": take(np.where(lane >= 2, lane - 2, lane)),
+        "simd_shuffle_rotate_down": take((lane + 3) % w),
+        "simd_shuffle_rotate_up": take((lane - 3) % w),
+        "simd_broadcast": take(np.full(padded, 7)),
+        "simd_broadcast_first": take(np.zeros(padded, int)),
+        "simd_prefix_inclusive_sum": inclusive,
+        "simd_prefix_exclusive_sum": inclusive - v,
+        "simd_sum_uint": np.full(padded, w * (w - 1) / 2),
+        "simd_min_int": np.full(padded, -5.0),
+        "simd_and": np.full(padded, 64.0),
+        "simd_or": np.full(padded, w - 1.0),
+        "simd_xor": np.full(padded, float(xor3)),
+        "simd_all": np.ones(padded),
+        "simd_any": (rows[:, w - 1] > 0).astype(np.float64),
+        "simd_ballot": ((lane ^ 1) % 3 == 0).astype(np.float64),
+        "simd_is_first": (lane == 0).astype(np.float64),
+        "simd_sum_half": np.full(padded, 0.5 * w),
+        "bfloat16_round_trip": bf16,
+        "threadgroup_neighbour": v[(i // tg) * tg + (t + 1) % tg],
+        "threadgroup_atomic_add": np.full(padded, (tg // w) * w * (w + 1) / 2),
+        "threadgroup_atomic_max": np.full(padded, tg - 1.0),
+        "uint3_times_2": 2.0 * i,
+        "thread_position_in_threadgroup": t.astype(np.float64),
+        "threadgroup_position_in_grid": (i // tg).astype(np.float64),
+        "threads_per_threadgroup": np.full(padded, float(tg)),
+        "threadgroups_per_grid": np.full(padded, float(groups)),
+        "threads_per_grid": np.full(padded, float(padded)),
+        "simdgroup_index_in_threadgroup": (t // w).astype(np.float64),
+        "simdgroups_per_threadgroup": np.full(padded, float(tg // w)),
+        "threads_per_simdgroup": np.full(padded, float(w)),
+        "exp": np.exp(0.1 * v),
+        "fast_exp": np.exp(0.1 * v),
+        "precise_log": np.log(1 + np.abs(v)),
+        "sqrt_rsqrt": np.sqrt(np.abs(v)) + 1 / np.sqrt(1 + v * v),
+        "clamp_select": np.clip(v, -1, 1) + (v > 0),
+        "max_min": np.maximum(v, 0) + 2 * np.minimum(v, 0) + np.maximum(v, -0.5),
+        "fma_tanh_floor_ceil": v * v + 1 + np.tanh(v) + np.floor(v) + np.ceil(v),
+        "vectors": 3 * v + 9 + (v / 2 - v) + (2 - 4),
+    }
+    return np.stack([np.asarray(col[name], np.float64) for name in PROBE_COLUMNS], axis=1)[:n]
+
+
+def run_subset_probe(backend: str) -> list[str]:
+    """Run the subset probe on ``backend``; one line per column that is wrong."""
+    import numpy as np
+
+    x = subset_probe_input()
+    got = np.array(subset_probe_kernel.run_on(backend, x)).astype(np.float64)
+    want = subset_probe_expected(x)
+    wrong = []
+    for k, name in enumerate(PROBE_COLUMNS):
+        rtol, atol = _PROBE_TOLERANCE.get(name, (0.0, 0.0))
+        bad = ~np.isclose(got[:, k], want[:, k], rtol=rtol, atol=atol)
+        if bad.any():
+            row = int(np.argmax(bad))
+            wrong.append(
+                f"{name}: {int(bad.sum())} thread(s) differ, first thread {row}: "
+                f"got {got[row, k]!r}, expected {want[row, k]!r}"
+            )
+    return wrong

@@ -1,0 +1,371 @@
+"""The kernel toolchain: backend selection, launches, the lint, the CUDA prelude.
+
+Runs on a CPU. The CUDA prelude is compile-checked with nvcc when nvcc is on
+PATH (as MLX's cuda_kernel would generate the translation unit); the subset
+probe runs in the CPU emulator when it is importable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_lily import _notice
+from mlx_lily.kernels import lint, toolchain
+from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp, kernel_backend
+from mlx_lily.kernels.router import router_topk_kernel
+from mlx_lily.kernels.toolchain import Kernel, Launch, whole_threadgroups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def auto_backend(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+
+
+@pytest.fixture
+def fresh_notices():
+    _notice.reset_notices()
+    yield
+    _notice.reset_notices()
+
+
+def emulator_or_skip():
+    try:
+        from mlx_lily.emulator import EmulatorError, metal_kernel  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"the CPU emulator is not importable: {exc}")
+
+
+# -- backend selection ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({BACKEND_ENV: "auto"}, None),
+        ({BACKEND_ENV: "emulator"}, "emulator"),
+        ({BACKEND_ENV: "EMULATOR"}, "emulator"),
+        ({BACKEND_ENV: "reference"}, None),
+        ({BACKEND_ENV: "cuda"}, None),
+        ({BACKEND_ENV: "bogus"}, None),
+        ({BACKEND_ENV: "emulator", "MLX_LILY_KERNELS": "0"}, None),
+    ],
+)
+def test_kernel_backend_on_a_cpu(monkeypatch, auto_backend, env, expected):
+    if mx.default_device() == mx.gpu:
+        pytest.skip("checks the CPU answers")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    backend, why = kernel_backend()
+    assert backend == expected
+    assert why  # always says why
+    if env.get(BACKEND_ENV) == "bogus":
+        assert "bogus" in why
+
+
+class FakeKernel:
+    def __init__(self, ok=True):
+        self.ok = ok
+        self.calls = 0
+
+    def ready(self):
+        backend, why = kernel_backend()
+        return (self.ok, "fake ready") if backend else (False, why)
+
+    def __call__(self, x):
+        self.calls += 1
+        return x + 1
+
+
+def test_op_paths_follow_the_backend(monkeypatch, auto_backend):
+    if mx.default_device() == mx.gpu:
+        pytest.skip("checks the CPU answers")
+    kernel = FakeKernel()
+    op = LilyOp("fake", lambda x: x, kernel=kernel, supports=lambda x: None if x.ndim else "scalar")
+    x = mx.array([1.0])
+    assert op(x).item() == 1.0 and (op.last_path, op.last_reason) == ("reference", "no GPU")
+    assert op.planned_path() == ("reference", "no GPU (the reference runs on the CPU)")
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    assert op(x).item() == 2.0 and op.last_path == "kernel"
+    assert op.planned_path() == ("kernel", "fake ready")
+    assert op(mx.array(1.0)).item() == 1.0 and op.last_reason == "scalar"
+    monkeypatch.setenv("MLX_LILY_KERNELS", "0")
+    assert op(x).item() == 1.0 and op.last_reason == "MLX_LILY_KERNELS=0"
+    monkeypatch.delenv("MLX_LILY_KERNELS")
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    assert op(x).item() == 1.0 and op.last_reason == f"{BACKEND_ENV}=reference"
+    assert kernel.calls == 1
+
+
+# -- launches -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "grid, group, expected",
+    [
+        ((32, 1, 1), (128, 1, 1), ((32, 1, 1), (32, 1, 1))),  # MLX clips the group to the grid
+        ((160, 1, 1), (64, 1, 1), ((192, 1, 1), (64, 1, 1))),  # whole threadgroups
+        ((256, 3, 1), (128, 2, 1), ((256, 4, 1), (128, 2, 1))),
+    ],
+)
+def test_whole_threadgroups(grid, group, expected):
+    assert whole_threadgroups(grid, group) == expected
+
+
+def _copy_launch(x):
+    return Launch(
+        inputs=[x], grid=(x.size, 1, 1), threadgroup=(48, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[x.dtype],
+    )
+
+
+def test_launch_needs_whole_simd_groups_for_simd_bodies():
+    body = "uint i = thread_position_in_grid.x;\nfloat s = simd_sum(x[i]);\nout[i] = s;\n"
+    kernel = Kernel("needs_simd", ("x",), ("out",), _copy_launch, source=body)
+    with pytest.raises(ValueError, match="whole number of 32-lane SIMD groups"):
+        kernel.run_on("emulator", mx.zeros((96,)))
+
+
+def test_kernel_takes_exactly_one_body():
+    with pytest.raises(ValueError, match="exactly one"):
+        Kernel("none", ("x",), ("out",), _copy_launch)
+    with pytest.raises(ValueError, match="exactly one"):
+        Kernel("both", ("x",), ("out",), _copy_launch, body="router_topk.metal", source="x;")
+
+
+def test_a_kernel_that_fails_its_self_check_is_off_with_one_notice(capsys, fresh_notices):
+    # Building for CUDA works everywhere; running it on a CPU fails, which is the
+    # self-check failing: the kernel is off, the reason says why, one notice.
+    failing = Kernel(
+        "always_fails", ("x",), ("out",), _copy_launch, source="out[0] = x[0];",
+        reference=lambda x: x, sample=lambda: ((mx.zeros((48,)),), {}),
+    )
+    if mx.default_device() == mx.gpu:
+        pytest.skip("needs a device that cannot run CUDA kernels")
+    for _ in range(3):
+        ok, why = failing.ready_on("cuda")
+        assert not ok and why.startswith("cuda")
+    err = capsys.readouterr().err
+    assert err.count("kernel always_fails is off on cuda") == 1, err
+
+
+# -- the lint -------------------------------------------------------------------
+
+
+def test_every_kernel_source_passes_the_lint():
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_lily.kernels.lint"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {p.name for p in lint.kernel_sources()} >= {"router_topk.metal", "subset_probe.metal"}
+
+
+GOOD_LINES = "uint i = thread_position_in_grid.x;\nfloat v = x[i];\n"
+
+
+@pytest.mark.parametrize(
+    "snippet, rule",
+    [
+        ("__syncthreads();", "cuda-only"),
+        ("uint j = threadIdx.x;", "cuda-only"),
+        ("uint j = blockIdx.x * blockDim.x;", "cuda-only"),
+        ("v = __shfl_xor_sync(0xffffffffu, v, 1);", "cuda-only"),
+        ("atomicAdd(&out[0], v);", "cuda-only"),
+        ("__shared__ float tile[32];", "cuda-only"),
+        ("printf(\"%f\", v);", "printf"),
+        ("#include <metal_stdlib>", "directive"),
+        ("#pragma unroll", "directive"),
+        ("float* p = new float[4];", "dynamic-memory"),
+        ("goto done;", "goto"),
+        ("v = std::max(v, 0.0f);", "std"),
+        ("auto f = [&](float a) { return a; };", "lambda"),
+        ("[[maybe_unused]] float w = 0.0f;", "attribute"),
+        ("double d = v;", "double"),
+        ("texture2d<float> tex;", "metal-only"),
+        ("float m = metal::numeric_limits<float>::max();", "metal-only"),
+        ("float q = quad_sum(v);", "metal-only"),
+        ("uint3 g = grid_size;", "metal-only"),
+        ("simdgroup_float8x8 m;", "simdgroup-matrix"),
+        ("float s = simd_shuffle_and_fill_down(v, v, 1u);", "simd"),
+        ("float e = metal::erf(v);", "metal-ns"),
+        ("float f = fract(v);", "metal-builtin"),
+        ("float4 q = float4(0.0f);", "vector-constructor"),
+        ("float2 q = {v, v}; float2 r = q.yx;", "swizzle"),
+        ("half4 h;", "vector-type"),
+        ("bfloat b = bfloat(v);", "bfloat"),
+        ("v = v * 0.5;", "double-literal"),
+        ("v = v * 1e-6;", "double-literal"),
+        ("threadgroup float* p;", "threadgroup"),
+        ("threadgroup float tile[32] = {0};", "threadgroup"),
+        ("if (v > 0.0f) { threadgroup float tile[32]; }", "threadgroup"),
+        ("if (i >= 8) { return; }\nthreadgroup_barrier(mem_flags::mem_threadgroup);", "early-return"),
+    ],
+)
+def test_the_lint_rejects(snippet, rule):
+    found = lint.lint_source(GOOD_LINES + snippet + "\nout[i] = v;\n", "bad.metal")
+    assert rule in {v.rule for v in found}, found
+    assert all(v.line >= 3 for v in found if v.rule == rule)
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "v = v * 0.5f + 1.0e-3f + 2.f;  // 0.5 in a comment is fine",
+        "uint k = 0x7f800000u + 10u; float s = simd_sum(v);",
+        "threadgroup float tile[32];\nthreadgroup atomic_uint counts[4][2];",
+        "float4 q = {v, v, v, v}; q = q * 2.0f; v = q.x + q.w;",
+        "v = metal::fast::exp(v) + metal::precise::log(v) + metal::max(v, 0.0f);",
+        "uint64_t b = static_cast<uint64_t>(simd_ballot(v > 0.0f));",
+        "bfloat16_t b = static_cast<bfloat16_t>(v); half h = static_cast<half>(v);",
+        "float s = simd_sum(v);\nif (i >= 8) { return; }\nout[i] = s;",
+        'const char* name = "__syncthreads";',
+    ],
+)
+def test_the_lint_accepts(snippet):
+    assert lint.lint_source(GOOD_LINES + snippet + "\nout[i] = v;\n", "good.metal") == []
+
+
+def test_the_lint_checks_headers():
+    header = (
+        "#include <metal_stdlib>\n"
+        "float twice(float v) { return twice(v) * 2.0f; }\n"
+        "void fill(threadgroup float* t) { t[0] = 0.0f; }\n"
+        "#define LILY_TILE 32\n"
+    )
+    rules = [(v.line, v.rule) for v in lint.lint_source(header, "helpers.metal.h", "header")]
+    assert rules == [(1, "directive"), (2, "recursion"), (3, "threadgroup")]
+
+
+def test_the_lint_cli_reports_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.metal"
+    bad.write_text("// a kernel\nuint i = threadIdx.x;\nout[i] = x[i];\n")
+    assert lint.main([str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"bad\.metal:2: \[cuda-only\] CUDA-only name 'threadIdx'", out), out
+    good = tmp_path / "good.metal"
+    good.write_text(GOOD_LINES + "out[i] = v;\n")
+    assert lint.main([str(good)]) == 0
+
+
+def test_the_lint_allowlists_match_the_cuda_prelude():
+    prelude = toolchain.cuda_prelude()
+    for name in sorted(lint.SIMD_FUNCTIONS | lint.ATOMIC_NAMES):
+        assert re.search(rf"\b{name}\b", prelude), name
+    namespaces = {
+        "fast": prelude.split("namespace fast {")[1].split("} // namespace fast")[0],
+        "precise": prelude.split("namespace precise {")[1].split("} // namespace precise")[0],
+        "": prelude.split("} // namespace fast")[1].split("} // namespace metal")[0],
+    }
+    for qualified in sorted(lint.METAL_MATH):
+        flavour, _, name = qualified.rpartition("::")
+        assert re.search(rf"\b{name}\b", namespaces[flavour]), qualified
+    for vector in sorted(lint.VECTOR_TYPES - {"half2"}):
+        assert f", {vector}," in prelude, vector
+
+
+# -- CUDA: compile the generated translation unit with nvcc ------------------------
+
+# Stand-in for MLX's own device header when the installed MLX does not ship it
+# (its CPU wheels do not): the names MLX's generated signature uses.
+_STAND_IN_UTILS = """#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+"""
+
+# Device-memory atomics need atomic_outputs=True on Metal, so they get a body of
+# their own (compile-checked only).
+_ATOMIC_BODY = """uint i = thread_position_in_grid.x;
+if (i < x_shape[0]) {
+  atomic_fetch_add_explicit(&total[0], x[i], memory_order_relaxed);
+  atomic_fetch_max_explicit(&counts[0], i, memory_order_relaxed);
+  atomic_fetch_min_explicit(&counts[1], i, memory_order_relaxed);
+  atomic_fetch_or_explicit(&counts[2], 1u << (i % 32u), memory_order_relaxed);
+  uint seen = atomic_load_explicit(&counts[3], memory_order_relaxed);
+  atomic_compare_exchange_weak_explicit(&counts[3], &seen, seen + 1u, memory_order_relaxed, memory_order_relaxed);
+  atomic_exchange_explicit(&counts[4], i, memory_order_relaxed);
+  atomic_fetch_sub_explicit(&counts[5], 1u, memory_order_relaxed);
+}
+"""
+
+
+def _mlx_cuda_include(tmp_path: Path) -> tuple[Path, str]:
+    import mlx
+
+    # LILY_MLX_INCLUDE: a folder holding mlx/backend/cuda/device/utils.cuh (an
+    # MLX checkout's root, say) when the installed MLX has no CUDA headers.
+    candidates = [os.environ.get("LILY_MLX_INCLUDE", "")]
+    candidates += [str(Path(p) / "include") for p in mlx.__path__]
+    for root in filter(None, candidates):
+        if (Path(root) / "mlx/backend/cuda/device/utils.cuh").exists():
+            return Path(root), "MLX's device headers"
+    stand_in = tmp_path / "include"
+    (stand_in / "mlx/backend/cuda/device").mkdir(parents=True)
+    (stand_in / "mlx/backend/cuda/device/utils.cuh").write_text(_STAND_IN_UTILS)
+    return stand_in, "a stand-in for MLX's device headers"
+
+
+def _kernel_section(unit: str) -> str:
+    marker = "namespace mlx::core::cu {\n\nnamespace cg"
+    return unit[unit.index(marker):]
+
+
+def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    units = [toolchain.subset_probe_kernel.cuda_translation_unit(toolchain.subset_probe_input())]
+    shapes = [(256, 8, True), (16, 4, False), (8, 2, True), (40, 3, True), (1024, 32, False)]
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for experts, k, normalize in shapes:
+            units.append(
+                router_topk_kernel.cuda_translation_unit(mx.zeros((3, experts), dtype), k, normalize)
+            )
+    atomics = Kernel(
+        "atomics", ("x",), ("total", "counts"),
+        lambda x: Launch([x], (x.size, 1, 1), (32, 1, 1), [(1,), (6,)], [mx.float32, mx.uint32]),
+        source=_ATOMIC_BODY, atomic_outputs=True,
+    )
+    units.append(atomics.cuda_translation_unit(mx.zeros((64,))))
+    source = tmp_path / "lily_kernels.cu"
+    source.write_text(units[0] + "\n".join(_kernel_section(u) for u in units[1:]))
+    ptx = tmp_path / "lily_kernels.ptx"
+    result = subprocess.run(
+        [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
+    assert "warning" not in result.stderr, result.stderr[-3000:]
+    text = ptx.read_text()
+    entries = re.findall(r"\.entry (\w+)\(", text)
+    assert len(entries) == len(units)
+    # The router keeps each lane's probabilities in registers.
+    for entry, body in zip(entries, re.split(r"\.entry \w+\(", text)[1:]):
+        if "router_topk" in entry:
+            assert "ld.local" not in body and "st.local" not in body, entry
+
+
+# -- the subset probe in the emulator ----------------------------------------------
+
+
+def test_the_subset_probe_runs_right_in_the_emulator():
+    emulator_or_skip()
+    assert toolchain.run_subset_probe("emulator") == []
