@@ -1,0 +1,145 @@
+"""The measurements themselves: one arm (warmup, prefill, decode) and the
+teacher-forced numerics. Both engines go through exactly this code."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Dict, List
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step, generation_stream, wired_limit
+from mlx_lm.models.cache import make_prompt_cache
+
+from .common import PREFILL_STEP, last_op_paths, prompt_ids
+from .engines import lily_layer_count
+
+# Decode steps in a warmup: enough to build and run the one-token graph a few
+# times at the arm's context; the arm's prefill shapes are warmed in full.
+WARMUP_DECODE_STEPS = 8
+
+
+def tokens_digest(tokens: List[int]) -> str:
+    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
+
+
+def _sync() -> None:
+    mx.synchronize(generation_stream)
+    mx.synchronize()
+
+
+def generate(model: Any, prompt: mx.array, decode_steps: int) -> Dict[str, Any]:
+    """Greedy generation through mlx-lm's own ``generate_step`` (the loop
+    behind ``stream_generate``/``generate``), timed as ``stream_generate``
+    times it: prefill = until the first token is available (mlx-lm chunks the
+    prompt by 2048 and evaluates each chunk's cache), decode = the next
+    ``decode_steps`` tokens (each ``.item()`` waits for its token).
+
+    ``stream_generate`` itself is not used because it needs a tokenizer and
+    stops at EOS; a benchmark must run exactly ``decode_steps`` tokens."""
+    gen = generate_step(
+        prompt, model, max_tokens=decode_steps + 1, prefill_step_size=PREFILL_STEP
+    )
+    with wired_limit(model, [generation_stream]):
+        start = time.perf_counter()
+        first, _ = next(gen)
+        first_at = time.perf_counter()
+        tokens = [first]
+        for _ in range(decode_steps):
+            token, _ = next(gen)
+            tokens.append(token)
+        end = time.perf_counter()
+        # generate_step dispatches one step ahead; let it finish before the
+        # next measurement starts.
+        gen.close()
+        _sync()
+    return {"prefill_s": first_at - start, "decode_s": end - first_at, "tokens": tokens}
+
+
+def prompt_array(length: int, vocab_size: int) -> mx.array:
+    prompt = mx.array(prompt_ids(length, vocab_size))
+    mx.eval(prompt)
+    return prompt
+
+
+def warmup(model: Any, length: int, vocab_size: int) -> float:
+    """An unmeasured run at the given prompt length; returns its seconds."""
+    start = time.perf_counter()
+    generate(model, prompt_array(length, vocab_size), WARMUP_DECODE_STEPS)
+    mx.clear_cache()
+    return time.perf_counter() - start
+
+
+def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> Dict[str, Any]:
+    """One measured prefill of ``length`` tokens then ``decode_steps`` decode
+    steps; throughputs, the tokens (and their digest) and peak memory."""
+    prompt = prompt_array(length, vocab_size)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    run = generate(model, prompt, decode_steps)
+    peak = mx.get_peak_memory()
+    mx.clear_cache()
+    return {
+        "prefill_s": run["prefill_s"],
+        "prefill_tps": length / run["prefill_s"],
+        "decode_s": run["decode_s"],
+        "decode_tps": decode_steps / run["decode_s"],
+        "tokens": run["tokens"],
+        "digest": tokens_digest(run["tokens"]),
+        "peak_memory_bytes": int(peak),
+        "lily_layers": lily_layer_count(model),
+        "op_last_paths": last_op_paths(),
+    }
+
+
+# ---------------------------------------------------------------- numerics
+
+
+def score(model: Any, tokens: mx.array) -> np.ndarray:
+    """Teacher-forced next-token log-probabilities [N, V] in fp32: one
+    forward over the sequence with a fresh cache (one prefill chunk)."""
+    cache = make_prompt_cache(model)
+    logits = model(tokens[None], cache=cache)[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(logprobs)
+    out = np.array(logprobs)
+    del cache, logits, logprobs
+    mx.clear_cache()
+    return out
+
+
+def compare(lily: np.ndarray, stock: np.ndarray, tokens: np.ndarray) -> Dict[str, Any]:
+    """Top-1 agreement, perplexities and KL(stock || lily), all in fp32/fp64.
+
+    KL is taken with stock as the reference distribution P and lily as Q:
+    sum_v P(v) (log P(v) - log Q(v)), averaged over positions."""
+    n = len(tokens)
+    targets = tokens[1:]
+
+    def ppl(lp: np.ndarray) -> float:
+        nll = -lp[np.arange(n - 1), targets].astype(np.float64)
+        return float(np.exp(nll.mean()))
+
+    top1 = float((lily.argmax(-1) == stock.argmax(-1)).mean())
+    # A few rows at a time: at a 248K vocabulary a float64 copy of all rows
+    # would be half a gigabyte per array.
+    kl = np.concatenate([
+        (np.exp(s) * (s - q)).sum(-1)
+        for s, q in (
+            (stock[i:i + 32].astype(np.float64), lily[i:i + 32].astype(np.float64))
+            for i in range(0, n, 32)
+        )
+    ])
+    ppl_lily, ppl_stock = ppl(lily), ppl(stock)
+    return {
+        "positions": n,
+        "top1_agreement": top1,
+        "ppl_lily": ppl_lily,
+        "ppl_stock": ppl_stock,
+        "ppl_rel_diff": (ppl_lily - ppl_stock) / ppl_stock,
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "kl_direction": "KL(stock || lily): stock is the reference distribution",
+        "max_abs_logprob_diff": float(np.abs(lily - stock).max()),
+    }
