@@ -110,10 +110,10 @@ def score(model: Any, tokens: mx.array) -> np.ndarray:
 
 
 def compare(lily: np.ndarray, stock: np.ndarray, tokens: np.ndarray) -> Dict[str, Any]:
-    """Top-1 agreement, perplexities and KL(stock || lily), all in fp32/fp64.
+    """Top-1 agreement, perplexities and KL(lily || stock), all in fp32/fp64.
 
-    KL is taken with stock as the reference distribution P and lily as Q:
-    sum_v P(v) (log P(v) - log Q(v)), averaged over positions."""
+    The divergence of lily's next-token distribution Q from stock's P:
+    sum_v Q(v) (log Q(v) - log P(v)), averaged over positions."""
     n = len(tokens)
     targets = tokens[1:]
 
@@ -125,7 +125,7 @@ def compare(lily: np.ndarray, stock: np.ndarray, tokens: np.ndarray) -> Dict[str
     # A few rows at a time: at a 248K vocabulary a float64 copy of all rows
     # would be half a gigabyte per array.
     kl = np.concatenate([
-        (np.exp(s) * (s - q)).sum(-1)
+        (np.exp(q) * (q - s)).sum(-1)
         for s, q in (
             (stock[i:i + 32].astype(np.float64), lily[i:i + 32].astype(np.float64))
             for i in range(0, n, 32)
@@ -140,6 +140,6 @@ def compare(lily: np.ndarray, stock: np.ndarray, tokens: np.ndarray) -> Dict[str
         "ppl_rel_diff": (ppl_lily - ppl_stock) / ppl_stock,
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
-        "kl_direction": "KL(stock || lily): stock is the reference distribution",
+        "kl_direction": "KL(lily || stock): the divergence of lily's distribution from stock's",
         "max_abs_logprob_diff": float(np.abs(lily - stock).max()),
     }

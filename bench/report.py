@@ -170,7 +170,7 @@ def _numerics_md(num: Optional[Dict[str, Any]]) -> List[str]:
     if "error" in num:
         return lines + [f"failed: {num['error']}", ""]
     lines += [
-        "| positions | top-1 agreement | ppl lily | ppl stock | ppl rel. diff | mean KL(stock‖lily) | max KL |",
+        "| positions | top-1 agreement | ppl lily | ppl stock | ppl rel. diff | mean KL(lily‖stock) | max KL |",
         "|---:|---:|---:|---:|---:|---:|---:|",
         f"| {num['positions']} | {num['top1_agreement']:.4f} | {num['ppl_lily']:.4f} | "
         f"{num['ppl_stock']:.4f} | {num['ppl_rel_diff']:+.2e} | {num['kl_mean']:.3e} | {num['kl_max']:.3e} |",
