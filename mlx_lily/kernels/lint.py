@@ -79,7 +79,7 @@ Rules the lint checks:
   and CUDA does not clip the last block, so bodies guard the tail with a
   condition around loads and stores, never by leaving early.
 * Floating literals carry an ``f`` (or ``h``) suffix: an unsuffixed ``0.5``
-  is a double on CUDA (and in the emulator) but a float on Metal.
+  is a double on CUDA but a float on Metal (and in the emulator).
 * No CUDA-only names: anything starting with ``__`` (``__syncthreads``,
   ``__shfl_*``, ``__shared__``, ``__device__`` ...), ``threadIdx``,
   ``blockIdx``, ``blockDim``, ``gridDim``, ``warpSize``, ``atomicAdd`` and
