@@ -19,6 +19,7 @@ import pytest
 
 from mlx_lily import _notice
 from mlx_lily.kernels import lint, toolchain
+from mlx_lily.kernels.gated_delta import gated_delta_kernel
 from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp, kernel_backend
 from mlx_lily.kernels.router import router_topk_kernel
 from mlx_lily.kernels.toolchain import Kernel, Launch, whole_threadgroups
@@ -339,6 +340,7 @@ def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
             units.append(
                 router_topk_kernel.cuda_translation_unit(mx.zeros((3, experts), dtype), k, normalize)
             )
+    units += _gated_delta_units()
     atomics = Kernel(
         "atomics", ("x",), ("total", "counts"),
         lambda x: Launch([x], (x.size, 1, 1), (32, 1, 1), [(1,), (6,)], [mx.float32, mx.uint32]),
@@ -357,10 +359,29 @@ def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
     text = ptx.read_text()
     entries = re.findall(r"\.entry (\w+)\(", text)
     assert len(entries) == len(units)
-    # The router keeps each lane's probabilities in registers.
+    # The router keeps each lane's probabilities in registers, and the gated
+    # delta rule its state row and its q and k.
     for entry, body in zip(entries, re.split(r"\.entry \w+\(", text)[1:]):
-        if "router_topk" in entry:
+        if "router_topk" in entry or "gated_delta" in entry:
             assert "ld.local" not in body and "st.local" not in body, entry
+
+
+def _gated_delta_units() -> list[str]:
+    """The gated delta rule at the real shape, the test models' and Dk=256, per dtype."""
+    units = []
+    shapes = [(16, 32, 128, 128, True), (2, 4, 32, 32, False), (1, 3, 64, 32, True), (1, 2, 256, 5, False)]
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for Hk, Hv, Dk, Dv, with_state in shapes:
+            qk = mx.zeros((1, 3, Hk, Dk), dtype)
+            gate = mx.zeros((1, 3, Hv), dtype)
+            state = mx.zeros((1, Hv, Dv, Dk)) if with_state else None
+            units.append(
+                gated_delta_kernel.cuda_translation_unit(
+                    qk, qk, mx.zeros((1, 3, Hv, Dv), dtype), gate, gate,
+                    mx.zeros((Hv,)), mx.zeros((Hv,), dtype), state,
+                )
+            )
+    return units
 
 
 # -- the subset probe in the emulator ----------------------------------------------

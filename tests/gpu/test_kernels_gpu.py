@@ -11,8 +11,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.gated_delta import normalize_qk
 
 from mlx_lily.kernels import OPS
+from mlx_lily.kernels.gated_delta import (
+    gated_delta,
+    gated_delta_agree,
+    gated_delta_compare,
+    gated_delta_reference,
+)
 from mlx_lily.kernels.registry import BACKEND_ENV, gpu_backend
 from mlx_lily.kernels.router import (
     router_outputs_agree,
@@ -28,6 +35,10 @@ pytestmark = pytest.mark.gpu
 # decode step, 2048 a prefill chunk, 7 a ragged count (a partial threadgroup).
 ROUTER_ROWS = [1, 7, 2048]
 EXPERTS, TOP_K = 256, 8
+# Gated DeltaNet at Qwen3.6-35B-A3B's shapes: 16 key heads, 32 value heads,
+# Dk = Dv = 128; 1 token a decode step, 2048 a prefill chunk.
+GDN_HEADS = (16, 32, 128, 128)
+GDN_STEPS = [1, 2048]
 
 
 @pytest.fixture
@@ -101,3 +112,37 @@ def test_router_topk_ties_go_to_the_lowest_index(backend):
     truth_idx, _, _ = router_topk_ground_truth(logits, TOP_K, True)
     np.testing.assert_array_equal(np.array(indices), truth_idx)
     np.testing.assert_array_equal(np.array(indices[0]), np.arange(TOP_K))
+
+
+def gated_delta_inputs(T, with_state, seed=0):
+    """The op's arguments as the layer passes them: bf16 activations, q/k normalised."""
+    Hk, Hv, Dk, Dv = GDN_HEADS
+    keys = mx.random.split(mx.random.key(seed), 8)
+    q = mx.random.normal((1, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, T, Hk, Dk), key=keys[1]).astype(mx.bfloat16)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((1, T, Hv, Dv), key=keys[2]).astype(mx.bfloat16)
+    a = mx.random.normal((1, T, Hv), key=keys[3]).astype(mx.bfloat16)
+    b = mx.random.normal((1, T, Hv), key=keys[4]).astype(mx.bfloat16)
+    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[5]))
+    dt_bias = mx.random.uniform(0, 2, (Hv,), key=keys[6])
+    state = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=keys[7]) if with_state else None
+    return q, k, v, a, b, A_log, dt_bias, state
+
+
+@pytest.mark.parametrize("T", GDN_STEPS)
+@pytest.mark.parametrize("with_state", [True, False], ids=["state", "zero-state"])
+def test_gated_delta_at_real_shapes(backend, T, with_state):
+    args = gated_delta_inputs(T, with_state, seed=T)
+    got = gated_delta(*args)
+    mx.eval(got)
+    assert gated_delta.last_path == "kernel", gated_delta.last_reason
+    y, state = got
+    Hk, Hv, Dk, Dv = GDN_HEADS
+    assert y.shape == (1, T, Hv, Dv) and y.dtype == mx.bfloat16
+    assert state.shape == (1, Hv, Dv, Dk) and state.dtype == mx.float32
+    want = gated_delta_reference(*args)
+    mx.eval(want)
+    assert gated_delta_agree(got, want, *args) is None
+    good, err = gated_delta_compare(got, want)
+    assert good and err < 2e-2, err
