@@ -130,6 +130,10 @@ def machine_info() -> Dict[str, object]:
 
 
 def git_revision() -> str:
+    # A copy of the tree without .git (a remote GPU machine) names it by env.
+    given = os.environ.get("MLX_LILY_GIT_REVISION")
+    if given:
+        return given
     rev = _run(["git", "rev-parse", "--short=10", "HEAD"])
     if not rev:
         return "unknown"
