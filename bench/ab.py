@@ -115,7 +115,7 @@ def run_numerics_here(source: Dict[str, Any], n_tokens: int, model=None, vocab=N
 
     from bench.common import prompt_ids
     from bench.engines import lily_layer_count, load_shared, switch
-    from bench.measure import compare, score
+    from bench.measure import compare, score, supports_input_embeddings
 
     note = None
     if model is None:
@@ -128,6 +128,14 @@ def run_numerics_here(source: Dict[str, Any], n_tokens: int, model=None, vocab=N
         layers[engine] = lily_layer_count(model)
         logprobs[engine] = score(model, tokens)
     result = compare(logprobs["lily"], logprobs["stock"], ids)
+    # The noise floor: stock against itself with its first input nudged by one
+    # bf16 step. A random model can be chaotic (it was at the real shapes):
+    # then rounding-sized differences alone move every later position, and
+    # lily's figures are to be read against this floor.
+    if supports_input_embeddings(model):
+        nudged = score(model, tokens, nudge_first=True)
+        floor = compare(nudged, logprobs["stock"], ids)
+        result["noise_floor"] = {k: floor[k] for k in ("top1_agreement", "kl_mean", "kl_max", "ppl_rel_diff")}
     # Shows that the two scorings really ran different layer classes.
     result["lily_layers"] = layers
     if note:

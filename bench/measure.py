@@ -96,17 +96,38 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> 
 # ---------------------------------------------------------------- numerics
 
 
-def score(model: Any, tokens: mx.array) -> np.ndarray:
+# One bf16 step: the smallest change the model's activations can carry.
+NOISE_STEP = 2.0**-7
+
+
+def score(model: Any, tokens: mx.array, nudge_first: bool = False) -> np.ndarray:
     """Teacher-forced next-token log-probabilities [N, V] in fp32: one
-    forward over the sequence with a fresh cache (one prefill chunk)."""
+    forward over the sequence with a fresh cache (one prefill chunk).
+
+    ``nudge_first`` scales the first token's embedding by one bf16 step, to
+    measure how far rounding-sized noise alone moves this model's outputs."""
     cache = make_prompt_cache(model)
-    logits = model(tokens[None], cache=cache)[0].astype(mx.float32)
+    if nudge_first:
+        embeddings = model.model.embed_tokens(tokens[None])
+        scale = mx.ones((1, tokens.size, 1)).at[0, 0, 0].add(NOISE_STEP)
+        embeddings = (embeddings.astype(mx.float32) * scale).astype(embeddings.dtype)
+        logits = model(tokens[None], cache=cache, input_embeddings=embeddings)[0]
+    else:
+        logits = model(tokens[None], cache=cache)[0]
+    logits = logits.astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
     out = np.array(logprobs)
     del cache, logits, logprobs
     mx.clear_cache()
     return out
+
+
+def supports_input_embeddings(model: Any) -> bool:
+    from mlx_lm.utils import does_model_support_input_embeddings
+
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed is not None and does_model_support_input_embeddings(model)
 
 
 def compare(lily: np.ndarray, stock: np.ndarray, tokens: np.ndarray) -> Dict[str, Any]:

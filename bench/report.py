@@ -176,6 +176,15 @@ def _numerics_md(num: Optional[Dict[str, Any]]) -> List[str]:
         f"{num['ppl_stock']:.4f} | {num['ppl_rel_diff']:+.2e} | {num['kl_mean']:.3e} | {num['kl_max']:.3e} |",
         "",
     ]
+    floor = num.get("noise_floor")
+    if floor:
+        lines += [
+            "Noise floor (stock against itself, its first input nudged by one bf16 step): "
+            f"top-1 agreement {floor['top1_agreement']:.4f}, mean KL {floor['kl_mean']:.3e}. "
+            "Where this floor is far from zero the model is chaotic (random weights can be) and "
+            "lily's figures above mean only as much as they exceed it.",
+            "",
+        ]
     if num.get("note"):
         lines += [f"Note: {num['note']}", ""]
     return lines

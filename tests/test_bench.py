@@ -127,6 +127,10 @@ def test_ab_numerics_agree_on_reference_path(ab_run):
     assert num["positions"] == 256
     assert num["lily_layers"]["lily"] > 0 and num["lily_layers"]["stock"] == 0
     assert num["ppl_lily"] > 1 and num["ppl_stock"] > 1
+    # The noise floor: stock against its own one-bf16-step nudge, reported.
+    floor = num["noise_floor"]
+    assert 0.0 <= floor["top1_agreement"] <= 1.0 and floor["kl_mean"] >= 0.0
+    assert "Noise floor" in out["md"]
     if not _reference_only(doc):  # kernels (a GPU, or the emulator): close, not equal
         # Random weights give near-uniform distributions whose top-1 flips on
         # tiny differences, so only bound the divergence loosely here.
