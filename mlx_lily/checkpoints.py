@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 # Bump when the files written here change, so cached checkpoints are rebuilt.
 FORMAT_VERSION = 1

@@ -4,7 +4,24 @@ from __future__ import annotations
 
 import pytest
 
+from mlx_lily import _notice
 from mlx_lily.checkpoints import make_checkpoint
+from mlx_lily.kernels.registry import BACKEND_ENV
+
+
+@pytest.fixture
+def emulator_backend(monkeypatch):
+    """Ops run their kernels in the CPU emulator."""
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+
+
+@pytest.fixture
+def fresh_notices():
+    """Each test sees its own one-time notices."""
+    _notice.reset_notices()
+    yield
+    _notice.reset_notices()
 
 
 @pytest.fixture(scope="session")

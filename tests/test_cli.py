@@ -9,7 +9,6 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import pytest
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("MLX_LM_BACKEND", "MLX_LILY_HOOK")}
 

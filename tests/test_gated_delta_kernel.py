@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
-from mlx_lily import _notice
 from mlx_lily.kernels import OPS
 from mlx_lily.kernels.gated_delta import (
     gated_delta,
@@ -38,19 +37,6 @@ SHAPE_IDS = ["real", "test-2-4", "test-1-3", "ratio-1"]
 # 1 token (decode), 3, and 17 (a partial chunk of 32 tokens' gates).
 STEPS = [1, 3, 17]
 DTYPES = [mx.bfloat16, mx.float32]
-
-
-@pytest.fixture
-def emulator_backend(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "emulator")
-    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
-
-
-@pytest.fixture
-def fresh_notices():
-    _notice.reset_notices()
-    yield
-    _notice.reset_notices()
 
 
 def make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, with_state, seed=0, gate_dtype=None):

@@ -12,7 +12,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lily import _notice
 from mlx_lily.kernels import OPS
 from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp
 from mlx_lily.kernels.router import (
@@ -40,19 +39,6 @@ DTYPES = [mx.bfloat16, mx.float16, mx.float32]
 # Probabilities closer than this may come out in either order (fp32 rounding
 # of exp and of the sums differs between numpy and the kernel).
 NEAR_TIE = 1e-6
-
-
-@pytest.fixture
-def emulator_backend(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "emulator")
-    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
-
-
-@pytest.fixture
-def fresh_notices():
-    _notice.reset_notices()
-    yield
-    _notice.reset_notices()
 
 
 def random_logits(rows, experts, dtype, seed=0, lead=()):

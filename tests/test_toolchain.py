@@ -17,7 +17,6 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_lily import _notice
 from mlx_lily.kernels import lint, toolchain
 from mlx_lily.kernels.gated_delta import gated_delta_kernel
 from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp, kernel_backend
@@ -31,13 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def auto_backend(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
-
-
-@pytest.fixture
-def fresh_notices():
-    _notice.reset_notices()
-    yield
-    _notice.reset_notices()
 
 
 def emulator_or_skip():

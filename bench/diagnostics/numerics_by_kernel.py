@@ -1,4 +1,4 @@
-import os, sys, time
+import sys
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lily.checkpoints import build_model
