@@ -115,3 +115,16 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
     for name in OPS:
         assert doctor.stdout.count(name) == 2  # its path, and its self-check
     assert "all ops ok" in doctor.stdout
+
+
+def test_benchmark_and_chat_take_the_flag(demo_checkpoint):
+    bench = run(["mlx_lm.benchmark", "--model", str(demo_checkpoint), "--backend", "lily",
+                 "-p", "32", "-g", "4", "-n", "1"])
+    assert bench.returncode == 0, bench.stderr
+    assert "runs on lily's model" in bench.stderr and "generation_tps" in bench.stdout
+    chat = subprocess.run(
+        ["mlx_lm.chat", "--model", str(demo_checkpoint), "--backend", "lily", "--max-tokens", "4"],
+        input="q\n", capture_output=True, text=True, timeout=300, env=ENV,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "runs on lily's model" in chat.stderr
