@@ -13,9 +13,12 @@ CPU or CUDA, its Metal kernel on Apple GPUs), so the reference path is stock.
 
 The kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
 in one dispatch: one SIMD group per state row, the row in registers, looping
-over the call's tokens. Its contract with the reference: y within the
-activation dtype's tolerance and the final state within ~1e-4 of the state's
-scale (fp32 accumulation in a different order), see ``gated_delta_agree``.
+over the call's tokens. Its contract with the reference, relative to the
+reference's largest value (``gated_delta_agree``): y within 3e-2 / 4e-3 / 1e-4
+and the final state within 2e-2 / 2.5e-3 / 1e-4 for bf16 / f16 / f32 gate
+inputs. The state is fp32, but beta and the gates' softplus are rounded in the
+activation dtype as stock rounds them, and a GPU's rounding of those steps can
+differ from the CPU's by one step; on the CPU the kernel is within ~1e-7.
 """
 
 from __future__ import annotations
