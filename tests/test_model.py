@@ -158,3 +158,19 @@ def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):
         assert close(lily(step, cache=cl), stock(step, cache=cs)) <= LOGIT_ATOL
     kernel_ops = [name for name, op in K.OPS.items() if op.kernel is not None]
     assert kernel_ops and all(K.OPS[name].last_path == "kernel" for name in kernel_ops)
+
+
+def test_saved_prompt_cache_continues_like_stock(engines, tmp_path):
+    # mlx-lm's prompt-cache files (mlx_lm.cache_prompt, --prompt-cache-file)
+    # hold lily's caches as they hold stock's.
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    stock, lily = engines
+    for name, model in (("stock", stock), ("lily", lily)):
+        cache = make_prompt_cache(model)
+        model(TOKENS[:, :12], cache=cache)
+        save_prompt_cache(str(tmp_path / f"{name}.safetensors"), cache)
+    cs = load_prompt_cache(str(tmp_path / "stock.safetensors"))
+    cl = load_prompt_cache(str(tmp_path / "lily.safetensors"))
+    rest = TOKENS[:, 12:]
+    assert close(lily(rest, cache=cl), stock(rest, cache=cs)) == 0.0
