@@ -304,6 +304,8 @@ def make_checkpoint(
     model, config = build_model(shape, seed=seed, quiet=quiet)
     tokenizer = make_tokenizer()
     config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+    _progress(f"saving {size_gb:.1f} GB of weights", quiet)
     save_model(tmp, model, donate_model=True)
     save_config(config, tmp / "config.json")
     tokenizer.save_pretrained(tmp)
