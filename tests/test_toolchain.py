@@ -382,3 +382,21 @@ def _gated_delta_units() -> list[str]:
 def test_the_subset_probe_runs_right_in_the_emulator():
     emulator_or_skip()
     assert toolchain.run_subset_probe("emulator") == []
+
+
+def test_each_distinct_source_gets_its_own_backend_name():
+    # MLX caches built kernels by name (on CUDA also on disk, across
+    # processes): a changed body under the same name must not reuse a binary.
+    def kernel(source, header=""):
+        return toolchain.Kernel(
+            name="same_name", input_names=("x",), output_names=("y",),
+            source=source, header=header, launch=lambda x: None,
+        )
+
+    a = kernel("y[0] = x[0];")
+    assert a.backend_name("metal") == kernel("y[0] = x[0];").backend_name("metal")
+    assert a.backend_name("metal").startswith("same_name_")
+    assert a.backend_name("metal") != kernel("y[0] = 2 * x[0];").backend_name("metal")
+    assert a.backend_name("metal") != kernel("y[0] = x[0];", header="// h\n").backend_name("metal")
+    # The CUDA build also compiles the prelude, so its name covers it too.
+    assert a.backend_name("cuda") != a.backend_name("metal")

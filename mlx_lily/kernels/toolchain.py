@@ -34,6 +34,7 @@ the emulator run the same threads:
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 import threading
@@ -205,6 +206,20 @@ class Kernel:
 
     # -- sources -------------------------------------------------------------
 
+    def backend_name(self, backend: str) -> str:
+        """The name MLX gets: ours plus a digest of everything compiled.
+
+        MLX caches built kernels by name, in the process and (on CUDA) on disk
+        across processes, not by source. A changed body, header or prelude
+        under the same name would load a stale binary; the digest makes every
+        distinct source a distinct name.
+        """
+        text = self.header + self.body_text()
+        if backend == "cuda":
+            text = cuda_prelude() + text
+        digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+        return f"{self.name}_{digest}"
+
     def body_text(self) -> str:
         """The body's source (read from its file once: launches ask on every call)."""
         if self._text is None:
@@ -248,7 +263,7 @@ class Kernel:
                 cuda_prelude(),
                 self.header,
                 "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
-                f"__global__ void custom_kernel_{self.name}{suffix}(\n",
+                f"__global__ void custom_kernel_{self.backend_name('cuda')}{suffix}(\n",
                 ",\n".join(params),
                 ") {\n",
                 "\n".join(constants),
@@ -271,7 +286,7 @@ class Kernel:
 
     def _make(self, backend: str) -> Callable:
         common = dict(
-            name=self.name,
+            name=self.backend_name(backend),
             input_names=list(self.input_names),
             output_names=list(self.output_names),
             source=self.body_text(),
