@@ -42,13 +42,14 @@ def check_op(op, tolerance: float) -> tuple[str, str]:
     mx.eval(want)
     if op.kernel is None:
         return "ok", "reference runs (no kernel to compare yet)"
-    if gpu_backend() is not None:
-        ok, why = op.kernel.ready()
+    where = gpu_backend()
+    if where is not None:
+        ok, why = op.kernel.ready_on(where)
         if not ok:
             return "FALLBACK", f"kernel unusable, reference runs: {why}"
-        got, where = op.kernel(*args, **kwargs), gpu_backend()
+        got = op.kernel.run_on(where, *args, **kwargs)
     elif shutil.which("c++") or shutil.which("g++"):
-        got, where = op.kernel.emulate(*args, **kwargs), "CPU emulator"
+        got, where = op.kernel.run_on("emulator", *args, **kwargs), "CPU emulator"
     else:
         return "skipped", "no GPU and no C++ compiler for the emulator"
     compare = getattr(op, "compare", None)

@@ -72,11 +72,10 @@ class FakeKernel:
         self.ok = ok
         self.calls = 0
 
-    def ready(self):
-        backend, why = kernel_backend()
-        return (self.ok, "fake ready") if backend else (False, why)
+    def ready_on(self, backend):
+        return self.ok, "fake ready"
 
-    def __call__(self, x):
+    def run_on(self, backend, x):
         self.calls += 1
         return x + 1
 

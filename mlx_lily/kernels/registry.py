@@ -25,6 +25,7 @@ debugging and for A/B checks). Every decision is recorded per op so that
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Protocol
@@ -35,13 +36,13 @@ import mlx.core as mx
 class KernelLike(Protocol):
     """What an op needs from a built kernel (see ``kernels/toolchain.py``)."""
 
-    def ready(self) -> tuple[bool, str]:
-        """(usable on the active backend, why not / which backend).
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        """(usable on ``backend``, why not / which backend).
 
         Builds and self-checks the kernel the first time per backend and process.
         """
 
-    def __call__(self, *args, **kwargs): ...
+    def run_on(self, backend: str, *args, **kwargs): ...
 
 
 BACKEND_ENV = "MLX_LILY_KERNEL_BACKEND"
@@ -112,14 +113,15 @@ class LilyOp:
         backend, why = kernel_backend()
         if backend is None:
             return self.reference, "reference", why
-        ok, why = self.kernel.ready()
+        ok, why = self.kernel.ready_on(backend)
         if not ok:
             return self.reference, "reference", why
         if self.supports is not None:
             why_not = self.supports(*args, **kwargs)
             if why_not is not None:
                 return self.reference, "reference", why_not
-        return self.kernel, "kernel", why
+        # Bound to the backend just read: one environment look-up per call.
+        return functools.partial(self.kernel.run_on, backend), "kernel", why
 
     def __call__(self, *args, **kwargs):
         fn, path, reason = self.choose(*args, **kwargs)
@@ -135,7 +137,7 @@ class LilyOp:
             if why == "no GPU":
                 why = "no GPU (the reference runs on the CPU)"
             return "reference", why
-        ok, why = self.kernel.ready()
+        ok, why = self.kernel.ready_on(backend)
         return ("kernel" if ok else "reference"), why
 
 
