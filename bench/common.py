@@ -167,7 +167,7 @@ def software_info() -> Dict[str, str]:
 
 def _kernel_backend() -> str:
     """Where lily's kernels run in this process, as the registry decides it."""
-    from mlx_lily.kernels import registry
+    from mlx_lily.toolchain import registry
 
     decide = getattr(registry, "kernel_backend", None)
     if decide is None:  # older registry: the GPU backend or nothing

@@ -6,7 +6,7 @@ import pytest
 
 from mlx_lily import _notice
 from mlx_lily.checkpoints import make_checkpoint
-from mlx_lily.kernels.registry import BACKEND_ENV
+from mlx_lily.toolchain.registry import BACKEND_ENV
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from mlx_lily.kernels.gated_delta import (
     gated_delta_reference,
     gated_delta_supports,
 )
-from mlx_lily.kernels.registry import BACKEND_ENV
+from mlx_lily.toolchain.registry import BACKEND_ENV
 
 try:
     import mlx_lily.emulator  # noqa: F401

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 import mlx_lily
 from mlx_lily import kernels as K
 from mlx_lily._notice import reset_notices
-from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp
+from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 from mlx_lily.layers import LilyAttention, LilyGatedDeltaNet, LilySparseMoeBlock
 
 # bf16 logits of a random model are O(1..10); kernels may differ by rounding.

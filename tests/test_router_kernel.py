@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mlx_lily.kernels import OPS
-from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp
+from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 from mlx_lily.kernels.router import (
     MAX_EXPERTS,
     router_compare,
@@ -24,7 +24,7 @@ from mlx_lily.kernels.router import (
     router_topk_reference,
     router_topk_supports,
 )
-from mlx_lily.kernels.toolchain import Kernel
+from mlx_lily.toolchain.build import Kernel
 
 try:
     from mlx_lily.emulator import EmulatorError

@@ -17,11 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_lily.kernels import lint, toolchain
+from mlx_lily.toolchain import build as toolchain, lint, probe
 from mlx_lily.kernels.gated_delta import gated_delta_kernel
-from mlx_lily.kernels.registry import BACKEND_ENV, LilyOp, kernel_backend
+from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp, kernel_backend
 from mlx_lily.kernels.router import router_topk_kernel
-from mlx_lily.kernels.toolchain import Kernel, Launch, whole_threadgroups
+from mlx_lily.toolchain.build import Kernel, Launch, whole_threadgroups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,7 +157,7 @@ def test_a_kernel_that_fails_its_self_check_is_off_with_one_notice(capsys, fresh
 
 def test_every_kernel_source_passes_the_lint():
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_lily.kernels.lint"], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "mlx_lily.toolchain.lint"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert {p.name for p in lint.kernel_sources()} >= {"router_topk.metal", "subset_probe.metal"}
@@ -324,7 +324,7 @@ def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
     if nvcc is None:
         pytest.skip("nvcc is not on PATH")
     include, which = _mlx_cuda_include(tmp_path)
-    units = [toolchain.subset_probe_kernel.cuda_translation_unit(toolchain.subset_probe_input())]
+    units = [probe.subset_probe_kernel.cuda_translation_unit(probe.subset_probe_input())]
     shapes = [(256, 8, True), (16, 4, False), (8, 2, True), (40, 3, True), (1024, 32, False)]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         for experts, k, normalize in shapes:
@@ -380,7 +380,7 @@ def _gated_delta_units() -> list[str]:
 
 def test_the_subset_probe_runs_right_in_the_emulator():
     emulator_or_skip()
-    assert toolchain.run_subset_probe("emulator") == []
+    assert probe.run_subset_probe("emulator") == []
 
 
 def test_each_distinct_source_gets_its_own_backend_name():

@@ -6,7 +6,7 @@ from .conv import conv1d_silu
 from .gated_delta import gated_delta, l2norm_qk
 from .moe import moe_combine, moe_experts
 from .norms import gated_rms_norm
-from .registry import OPS, LilyOp, gpu_backend, kernels_enabled
+from ..toolchain.registry import OPS, LilyOp, gpu_backend, kernels_enabled
 from .router import router_topk
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .registry import LilyOp, register
+from ..toolchain.registry import LilyOp, register
 
 
 def qk_norm_rope_reference(q, k, q_weight, k_weight, eps, rope, offset):

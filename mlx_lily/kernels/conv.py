@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .registry import LilyOp, register
+from ..toolchain.registry import LilyOp, register
 
 
 def conv1d_silu_reference(x: mx.array, weight: mx.array) -> mx.array:

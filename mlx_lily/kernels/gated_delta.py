@@ -30,8 +30,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .registry import LilyOp, register
-from .toolchain import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.registry import LilyOp, register
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 
 
 def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float = 1e-6):

@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from .registry import LilyOp, register
+from ..toolchain.registry import LilyOp, register
 
 
 def moe_experts_reference(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx.array:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.activations import precise_swiglu
 
-from .registry import LilyOp, register
+from ..toolchain.registry import LilyOp, register
 
 
 def gated_rms_norm_reference(x: mx.array, z: mx.array, weight: mx.array, eps: float):

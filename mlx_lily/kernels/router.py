@@ -20,8 +20,8 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from .registry import LilyOp, register
-from .toolchain import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.registry import LilyOp, register
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 
 
 def router_topk_reference(logits: mx.array, k: int, normalize: bool):

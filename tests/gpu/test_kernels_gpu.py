@@ -20,14 +20,14 @@ from mlx_lily.kernels.gated_delta import (
     gated_delta_compare,
     gated_delta_reference,
 )
-from mlx_lily.kernels.registry import BACKEND_ENV, gpu_backend
+from mlx_lily.toolchain.registry import BACKEND_ENV, gpu_backend
 from mlx_lily.kernels.router import (
     router_outputs_agree,
     router_topk,
     router_topk_ground_truth,
     router_topk_reference,
 )
-from mlx_lily.kernels.toolchain import run_subset_probe
+from mlx_lily.toolchain.probe import run_subset_probe
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ decides per call which path runs:
   tests and what runs on a CPU.
 
 Kernels are written once and built for the active backend by
-``kernels/toolchain.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
+``toolchain/build.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
 SIMT emulator when asked for. ``MLX_LILY_KERNEL_BACKEND`` picks the backend:
 ``auto`` (the default: the default device's GPU backend, else the reference),
 ``emulator`` (run kernels in the CPU emulator, even on a CPU: tests, CI),
@@ -34,7 +34,7 @@ import mlx.core as mx
 
 
 class KernelLike(Protocol):
-    """What an op needs from a built kernel (see ``kernels/toolchain.py``)."""
+    """What an op needs from a built kernel (see ``toolchain/build.py``)."""
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
         """(usable on ``backend``, why not / which backend).

@@ -1,11 +1,12 @@
 """Lint lily's kernel bodies against the portable subset of Metal.
 
-Run ``python -m mlx_lily.kernels.lint [files...]`` (default: every
-``mlx_lily/kernels/*.metal`` body and ``*.metal.h`` header). It prints
+Run ``python -m mlx_lily.toolchain.lint [files...]`` (default: every
+``*.metal`` body and ``*.metal.h`` header in ``mlx_lily/kernels/`` and
+``mlx_lily/toolchain/``). It prints
 ``file:line: [rule] message`` per violation and exits 1 if there are any.
 
 Why: each lily kernel is written once and built three ways (see
-``toolchain.py``): as Metal by ``mx.fast.metal_kernel``, as CUDA by
+``build.py``): as Metal by ``mx.fast.metal_kernel``, as CUDA by
 ``mx.fast.cuda_kernel`` after ``prelude_cuda.h``, and as C++ by the CPU
 emulator. A body that works on one of them may still be invalid, or mean
 something else, on another. The lint keeps every body inside the subset that
@@ -122,7 +123,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-KERNELS_DIR = Path(__file__).resolve().parent
+TOOLCHAIN_DIR = Path(__file__).resolve().parent
+KERNELS_DIR = TOOLCHAIN_DIR.parent / "kernels"
 
 SIMD_FUNCTIONS = frozenset(
     """simd_sum simd_product simd_max simd_min simd_and simd_or simd_xor
@@ -405,9 +407,13 @@ def _check_recursion(code: str, add) -> None:
             add(m.start(), "recursion", f"{name} calls itself: no recursion in GPU code")
 
 
-def kernel_sources(directory: Path = KERNELS_DIR) -> list[Path]:
-    """Every kernel body and header in ``directory``."""
-    return sorted(directory.glob("*.metal")) + sorted(directory.glob("*.metal.h"))
+def kernel_sources(*directories: Path) -> list[Path]:
+    """Every kernel body and header in ``directories`` (default: the kernel
+    families' package and the toolchain's own bodies and headers)."""
+    found = []
+    for directory in directories or (KERNELS_DIR, TOOLCHAIN_DIR):
+        found += sorted(directory.glob("*.metal")) + sorted(directory.glob("*.metal.h"))
+    return found
 
 
 def lint_file(path: Path) -> list[Violation]:
