@@ -72,6 +72,23 @@ Allowed:
 * Address-space qualifiers ``device``, ``constant``, ``thread`` on pointers
   (mind that inputs under 8 elements are ``constant`` on Metal).
 
+Matrix tiles (kernels built with ``Kernel(..., tiles=True)``): a SIMD group
+multiplies 16x16 bf16 tiles with fp32 accumulators through one API whose
+implementation is per backend (``toolchain/tiles_metal.h``: simdgroup
+matrices on Metal and in the emulator; ``toolchain/tiles_cuda.h``: tensor-core
+``mma.sync`` on CUDA). All 32 lanes call each function, like a SIMD-group
+function:
+
+* types ``lily_tile_a``, ``lily_tile_b``, ``lily_tile_acc``;
+* ``lily_tile_acc_zero(c)``; ``lily_tile_load_a(a, &tg[m0 * ld + k0], ld, lane)``
+  (A[m][k] = p[m * ld + k]); ``lily_tile_load_b(b, &tg[n0 * ld + k0], ld, lane)``
+  (B[k][n] = p[n * ld + k], a weight matrix's [out][in] layout), from
+  ``threadgroup bfloat16_t`` arrays, ``ld`` and the offset even;
+  ``lily_tile_mma(c, a, b)`` (c += A B);
+* ``LILY_TILE_ACC_ELEMS`` elements per lane: ``lily_tile_acc_get(c, e)``,
+  ``lily_tile_acc_set(c, e, v)`` at row ``lily_tile_acc_row(e, lane)`` and
+  column ``lily_tile_acc_col(e, lane)``.
+
 Rules the lint checks:
 
 * No ``return`` before the last barrier or SIMD-group function. Every lane of
@@ -93,9 +110,8 @@ Rules the lint checks:
   samplers, imageblocks, quad-group functions and builtins, ``grid_size``,
   ``grid_origin``, ``dispatch_*`` builtins, ``as_type``,
   ``metal::numeric_limits``, vector functions (``dot``, ``mix``, ``fract``
-  ...), simdgroup matrices (those need a per-backend inner tile behind one
-  name, outside the shared subset), and any ``simd_*``, ``atomic_*`` or
-  ``metal::`` name not listed above.
+  ...), simdgroup matrices (reach them through the tile API below), and
+  any ``simd_*``, ``atomic_*`` or ``metal::`` name not listed above.
 * ``threadgroup`` only as described above; vectors only as described above.
 
 Rules the lint cannot check, which every body and launcher follows:
