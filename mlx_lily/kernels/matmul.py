@@ -6,8 +6,10 @@ beside ``mx.matmul``'s: the grouped expert GEMM, the chunked DeltaNet and flash
 attention are built on the same tiles. The op is not used by the model.
 
 The kernel (``matmul_tiled.metal``) stages BM x BK blocks of ``x`` and BN x BK
-blocks of ``w`` through threadgroup memory as bf16 and multiplies them in 16x16
-tiles with fp32 accumulation; the output is rounded once, to ``x``'s dtype.
+blocks of ``w`` through threadgroup memory as bf16 in 16-byte chunks (the next
+block fetched into registers while the current one is multiplied) and
+multiplies them in 16x16 tiles with fp32 accumulation; the output is rounded
+once, to ``x``'s dtype.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def matmul_nt_supports(x: mx.array, w: mx.array) -> Optional[str]:
         return f"shapes {tuple(x.shape)} @ {tuple(w.shape)}.T (kernel: [M, K] @ [N, K].T)"
     if x.size == 0 or w.size == 0:
         return "empty operand"
+    if x.shape[1] % 8:
+        return f"K = {x.shape[1]} (kernel: a multiple of 8, its 16-byte staging chunk)"
     return None
 
 
@@ -61,8 +65,8 @@ def _launch(x: mx.array, w: mx.array) -> Launch:
 
 def _sample():
     keys = mx.random.split(mx.random.key(11), 2)
-    x = mx.random.normal((37, 80), key=keys[0]).astype(mx.bfloat16)
-    w = mx.random.normal((70, 80), key=keys[1]).astype(mx.bfloat16)
+    x = mx.random.normal((37, 88), key=keys[0]).astype(mx.bfloat16)
+    w = mx.random.normal((70, 88), key=keys[1]).astype(mx.bfloat16)
     return (x, w), {}
 
 

@@ -1,17 +1,23 @@
 // C[M][N] = A[M][K] @ B[N][K]^T: bf16 operands, fp32 accumulation, T output.
 //
 // The tile layer's proof: a threadgroup owns a BM x BN block of C and walks K
-// in steps of BK, staging A and B through threadgroup memory; its WM x WN SIMD
-// groups each own a (BM / WM) x (BN / WN) sub-block, i.e. TM x TN 16x16 tiles
-// multiplied with lily_tile_mma. Rows, columns and K are guarded, so any shape
-// works; full tiles are the fast case.
+// in steps of BK, staging A and B through threadgroup memory in 16-byte
+// chunks; its WM x WN SIMD groups each own a (BM / WM) x (BN / WN) sub-block,
+// i.e. TM x TN 16x16 tiles multiplied with lily_tile_mma. The next K step's
+// chunks are fetched into registers while the current one is multiplied, so
+// global-memory latency hides behind the tensor work. Rows and columns are
+// guarded; K must be a multiple of 8 (one chunk).
 //
 // Template: T (output dtype), BM, BN, BK, WM, WN.
 // Grid: (ceil(N / BN) * THREADS, ceil(M / BM), 1); threadgroup (THREADS, 1, 1)
 // with THREADS = 32 * WM * WN.
 
 constexpr int THREADS = 32 * WM * WN;
-constexpr int PAD = 8;           // breaks shared-memory bank conflicts
+constexpr int CHUNK = 8;                      // bf16 values per 16-byte move
+constexpr int CHUNKS_PER_ROW = BK / CHUNK;
+constexpr int CHUNKS_A = BM * CHUNKS_PER_ROW / THREADS;  // per thread
+constexpr int CHUNKS_B = BN * CHUNKS_PER_ROW / THREADS;
+constexpr int PAD = 8;           // breaks shared-memory bank conflicts, keeps 16-byte rows
 constexpr int LDS = BK + PAD;    // row stride of both staged blocks
 constexpr int TM = BM / WM / 16;
 constexpr int TN = BN / WN / 16;
@@ -24,12 +30,12 @@ const int K = a_shape[1];
 const int N = b_shape[0];
 const uint lane = thread_index_in_simdgroup;
 const uint group_index = simdgroup_index_in_threadgroup;
-const uint tid = thread_position_in_threadgroup.x;
+const int tid = int(thread_position_in_threadgroup.x);
 const int row0 = int(threadgroup_position_in_grid.y) * BM;
 const int col0 = int(threadgroup_position_in_grid.x) * BN;
 const int sub_row = int(group_index / WN) * (BM / WM);
 const int sub_col = int(group_index % WN) * (BN / WN);
-const bfloat16_t zero = static_cast<bfloat16_t>(0.0f);
+const uint4 nothing = {0u, 0u, 0u, 0u};
 
 lily_tile_acc acc[TM][TN];
 for (int i = 0; i < TM; ++i) {
@@ -38,18 +44,44 @@ for (int i = 0; i < TM; ++i) {
   }
 }
 
+// Chunk c of this thread covers row at / CHUNKS_PER_ROW, columns from
+// (at % CHUNKS_PER_ROW) * CHUNK, with at = tid + c * THREADS.
+uint4 next_a[CHUNKS_A];
+uint4 next_b[CHUNKS_B];
+for (int c = 0; c < CHUNKS_A; ++c) {
+  const int at = tid + c * THREADS;
+  const int r = row0 + at / CHUNKS_PER_ROW, k = (at % CHUNKS_PER_ROW) * CHUNK;
+  next_a[c] = (r < M && k < K) ? lily_tile_load16(&a[r * K + k]) : nothing;
+}
+for (int c = 0; c < CHUNKS_B; ++c) {
+  const int at = tid + c * THREADS;
+  const int n = col0 + at / CHUNKS_PER_ROW, k = (at % CHUNKS_PER_ROW) * CHUNK;
+  next_b[c] = (n < N && k < K) ? lily_tile_load16(&b[n * K + k]) : nothing;
+}
+
 for (int k0 = 0; k0 < K; k0 += BK) {
-  for (int at = int(tid); at < BM * BK; at += THREADS) {
-    const int r = at / BK, k = at % BK;
-    const bool inside = row0 + r < M && k0 + k < K;
-    staged_a[r * LDS + k] = inside ? a[(row0 + r) * K + k0 + k] : zero;
+  for (int c = 0; c < CHUNKS_A; ++c) {
+    const int at = tid + c * THREADS;
+    lily_tile_store16(&staged_a[(at / CHUNKS_PER_ROW) * LDS + (at % CHUNKS_PER_ROW) * CHUNK], next_a[c]);
   }
-  for (int at = int(tid); at < BN * BK; at += THREADS) {
-    const int n = at / BK, k = at % BK;
-    const bool inside = col0 + n < N && k0 + k < K;
-    staged_b[n * LDS + k] = inside ? b[(col0 + n) * K + k0 + k] : zero;
+  for (int c = 0; c < CHUNKS_B; ++c) {
+    const int at = tid + c * THREADS;
+    lily_tile_store16(&staged_b[(at / CHUNKS_PER_ROW) * LDS + (at % CHUNKS_PER_ROW) * CHUNK], next_b[c]);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // Fetch the next K step while this one is multiplied.
+  const int k1 = k0 + BK;
+  for (int c = 0; c < CHUNKS_A; ++c) {
+    const int at = tid + c * THREADS;
+    const int r = row0 + at / CHUNKS_PER_ROW, k = k1 + (at % CHUNKS_PER_ROW) * CHUNK;
+    next_a[c] = (r < M && k < K) ? lily_tile_load16(&a[r * K + k]) : nothing;
+  }
+  for (int c = 0; c < CHUNKS_B; ++c) {
+    const int at = tid + c * THREADS;
+    const int n = col0 + at / CHUNKS_PER_ROW, k = k1 + (at % CHUNKS_PER_ROW) * CHUNK;
+    next_b[c] = (n < N && k < K) ? lily_tile_load16(&b[n * K + k]) : nothing;
+  }
 
   for (int kk = 0; kk < BK; kk += 16) {
     lily_tile_a tile_a[TM];

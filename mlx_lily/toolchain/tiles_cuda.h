@@ -81,4 +81,19 @@ __device__ __forceinline__ void lily_tile_acc_set(lily_tile_acc& c, int e, float
   c.v[e] = v;
 }
 
+// Staging: 16-byte moves of eight bf16 values between global memory,
+// registers (a uint4) and shared memory. Both addresses 16-byte aligned.
+__device__ __forceinline__ uint4 lily_tile_load16(const bfloat16_t* src) {
+  return *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void lily_tile_store16(bfloat16_t* dst, uint4 v) {
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+
+// Two floats rounded to bf16 (to nearest even) in one word, `lo` in the low half.
+__device__ __forceinline__ uint lily_tile_pack2(float lo, float hi) {
+  __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint*>(&pair);
+}
+
 #pragma pop_macro("device")

@@ -89,3 +89,21 @@ inline float lily_tile_acc_get(thread const lily_tile_acc& c, int e) {
 inline void lily_tile_acc_set(thread lily_tile_acc& c, int e, float v) {
   c.m[e >> 2][(e >> 1) & 1].thread_elements()[e & 1] = v;
 }
+
+// Staging: 16-byte moves of eight bf16 values between device memory,
+// registers (a uint4) and threadgroup memory. Both addresses 16-byte aligned.
+inline uint4 lily_tile_load16(const device bfloat16_t* src) {
+  return *reinterpret_cast<const device uint4*>(src);
+}
+inline void lily_tile_store16(threadgroup bfloat16_t* dst, uint4 v) {
+  *reinterpret_cast<threadgroup uint4*>(dst) = v;
+}
+
+// Two floats rounded to bf16 (to nearest even) in one word, `lo` in the low half.
+inline uint lily_tile_bf16_bits(float x) {
+  const uint bits = as_type<uint>(x);
+  return (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+}
+inline uint lily_tile_pack2(float lo, float hi) {
+  return lily_tile_bf16_bits(lo) | (lily_tile_bf16_bits(hi) << 16);
+}
