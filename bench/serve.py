@@ -1,7 +1,9 @@
 """The load benchmark: concurrent streaming requests against ``mlx_lm.server``.
 
 ``python -m bench --serve --help``. For each engine (``--backend lily`` and
-``--backend mlx``, on the same checkpoint) one server runs on loopback (a free
+``--backend mlx``, on the same checkpoint) one ``mlx_lm.server`` (started as
+``python -m mlx_lily serve --backend ENGINE``: mlx-lm's server main, no
+startup hook needed) runs on loopback (a free
 port on 127.0.0.1) and gets, after a warmup:
 
 * each prompt alone, one after another (the single-request runs; their
@@ -80,6 +82,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,4,16", help="stream counts (default 1,4,16)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, about (default 256)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per stream (default 32)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt length of the one-request prefill check (default: --prompt-tokens)")
     p.add_argument("--engines", default="lily,mlx", help="backends to serve (default lily,mlx)")
     p.add_argument("--budget-s", type=float, default=420, help="no new wave after this (default 420)")
     p.add_argument("--server-timeout-s", type=float, default=600, help="server start limit")
@@ -136,8 +140,10 @@ class Server:
             self.paths_file = out / "paths-lily.jsonl"
             self.paths_file.unlink(missing_ok=True)
             env["MLX_LILY_TRACE_PATHS"] = str(self.paths_file)
+        # mlx_lm.server's own main through lily's entry point, which takes
+        # --backend without the startup hook (a checkout on PYTHONPATH has none).
         self.cmd = [
-            sys.executable, "-m", "mlx_lm", "server", "--model", model, "--backend", engine,
+            sys.executable, "-m", "mlx_lily", "serve", "--model", model, "--backend", engine,
             "--host", HOST, "--port", str(self.port),
             # No prompt-cache reuse: every request prefills its whole prompt.
             "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
@@ -385,6 +391,17 @@ def run_engine(engine: str, model: str, prompts: List[str], args, out: Path, dea
         alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
         result["waves"]["1"] = alone
         log(f"{engine}: {len(alone['streams'])} single runs, TTFT median {alone['ttft_median_s']}")
+        # One request's prefill at --prefill-tokens: once to warm that shape up,
+        # once measured.
+        if time.perf_counter() > deadline:
+            result["skipped"].append("prefill check (time budget)")
+        else:
+            for _ in range(2):
+                one = stream(server.port, args.prefill_prompt, 2, args.request_timeout_s)
+            result["prefill_single"] = {
+                "prompt_tokens": one["prompt_tokens"], "ttft_s": one["ttft_s"],
+                "prefill_tps": one["prompt_tokens"] / one["ttft_s"] if one["ttft_s"] else None,
+            }
         for n in args.concurrency:
             if n == 1:
                 continue
@@ -420,6 +437,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         tokenizer = load_tokenizer(hf_repo_to_path(model))
     prompts = make_prompts(tokenizer, max(args.concurrency), args.prompt_tokens)
+    # The prefill check's prompt: its own text, so no stream shares its start.
+    args.prefill_prompt = "Prefill. " + make_prompts(
+        tokenizer, 1, args.prefill_tokens or args.prompt_tokens
+    )[0]
 
     report: Dict[str, Any] = {
         "kind": "serve",
@@ -433,6 +454,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "concurrency": args.concurrency,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
+            "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
             "engines": args.engines,
             "budget_s": args.budget_s,
             "sampling": "greedy (temperature 0)",
@@ -451,7 +473,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             report["generate_check"] = {"skipped": "time budget"}
         else:
             log("prefill check: mlx_lm stream_generate with lily, same prompt")
-            gen = generate_check(model, prompts[0], args.max_tokens, out, args.server_timeout_s)
+            gen = generate_check(model, args.prefill_prompt, 2, out, args.server_timeout_s)
             report["generate_check"] = gen
     report["prefill_vs_generate"] = prefill_ratio(report)
     report["elapsed_s"] = time.perf_counter() - started
@@ -466,22 +488,20 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def prefill_ratio(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    lily = report["engines"].get("lily", {}).get("waves", {}).get("1")
+    first = report["engines"].get("lily", {}).get("prefill_single")
     gen = (report.get("generate_check") or {}).get("measured")
-    if not lily or not gen or not lily["streams"]:
+    if not first or not gen or not first.get("prefill_tps"):
         return None
-    first = lily["streams"][0]
-    server_tps = first.get("prefill_tps")
-    if not server_tps:
-        return None
+    server_tps = first["prefill_tps"]
     return {
         "server_prefill_tps": server_tps,
         "server_prompt_tokens": first["prompt_tokens"],
         "generate_prefill_tps": gen["prompt_tps"],
         "generate_prompt_tokens": gen["prompt_tokens"],
         "ratio": server_tps / gen["prompt_tps"],
-        "note": "server: prompt tokens / time to first token of the first prompt run alone "
-        "(includes HTTP, queueing and the first decode step); generate: stream_generate's prompt_tps",
+        "note": "server: prompt tokens / time to first text of one request alone, second of two "
+        "(includes HTTP, queueing and the batch generator's first decode step); "
+        "generate: stream_generate's prompt_tps, second of two runs, same prompt",
     }
 
 

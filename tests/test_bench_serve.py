@@ -13,7 +13,6 @@ from bench import serve
 
 
 def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypatch, capsys):
-    # The servers start as `python -m mlx_lm server` with this interpreter.
     monkeypatch.delenv("MLX_LM_BACKEND", raising=False)
     code = serve.main([
         "--model", str(demo_checkpoint), "--concurrency", "1,3", "--prompt-tokens", "24",
