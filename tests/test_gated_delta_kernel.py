@@ -229,6 +229,50 @@ def test_batch_of_two():
     run_and_check(args, mx.bfloat16)
 
 
+def padding_mask(real_steps, T: int, left: bool = True) -> mx.array:
+    """[B, T] bool as the batch generator's ArraysCache makes it: each row's
+    real steps at the end (left padding) or at the start (lengths)."""
+    pos = mx.arange(T)[None]
+    n = mx.array(real_steps)[:, None]
+    return pos >= T - n if left else pos < n
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left-padded", "length-limited"])
+@pytest.mark.parametrize("T", [1, 3, 17])
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "state"])
+def test_masked_steps_leave_the_state_untouched(left, T, with_state):
+    # Three rows padded differently (one wholly padded at T = 1, as a decode
+    # step of a finished row would be).
+    real = [T, max(T - 2, 0), (T + 1) // 2]
+    args = make_inputs(3, T, 2, 4, 32, 16, mx.bfloat16, with_state, seed=20 + T)
+    mask = padding_mask(real, T, left)
+    assert gated_delta_supports(*args, mask) is None
+    y, state = gated_delta_kernel.emulate(*args, mask)
+    assert gated_delta_agree((y, state), gated_delta_reference(*args, mask), *args, mask) is None
+    assert not mx.where(mask[..., None, None], 0, y).any().item()  # y is 0 at padding
+    # Each row's state and real outputs are those of the kernel run on that
+    # row's real steps alone, to the bit: a padding step changes nothing.
+    q, k, v, a, b, A_log, dt_bias, state0 = args
+    for row, n in enumerate(real):
+        lo, hi = (T - n, T) if left else (0, n)
+        row_state = None if state0 is None else state0[row : row + 1]
+        if n == 0:
+            want_state = mx.zeros_like(state[:1]) if row_state is None else row_state
+            assert mx.array_equal(state[row : row + 1], want_state).item()
+            continue
+        part = [x[row : row + 1, lo:hi] for x in (q, k, v, a, b)]
+        want_y, want_state = gated_delta_kernel.emulate(*part, A_log, dt_bias, row_state)
+        assert mx.array_equal(state[row : row + 1], want_state).item()
+        assert mx.array_equal(y[row : row + 1, lo:hi], want_y).item()
+
+
+def test_an_all_real_mask_changes_nothing():
+    args = make_inputs(2, 5, 2, 4, 32, 16, mx.bfloat16, True, seed=30)
+    plain = gated_delta_kernel.emulate(*args)
+    masked = gated_delta_kernel.emulate(*args, mx.ones((2, 5), mx.bool_))
+    assert all(mx.array_equal(p, m).item() for p, m in zip(plain, masked))
+
+
 def test_prefill_then_decode_carries_the_state():
     # A 17-token chunk, then two decode steps, each fed the previous state.
     args = make_inputs(1, 20, 2, 4, 32, 32, mx.float32, False, seed=8)
@@ -284,6 +328,8 @@ def _variant(**changes):
         ),
         (dict(v=mx.zeros((1, 3, 4, 8), mx.bfloat16)), "v"),
         (dict(A_log=mx.zeros((3,))), "A_log"),
+        (dict(mask=mx.ones((1, 3), mx.bool_)), "mask"),
+        (dict(mask=mx.ones((1, 2), mx.int32)), "mask"),
     ],
 )
 def test_supports_says_why_not(changes, why):

@@ -13,7 +13,6 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily._notice import reset_notices
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 from mlx_lily.layers import LilyAttention, LilyGatedDeltaNet, LilySparseMoeBlock
 
@@ -96,20 +95,6 @@ def test_prompt_in_chunks_equals_one_pass(engines):
     assert (chunked.argmax(-1) == one.argmax(-1)).mean().item() >= 0.9
 
 
-def test_batch_of_two_takes_stock_path(engines, op_calls, capfd):
-    stock, lily = engines
-    reset_notices()
-    batch = mx.concatenate([TOKENS, TOKENS[:, ::-1]], axis=0)
-    got, want = lily(batch), stock(batch)
-    assert close(got, want) == 0.0
-    assert sum(op_calls.values()) == 0
-    err = capfd.readouterr().err
-    assert "batch size > 1" in err
-    # One notice per layer kind and reason, not one per layer or call.
-    lily(batch)
-    assert capfd.readouterr().err.count("batch size > 1") == 0
-
-
 def test_quantized_kv_cache_takes_stock_attention(engines, op_calls):
     stock, lily = engines
 
@@ -132,19 +117,6 @@ def test_rotating_kv_cache_takes_stock_attention(engines, op_calls):
     for a, b in ((0, 6), (6, 12), (12, 16)):
         assert close(lily(TOKENS[:, a:b], cache=cl), stock(TOKENS[:, a:b], cache=cs)) == 0.0
     assert op_calls["attention"] == 0 and op_calls["gated_delta"] > 0
-
-
-def test_left_padded_batch_generation_matches_stock(engines, demo_checkpoint):
-    # batch_generate pads prompts of different lengths on the left and uses
-    # batched caches: every layer takes stock code for those calls.
-    from mlx_lm.generate import batch_generate
-
-    stock, lily = engines
-    _, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="mlx")
-    prompts = [[5, 9, 300, 41, 7], [12, 800], [64, 65, 66]]
-    want = batch_generate(stock, tokenizer, prompts, max_tokens=6, return_token_ids=True)
-    got = batch_generate(lily, tokenizer, prompts, max_tokens=6, return_token_ids=True)
-    assert got.token_ids == want.token_ids
 
 
 def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -32,9 +33,16 @@ def request(port, method, path, body=None, raw: bytes | None = None, timeout=120
 
 
 @pytest.fixture(scope="module")
-def server(demo_checkpoint):
+def path_log(tmp_path_factory):
+    """The file where the server records each kind of layer call's path."""
+    return tmp_path_factory.mktemp("paths") / "paths.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(demo_checkpoint, path_log):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "MLX_LM_BACKEND"}
+    env["MLX_LILY_TRACE_PATHS"] = str(path_log)
     proc = subprocess.Popen(
         ["mlx_lm.server", "--model", str(demo_checkpoint), "--backend", "lily",
          "--host", HOST, "--port", str(port)],
@@ -98,5 +106,96 @@ def test_malformed_request_gets_4xx_and_server_keeps_serving(server):
     status, _ = request(port, "POST", "/v1/chat/completions", {"messages": "not a list", "max_tokens": "x"})
     assert 400 <= status < 500
     assert proc.poll() is None
+    status, _ = request(port, "POST", "/v1/chat/completions", CHAT)
+    assert status == 200
+
+
+def stream_chat(port, content, max_tokens, stop_after=None, timeout=120):
+    """Stream one chat completion; the text, or stop reading (and close the
+    connection) after stop_after chunks."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    text, chunks = [], 0
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk["choices"]:
+            text.append(chunk["choices"][0]["delta"].get("content") or "")
+        chunks += 1
+        if stop_after is not None and chunks >= stop_after:
+            break
+    conn.close()
+    return "".join(text)
+
+
+def read_paths(path_log):
+    return [json.loads(line) for line in path_log.read_text().splitlines()]
+
+
+PROMPTS = ["Tell me a story", "Count to ten, slowly", "Why is the sky blue?", "A poem about rivers"]
+
+
+def test_every_layer_takes_lily_s_path_under_the_server(server, path_log):
+    # The server generates through mlx-lm's batch generator even for one
+    # request: BatchKVCache, batched ArraysCache and array masks. Every layer
+    # call must take lily's path (the server records each kind of call).
+    port, _ = server
+    assert stream_chat(port, PROMPTS[0], 8)
+    records = read_paths(path_log)
+    assert records and all(r["path"] == "lily" for r in records), records
+    assert {r["layer"] for r in records} == {"Gated DeltaNet", "full attention", "MoE"}
+    calls = {(r["layer"], r["step"], r["mask"], r["cache"]) for r in records}
+    assert ("full attention", "prefill", "array", "BatchKVCache+left_padding") in calls
+    assert ("full attention", "decode", "array", "BatchKVCache+left_padding") in calls
+    assert any(layer == "Gated DeltaNet" and step == "decode" and cache.startswith("ArraysCache")
+               for layer, step, _, cache in calls)
+
+
+def test_concurrent_streams_decode_together_without_cross_talk(server, path_log):
+    port, _ = server
+    max_tokens = 48
+    alone = [stream_chat(port, p, max_tokens) for p in PROMPTS]
+    assert len(set(alone)) == len(alone)  # distinct answers, so a swap would show
+    results: dict[int, str] = {}
+    errors = []
+    start = threading.Barrier(len(PROMPTS))
+
+    def client(i):
+        try:
+            start.wait()
+            results[i] = stream_chat(port, PROMPTS[i], max_tokens)
+        except Exception as exc:  # reported below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert [results[i] for i in range(len(PROMPTS))] == alone
+    # The streams did decode together, on lily's path.
+    records = read_paths(path_log)
+    assert all(r["path"] == "lily" for r in records), records
+    assert any(r["step"] == "decode" and r["batch"] >= 2 for r in records), records
+
+
+def test_a_client_disconnecting_mid_stream(server):
+    port, proc = server
+    want = stream_chat(port, PROMPTS[1], 16)
+    stream_chat(port, PROMPTS[2], 400, stop_after=3)  # hangs up after 3 chunks
+    # The server stays up, and the next stream is unaffected.
+    assert proc.poll() is None
+    assert stream_chat(port, PROMPTS[1], 16) == want
     status, _ = request(port, "POST", "/v1/chat/completions", CHAT)
     assert status == 200

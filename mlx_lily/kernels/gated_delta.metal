@@ -22,6 +22,10 @@
 // 32 tokens instead of per token. y works the same way backwards: lane j keeps
 // token t0 + j's output, and the chunk's outputs leave in one store.
 //
+// Padding (HAS_MASK): a masked step leaves the state exactly as it was, as
+// stock's does: its lane sets g = 1 and beta = 0, so S * 1 and S + k * 0 are
+// S to the bit, with no branch around the SIMD-group sums. Its y is 0.
+//
 // Loads: q, k and v of token t + 1 are issued before token t's arithmetic, so
 // their latency hides behind the dependent chain of the current token.
 //
@@ -36,9 +40,11 @@
 //
 // Template: InT (q, k, v and y dtype), SumT, BetaT (see Rounding), Dk (a
 //           multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),
-//           HAS_STATE (false: the state starts at zero; state_in is a dummy).
+//           HAS_STATE (false: the state starts at zero; state_in is a dummy),
+//           HAS_MASK (false: every step is real; mask is a dummy).
 // Inputs:   q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv];
-//           A_log, dt_bias [Hv]; state_in [B, Hv, Dv, Dk] fp32.
+//           A_log, dt_bias [Hv]; state_in [B, Hv, Dv, Dk] fp32;
+//           mask [B, T] bool (false: a padding step).
 // Outputs:  y [B, T, Hv, Dv] InT; state_out [B, Hv, Dv, Dk] fp32.
 
 constexpr uint SIMD_WIDTH = 32;
@@ -67,6 +73,7 @@ uint key_head = head / VALUE_HEADS_PER_KEY_HEAD;
 uint qk_at = batch * n_tokens * QK_STEP + key_head * Dk + lane;
 uint v_at = batch * n_tokens * V_STEP + head * Dv + dv;
 uint gate_at = batch * n_tokens * GATE_STEP + head;
+uint mask_at = batch * n_tokens;
 uint state_at = state_row * Dk + lane;
 
 float S[KEYS_PER_LANE];
@@ -116,6 +123,14 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
   float sigmoid_neg = 1.0f / (1.0f + exp_b);
   float my_beta = bx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg;
   my_beta = static_cast<float>(static_cast<BetaT>(my_beta));
+  bool my_step_real = true;
+  if (HAS_MASK) {
+    my_step_real = mask[mask_at + (token_live ? my_token : t0)];
+  }
+  if (!my_step_real) {
+    my_g = 1.0f;
+    my_beta = 0.0f;
+  }
 
   uint remaining = n_tokens - t0;
   uint chunk = remaining < SIMD_WIDTH ? remaining : SIMD_WIDTH;
@@ -163,7 +178,7 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
     v_now = v_next;
   }
   if (live && token_live) {
-    y[v_at + my_token * V_STEP] = static_cast<InT>(my_y);
+    y[v_at + my_token * V_STEP] = static_cast<InT>(my_step_real ? my_y : 0.0f);
   }
 }
 

@@ -11,6 +11,12 @@ softplus(a + dt_bias)), beta = sigmoid(b):
 The reference is mlx-lm's own `gated_delta_update` (its per-token loop on a
 CPU or CUDA, its Metal kernel on Apple GPUs), so the reference path is stock.
 
+A padding mask [B, T] (False: a padding step, from the batch generator's
+left-padded or length-limited batches) leaves the state untouched at masked
+steps, as stock does. The output at masked steps is not used by anyone and
+not part of the contract (stock's Metal kernel writes 0 there, its per-token
+loop the unmasked value; lily's kernel writes 0).
+
 The kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
 in one dispatch: one SIMD group per state row, the row in registers, looping
 over the call's tokens. Its contract with the reference, relative to the
@@ -38,9 +44,9 @@ def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float =
     return normalize_qk(q, k, inv_scale=inv_scale, eps=eps)
 
 
-def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None):
-    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv] -> (y, state)."""
-    return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, None)
+def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
+    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; mask [B, T] -> (y, state)."""
+    return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
 
 
 def _sample_qk():
@@ -49,9 +55,8 @@ def _sample_qk():
     return (q, k, 32**-0.5), {}
 
 
-def _sample_recurrence():
+def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16):
     keys = mx.random.split(mx.random.key(5), 6)
-    B, T, Hk, Hv, Dk, Dv = 1, 5, 2, 4, 32, 16
     q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
     q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
     v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)
@@ -79,7 +84,7 @@ KERNEL_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_ELEMENTS = 2**31
 
 
-def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
+def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) -> Optional[str]:
     """None when the kernel takes this call, else why not."""
     if q.ndim != 4 or k.shape != q.shape:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)} (kernel: both [B, T, Hk, Dk])"
@@ -109,20 +114,24 @@ def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[
             return f"state {tuple(state.shape)} (kernel: [B, Hv, Dv, Dk] = {(B, Hv, Dv, Dk)})"
         if state.dtype != mx.float32:
             return f"state dtype {state.dtype} (kernel: float32)"
+    if mask is not None and (tuple(mask.shape) != (B, T) or mask.dtype != mx.bool_):
+        return f"mask {tuple(mask.shape)} {mask.dtype} (kernel: [B, T] = {(B, T)} bool)"
     if max(q.size, v.size, B * Hv * Dv * Dk) >= MAX_ELEMENTS:
         return f"too large for 32-bit indexing: q {tuple(q.shape)}, v {tuple(v.shape)}"
     return None
 
 
-def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None) -> Launch:
+def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) -> Launch:
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     rows = B * Hv * Dv
-    has_state = state is not None
-    # Without a state the body never reads state_in: a one-element stand-in.
+    has_state, has_mask = state is not None, mask is not None
+    # Without a state (mask) the body never reads state_in (mask): a
+    # one-element stand-in.
     state_in = state if has_state else mx.zeros((1,), mx.float32)
+    mask_in = mask if has_mask else mx.zeros((1,), mx.bool_)
     return Launch(
-        inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv), state_in],
+        inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv), state_in, mask_in],
         grid=(rows * SIMD_WIDTH, 1, 1),
         threadgroup=(min(ROWS_PER_THREADGROUP, rows) * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
@@ -138,6 +147,7 @@ def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None) -> Launch:
             ("Hk", Hk),
             ("Hv", Hv),
             ("HAS_STATE", has_state),
+            ("HAS_MASK", has_mask),
         ],
         finish=lambda outputs: (outputs[0], outputs[1]),
     )
@@ -178,11 +188,15 @@ def _coarser(*dtypes) -> mx.Dtype:
     return max(dtypes, key=lambda d: order.index(d) if d in order else 0)
 
 
-def gated_delta_agree(got, want, q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
+def gated_delta_agree(
+    got, want, q, k, v, a, b, A_log, dt_bias, state=None, mask=None
+) -> Optional[str]:
     """None when (y, state) from the kernel meet the op's contract, else the breach."""
     (y, s), (y_ref, s_ref) = got, want
     if y.shape != y_ref.shape or y.dtype != y_ref.dtype:
         return f"y {tuple(y.shape)} {y.dtype} vs reference {tuple(y_ref.shape)} {y_ref.dtype}"
+    if mask is not None:  # y at masked steps is outside the contract
+        y, y_ref = (mx.where(mask[..., None, None], t, 0) for t in (y, y_ref))
     if s.shape != s_ref.shape or s.dtype != mx.float32:
         return f"state {tuple(s.shape)} {s.dtype} vs reference {tuple(s_ref.shape)} float32"
     y_err, y_tol = _relative_error(y, y_ref), Y_TOLERANCE.get(q.dtype, 2e-2)
@@ -209,7 +223,7 @@ def gated_delta_compare(got, want) -> tuple[bool, float]:
 
 gated_delta_kernel = Kernel(
     name="gated_delta",
-    input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in"),
+    input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask"),
     output_names=("y", "state_out"),
     body="gated_delta.metal",
     launch=_launch_gated_delta,

@@ -2,25 +2,47 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import kernels as K
-from .fast_path import note_stock, why_stock
+from .fast_path import note_stock, record, why_stock
+
+Mask = Union[None, str, mx.array]
+
+
+def plain_causal(mask: Mask, cache: Any, n_queries: int) -> Mask:
+    """'causal' for a BatchKVCache's prefill mask when no row is left-padded.
+
+    BatchKVCache.make_mask builds the causal mask as an array (plus each row's
+    left padding); without padding it is exactly sdpa's bottom-right 'causal',
+    which lets sdpa take its fused causal path instead of reading an L x S
+    array. Only prefill asks: left_padding is already evaluated there (the
+    batch generator evaluates cache state after each chunk), so reading it
+    does not wait on queued work, as it would in the decode loop.
+    """
+    if n_queries == 1 or not isinstance(mask, mx.array) or type(cache) is not BatchKVCache:
+        return mask
+    return "causal" if max(cache.left_padding.tolist()) <= 0 else mask
 
 
 class LilyAttention(Qwen3NextAttention):
-    def __call__(self, x: mx.array, mask: Optional[Any] = None, cache: Any = None):
-        reason = why_stock(self, x, mask, cache, KVCache)
+    def __call__(self, x: mx.array, mask: Mask = None, cache: Any = None):
+        reason = why_stock(self, cache, KVCache)
         if reason is not None:
             note_stock("full attention", reason)
+            record("full attention", "stock", x, mask, cache)
             return super().__call__(x, mask, cache)
+        record("full attention", "lily", x, mask, cache)
         return self._lily(x, mask, cache)
 
-    def _lily(self, x: mx.array, mask: Optional[str], cache: Optional[KVCache]) -> mx.array:
+    def _lily(self, x: mx.array, mask: Mask, cache: Optional[KVCache]) -> mx.array:
+        """mask: None, 'causal', or an array broadcasting to [B, Hq, L, S]
+        (boolean or additive). With a BatchKVCache, cache.offset is one
+        position per row (left padding makes them differ)."""
         B, L, _ = x.shape
         # q_proj yields each head's query and its output gate side by side.
         queries, gate = mx.split(
@@ -38,6 +60,6 @@ class LilyAttention(Qwen3NextAttention):
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
 
-        out = K.attention(queries, keys, values, self.scale, mask)
+        out = K.attention(queries, keys, values, self.scale, plain_causal(mask, cache, L))
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))

@@ -1,41 +1,60 @@
-"""Which calls a lily layer serves itself, and the notice when it does not."""
+"""Which calls a lily layer serves itself, and the notice when it does not.
+
+Lily's layers take every call mlx-lm's generators make at inference: any
+batch size, padding masks (boolean or additive arrays), left-padded and
+length-limited batches, and the caches ``KVCache``, ``BatchKVCache`` and
+``ArraysCache`` (with or without ``left_padding`` / ``lengths``), for prefill
+and decode. Within a layer, each op picks its kernel or its reference per call.
+What remains for the stock layer's own code is listed by ``why_stock``.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
+from .. import paths
 from .._notice import notice_once
 
+# The KV caches lily's attention reads and writes itself.
+LILY_KV_CACHES = (KVCache, BatchKVCache)
 
-def why_stock(
-    layer: Any, x: mx.array, mask: Any = None, cache: Any = None, cache_kind: Any = None
-) -> Optional[str]:
+
+def why_stock(layer: Any, cache: Any = None, cache_kind: Any = None) -> Optional[str]:
     """None when lily's path takes this call, else the reason stock code runs it."""
     if layer.training:
-        return "training mode"
+        return "training mode (lily's ops have no backward pass)"
     if getattr(layer, "sharding_group", None) is not None:
-        return "sharded model"
-    if x.shape[0] != 1:
-        return "batch size > 1"
-    if mask is not None and not isinstance(mask, str):
-        return "padding mask"
+        return "sharded model (the layer needs its collectives)"
     if cache is None:
         return None
-    if cache_kind is ArraysCache:
-        if type(cache) is not ArraysCache:
-            return f"cache type {type(cache).__name__}"
-        if cache.lengths is not None or cache.left_padding is not None:
-            return "left-padded or length-limited batch"
-    elif cache_kind is KVCache and type(cache) is not KVCache:
-        return f"cache type {type(cache).__name__} (quantized, rotating or batched KV cache)"
+    if cache_kind is ArraysCache and type(cache) is not ArraysCache:
+        return f"cache type {type(cache).__name__} (lily's Gated DeltaNet takes ArraysCache)"
+    if cache_kind is KVCache and type(cache) not in LILY_KV_CACHES:
+        return (
+            f"cache type {type(cache).__name__} (lily's attention takes KVCache and "
+            "BatchKVCache; quantized, rotating, chunked and concatenating KV caches run stock)"
+        )
     return None
 
 
 def note_stock(layer_kind: str, reason: str) -> None:
     notice_once(
         f"stock:{layer_kind}:{reason}",
-        f"{layer_kind}: {reason}; this layer runs stock mlx-lm code for such calls",
+        f"{layer_kind}: {reason}; every call of this kind runs stock mlx-lm's layer code",
     )
+
+
+def record(layer_kind: str, path: str, x: mx.array, mask: Any = None, cache: Any = None) -> None:
+    """Note the call's path for ``mlx_lily.paths`` (a no-op unless recording)."""
+    if paths.active():
+        paths.record(
+            layer=layer_kind,
+            path=path,
+            batch=int(x.shape[0]),
+            step="decode" if x.shape[1] == 1 else "prefill",
+            mask=paths.describe_mask(mask),
+            cache=paths.describe_cache(cache),
+        )

@@ -9,23 +9,45 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from .. import kernels as K
-from .fast_path import note_stock, why_stock
+from .fast_path import note_stock, record, why_stock
+
+
+def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.array]) -> mx.array:
+    """The last n_keep rows each batch entry's convolution saw: the call's last
+    rows, or, with lengths (right-padded prompts), the rows before each entry's
+    end, as stock keeps them."""
+    if lengths is None:
+        return mx.contiguous(conv_input[:, -n_keep:, :])
+    steps = conv_input.shape[1] - n_keep
+    ends = mx.clip(lengths, 0, steps)
+    positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+    return mx.take_along_axis(conv_input, positions, axis=1)
 
 
 class LilyGatedDeltaNet(GatedDeltaNet):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Any = None):
-        reason = why_stock(self, inputs, mask, cache, ArraysCache)
+        reason = why_stock(self, cache, ArraysCache)
         if reason is not None:
             note_stock("Gated DeltaNet", reason)
+            record("Gated DeltaNet", "stock", inputs, mask, cache)
             return super().__call__(inputs, mask, cache)
-        return self._lily(inputs, cache)
+        record("Gated DeltaNet", "lily", inputs, mask, cache)
+        return self._lily(inputs, mask, cache)
 
-    def _lily(self, inputs: mx.array, cache: Optional[ArraysCache]) -> mx.array:
+    def _lily(
+        self, inputs: mx.array, mask: Optional[mx.array], cache: Optional[ArraysCache]
+    ) -> mx.array:
+        """mask [B, S] bool (padding steps False), from the batch generator's
+        ArraysCache.make_mask; None when every step is real."""
         B, S, _ = inputs.shape
         qkv = self.in_proj_qkv(inputs)
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = self.in_proj_b(inputs)
         a = self.in_proj_a(inputs)
+
+        # Padding steps enter the convolution as zeros, as in stock.
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
 
         # The convolution sees the last K-1 rows of the previous call first.
         n_keep = self.conv_kernel_size - 1
@@ -34,7 +56,7 @@ class LilyGatedDeltaNet(GatedDeltaNet):
             conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
         conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if cache is not None:
-            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+            cache[0] = next_conv_state(conv_input, n_keep, cache.lengths)
         conv_out = K.conv1d_silu(conv_input, self.conv1d.weight)
 
         q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
@@ -43,8 +65,9 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
         q, k = K.l2norm_qk(q, k, self.head_k_dim**-0.5)
 
+        # Masked steps leave the recurrent state untouched.
         state = cache[1] if cache is not None else None
-        out, state = K.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state)
+        out, state = K.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state, mask)
         if cache is not None:
             cache[1] = state
             cache.advance(S)

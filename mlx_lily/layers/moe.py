@@ -6,15 +6,19 @@ import mlx.core as mx
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 from .. import kernels as K
-from .fast_path import note_stock, why_stock
+from .fast_path import note_stock, record, why_stock
 
 
 class LilySparseMoeBlock(Qwen3NextSparseMoeBlock):
     def __call__(self, x: mx.array) -> mx.array:
-        reason = why_stock(self, x)
+        # Any batch: every token is routed on its own (padding rows too, as in
+        # stock; their outputs are never read).
+        reason = why_stock(self)
         if reason is not None:
             note_stock("MoE", reason)
+            record("MoE", "stock", x)
             return super().__call__(x)
+        record("MoE", "lily", x)
         inds, scores = K.router_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         y = K.moe_experts(x, inds, self.switch_mlp)
         shared = self.shared_expert(x)

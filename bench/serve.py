@@ -1,0 +1,571 @@
+"""The load benchmark: concurrent streaming requests against ``mlx_lm.server``.
+
+``python -m bench --serve --help``. For each engine (``--backend lily`` and
+``--backend mlx``, on the same checkpoint) one ``mlx_lm.server`` (started as
+``python -m mlx_lily serve --backend ENGINE``: mlx-lm's server main, no
+startup hook needed) runs on loopback (a free
+port on 127.0.0.1) and gets, after a warmup:
+
+* each prompt alone, one after another (the single-request runs; their
+  figures are the "1 stream" row);
+* for each concurrency N > 1 (default 4 and 16), N streaming requests sent at
+  once, prompt i to stream i.
+
+Per stream: time to first token (TTFT: request sent to first text received),
+decode speed (tokens after the first / time from the first to the last), and
+whether its greedy text equals the single-request run of the same prompt.
+Per wave: aggregate tokens/s (all streams' generated tokens / wall time from
+the first request sent to the last stream done). Then one request's prefill
+under the server (prompt tokens / TTFT of the single runs, median) against
+``mlx_lm.generate``'s (``stream_generate``'s prompt tokens/s, lily, warmed up,
+same prompt) in a fresh process.
+
+Bounded: ``--budget-s`` stops starting new waves once spent (what was skipped
+is recorded), every request has a timeout, every server is stopped. The lily
+server records the path its layers took (``MLX_LILY_TRACE_PATHS``) and the
+report includes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import REPO_ROOT, file_stem, log, machine_info, now_iso, software_info  # noqa: E402
+
+HOST = "127.0.0.1"
+ENGINES = ("lily", "mlx")
+# Words the prompts are drawn from (any text does: the weights are random or
+# the checkpoint is real; only the token count matters).
+WORDS = (
+    "river stone light window garden paper winter morning silver candle forest "
+    "harbor engine signal orange market letter bridge thunder meadow pocket "
+    "lantern compass violin desert mirror ladder island feather velvet canyon"
+).split()
+
+EXAMPLES = """\
+examples:
+  python -m bench --serve                                   # demo shape, CPU-sized
+  python -m bench --serve --model PATH --prompt-tokens 512 --max-tokens 32
+  python -m bench --serve --shape qwen3.6-35b-a3b --checkpoint-dir /tmp/ckpt
+
+outputs go to --out as serve-<date>-<host>-<chip>-<git rev>.{json,md};
+server logs and lily's recorded layer paths beside them.
+"""
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench --serve", description=__doc__.split("\n\n")[0],
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a checkpoint path or hub id")
+    src.add_argument("--shape", default=None, help="a random checkpoint's shape (default demo)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random checkpoint")
+    p.add_argument("--checkpoint-dir", help="where to write the random checkpoint (default: the cache)")
+    p.add_argument("--concurrency", default="1,4,16", help="stream counts (default 1,4,16)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, about (default 256)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per stream (default 32)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt length of the one-request prefill check (default: --prompt-tokens)")
+    p.add_argument("--engines", default="lily,mlx", help="backends to serve (default lily,mlx)")
+    p.add_argument("--budget-s", type=float, default=420, help="no new wave after this (default 420)")
+    p.add_argument("--server-timeout-s", type=float, default=600, help="server start limit")
+    p.add_argument("--request-timeout-s", type=float, default=300, help="per-request limit")
+    p.add_argument("--no-generate-check", action="store_true", help="skip the prefill vs generate check")
+    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"), help="output folder")
+    p.add_argument("--generate-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.concurrency or min(args.concurrency) < 1:
+        p.error("--concurrency: positive stream counts, e.g. 1,4,16")
+    if any(e not in ENGINES for e in args.engines):
+        p.error(f"--engines: a subset of {','.join(ENGINES)}")
+    return args
+
+
+# ----------------------------------------------------------------- prompts
+
+
+def make_prompts(tokenizer, count: int, n_tokens: int) -> List[str]:
+    """count distinct prompts of about n_tokens tokens each (at least)."""
+    prompts = []
+    for i in range(count):
+        rng = random.Random(1000 + i)
+        words = [f"Request {i}:"]
+        while len(tokenizer.encode(" ".join(words))) < n_tokens:
+            words.extend(rng.choice(WORDS) for _ in range(8))
+        while len(words) > 2 and len(tokenizer.encode(" ".join(words[:-1]))) >= n_tokens:
+            words.pop()
+        prompts.append(" ".join(words))
+    return prompts
+
+
+# ------------------------------------------------------------------ server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``mlx_lm.server --backend ENGINE`` on a free loopback port."""
+
+    def __init__(self, model: str, engine: str, out: Path, max_tokens: int, timeout_s: float):
+        self.engine, self.port = engine, free_port()
+        self.log_path = out / f"server-{engine}.log"
+        env = {k: v for k, v in os.environ.items() if k != "MLX_LM_BACKEND"}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self.paths_file = None
+        if engine == "lily":
+            self.paths_file = out / "paths-lily.jsonl"
+            self.paths_file.unlink(missing_ok=True)
+            env["MLX_LILY_TRACE_PATHS"] = str(self.paths_file)
+        # mlx_lm.server's own main through lily's entry point, which takes
+        # --backend without the startup hook (a checkout on PYTHONPATH has none).
+        self.cmd = [
+            sys.executable, "-m", "mlx_lily", "serve", "--model", model, "--backend", engine,
+            "--host", HOST, "--port", str(self.port),
+            # No prompt-cache reuse: every request prefills its whole prompt.
+            "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
+        ]
+        start = time.perf_counter()
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self._wait_up(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - start
+
+    def _wait_up(self, timeout_s: float) -> None:
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited early; see {self.log_path}")
+            try:
+                conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
+                conn.request("GET", "/v1/models")
+                ok = conn.getresponse().status == 200
+                conn.close()
+                if ok:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.engine} server not up within {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[str, Any]:
+    """One streaming text completion, greedy; its timings and text."""
+    body = {
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    first = last = None
+    text, usage = [], {}
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            piece = choice.get("text") or ""
+            if piece:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+                text.append(piece)
+    done = time.perf_counter()
+    conn.close()
+    tokens = int(usage.get("completion_tokens", 0))
+    decode_s = (last - first) if first is not None and last is not None else 0.0
+    return {
+        "text": "".join(text),
+        "prompt_tokens": int(usage.get("prompt_tokens", 0)),
+        "completion_tokens": tokens,
+        "ttft_s": (first - sent) if first is not None else None,
+        "decode_tps": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+        "sent": sent,
+        "done": done,
+    }
+
+
+def wave(port: int, prompts: List[str], max_tokens: int, timeout_s: float) -> Dict[str, Any]:
+    """All prompts at once, one stream each."""
+    results: List[Optional[Dict[str, Any]]] = [None] * len(prompts)
+    errors: List[str] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def client(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = stream(port, prompts[i], max_tokens, timeout_s)
+        except Exception as exc:  # recorded; the wave reports it
+            errors.append(f"stream {i}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 30)
+    streams = [r for r in results if r is not None]
+    if len(streams) < len(prompts) and not errors:
+        errors.append("a stream did not finish in time")
+    return summarize(streams, errors, concurrent=True)
+
+
+def summarize(streams: List[Dict[str, Any]], errors: List[str], concurrent: bool) -> Dict[str, Any]:
+    def median(key):
+        values = [s[key] for s in streams if s.get(key) is not None]
+        return statistics.median(values) if values else None
+
+    tokens = sum(s["completion_tokens"] for s in streams)
+    if concurrent and streams:
+        wall = max(s["done"] for s in streams) - min(s["sent"] for s in streams)
+        aggregate = tokens / wall if wall > 0 else None
+    else:  # single runs: one stream at a time, so each stream's own rate
+        wall = sum(s["done"] - s["sent"] for s in streams)
+        aggregate = median("stream_tps")
+    ttfts = [s["ttft_s"] for s in streams if s.get("ttft_s") is not None]
+    decode = [s["decode_tps"] for s in streams if s.get("decode_tps") is not None]
+    return {
+        "streams": [{k: v for k, v in s.items() if k not in ("sent", "done")} for s in streams],
+        "errors": errors,
+        "wall_s": wall,
+        "completion_tokens": tokens,
+        "aggregate_tps": aggregate,
+        "ttft_median_s": statistics.median(ttfts) if ttfts else None,
+        "ttft_max_s": max(ttfts) if ttfts else None,
+        "decode_tps_median": statistics.median(decode) if decode else None,
+        "decode_tps_min": min(decode) if decode else None,
+        "prompt_tokens_median": median("prompt_tokens"),
+    }
+
+
+def singles(port: int, prompts: List[str], max_tokens: int, timeout_s: float) -> Dict[str, Any]:
+    """Each prompt alone, one after another."""
+    streams, errors = [], []
+    for i, prompt in enumerate(prompts):
+        try:
+            s = stream(port, prompt, max_tokens, timeout_s)
+        except Exception as exc:
+            errors.append(f"prompt {i}: {exc}")
+            continue
+        span = s["done"] - s["sent"]
+        s["stream_tps"] = s["completion_tokens"] / span if span > 0 else None
+        s["prefill_tps"] = s["prompt_tokens"] / s["ttft_s"] if s.get("ttft_s") else None
+        streams.append(s)
+    out = summarize(streams, errors, concurrent=False)
+    prefill = [s["prefill_tps"] for s in streams if s.get("prefill_tps")]
+    out["prefill_tps_median"] = statistics.median(prefill) if prefill else None
+    return out
+
+
+def check_greedy(result: Dict[str, Any], alone: Dict[str, Any]) -> None:
+    """Mark each stream's text against its prompt's single-request text."""
+    reference = [s["text"] for s in alone["streams"]]
+    same = []
+    for i, s in enumerate(result["streams"]):
+        want = reference[i] if i < len(reference) else None
+        s["same_as_single"] = want is not None and s["text"] == want
+        if want is not None and s["text"] != want:
+            s["first_difference_at_char"] = next(
+                (j for j, (a, b) in enumerate(zip(s["text"], want)) if a != b), min(len(s["text"]), len(want))
+            )
+        same.append(s["same_as_single"])
+    result["same_as_single"] = f"{sum(same)}/{len(same)}"
+
+
+# --------------------------------------------------------- generate check
+
+
+def generate_worker(spec_path: str, out_path: str) -> int:
+    """Lily's prefill through mlx_lm.stream_generate (what mlx_lm.generate
+    runs), one warmup then one measured run, in this fresh process."""
+    import mlx_lily
+    from mlx_lm import stream_generate
+
+    spec = json.loads(Path(spec_path).read_text())
+    model, tokenizer = mlx_lily.load(spec["model"], backend="lily")
+    runs = []
+    for _ in range(2):
+        last = None
+        for last in stream_generate(model, tokenizer, spec["prompt"], max_tokens=spec["max_tokens"]):
+            pass
+        runs.append({"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
+                     "generation_tps": last.generation_tps})
+    Path(out_path).write_text(json.dumps({"warmup": runs[0], "measured": runs[1]}))
+    return 0
+
+
+def generate_check(model: str, prompt: str, max_tokens: int, out: Path, timeout_s: float) -> Dict[str, Any]:
+    spec, result = out / "generate-spec.json", out / "generate-result.json"
+    spec.write_text(json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens}))
+    result.unlink(missing_ok=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "bench.serve", "--generate-worker", str(spec), str(result)]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    spec.unlink(missing_ok=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"]}
+    data = json.loads(result.read_text())
+    result.unlink(missing_ok=True)
+    return data
+
+
+# ------------------------------------------------------------------- main
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model:
+        return args.model
+    from mlx_lily.checkpoints import make_checkpoint
+
+    shape = args.shape or "demo"
+    path = Path(args.checkpoint_dir) / f"{shape}-seed{args.seed}" if args.checkpoint_dir else None
+    log(f"checkpoint: random {shape} (seed {args.seed}), written once")
+    return str(make_checkpoint(path, shape=shape, seed=args.seed, quiet=False))
+
+
+def run_engine(engine: str, model: str, prompts: List[str], args, out: Path, deadline: float) -> Dict[str, Any]:
+    result: Dict[str, Any] = {"engine": engine, "waves": {}, "skipped": []}
+    log(f"{engine}: starting mlx_lm.server --backend {engine}")
+    server = Server(model, engine, out, args.max_tokens, args.server_timeout_s)
+    result["startup_s"] = server.startup_s
+    result["server_command"] = " ".join(server.cmd[1:])
+    try:
+        # Warmup: every concurrency once, a few tokens (compiles kernels for
+        # each batch size before anything is timed).
+        t0 = time.perf_counter()
+        for n in args.concurrency:
+            wave(server.port, prompts[:n], min(4, args.max_tokens), args.request_timeout_s)
+        result["warmup_s"] = time.perf_counter() - t0
+        log(f"{engine}: up in {server.startup_s:.0f} s, warmed up in {result['warmup_s']:.0f} s")
+        n_max = max(args.concurrency)
+        if time.perf_counter() > deadline:
+            result["skipped"].append("all waves (time budget spent in startup and warmup)")
+            return result
+        alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
+        result["waves"]["1"] = alone
+        log(f"{engine}: {len(alone['streams'])} single runs, TTFT median {alone['ttft_median_s']}")
+        # One request's prefill at --prefill-tokens: once to warm that shape up,
+        # once measured.
+        if time.perf_counter() > deadline:
+            result["skipped"].append("prefill check (time budget)")
+        else:
+            for _ in range(2):
+                one = stream(server.port, args.prefill_prompt, 2, args.request_timeout_s)
+            result["prefill_single"] = {
+                "prompt_tokens": one["prompt_tokens"], "ttft_s": one["ttft_s"],
+                "prefill_tps": one["prompt_tokens"] / one["ttft_s"] if one["ttft_s"] else None,
+            }
+        for n in args.concurrency:
+            if n == 1:
+                continue
+            if time.perf_counter() > deadline:
+                result["skipped"].append(f"{n} streams (time budget)")
+                continue
+            w = wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
+            check_greedy(w, alone)
+            result["waves"][str(n)] = w
+            log(f"{engine}: {n} streams, {w['aggregate_tps']} tok/s aggregate, same as single {w['same_as_single']}")
+    finally:
+        server.stop()
+        if server.paths_file is not None and server.paths_file.exists():
+            result["layer_paths"] = [json.loads(l) for l in server.paths_file.read_text().splitlines()]
+    return result
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.generate_worker:
+        return generate_worker(*args.generate_worker)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    deadline = started + args.budget_s
+    model = resolve_model(args)
+
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model)) if Path(model).exists() else None
+    if tokenizer is None:
+        from mlx_lm.utils import hf_repo_to_path
+
+        tokenizer = load_tokenizer(hf_repo_to_path(model))
+    prompts = make_prompts(tokenizer, max(args.concurrency), args.prompt_tokens)
+    # The prefill check's prompt: its own text, so no stream shares its start.
+    args.prefill_prompt = "Prefill. " + make_prompts(
+        tokenizer, 1, args.prefill_tokens or args.prompt_tokens
+    )[0]
+
+    report: Dict[str, Any] = {
+        "kind": "serve",
+        "started": now_iso(),
+        "machine": machine_info(),
+        "software": software_info(),
+        "settings": {
+            "model": model if args.model else None,
+            "shape": None if args.model else (args.shape or "demo"),
+            "seed": args.seed,
+            "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
+            "engines": args.engines,
+            "budget_s": args.budget_s,
+            "sampling": "greedy (temperature 0)",
+            "server_flags": "--prompt-cache-size 0 (every request prefills), other flags default",
+        },
+        "engines": {},
+    }
+    for engine in args.engines:
+        try:
+            report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline)
+        except Exception as exc:  # recorded; the other engine still runs
+            report["engines"][engine] = {"engine": engine, "error": str(exc)}
+            log(f"{engine}: failed: {exc}")
+    if "lily" in args.engines and not args.no_generate_check:
+        if time.perf_counter() > deadline:
+            report["generate_check"] = {"skipped": "time budget"}
+        else:
+            log("prefill check: mlx_lm stream_generate with lily, same prompt")
+            gen = generate_check(model, args.prefill_prompt, 2, out, args.server_timeout_s)
+            report["generate_check"] = gen
+    report["prefill_vs_generate"] = prefill_ratio(report)
+    report["elapsed_s"] = time.perf_counter() - started
+
+    stem = file_stem("serve", report["machine"], report["software"]["git_revision"])
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+    table = markdown(report)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    log(f"wrote {out / stem}.json and .md in {report['elapsed_s']:.0f} s")
+    return 0
+
+
+def prefill_ratio(report: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    first = report["engines"].get("lily", {}).get("prefill_single")
+    gen = (report.get("generate_check") or {}).get("measured")
+    if not first or not gen or not first.get("prefill_tps"):
+        return None
+    server_tps = first["prefill_tps"]
+    return {
+        "server_prefill_tps": server_tps,
+        "server_prompt_tokens": first["prompt_tokens"],
+        "generate_prefill_tps": gen["prompt_tps"],
+        "generate_prompt_tokens": gen["prompt_tokens"],
+        "ratio": server_tps / gen["prompt_tps"],
+        "note": "server: prompt tokens / time to first text of one request alone, second of two "
+        "(includes HTTP, queueing and the batch generator's first decode step); "
+        "generate: stream_generate's prompt_tps, second of two runs, same prompt",
+    }
+
+
+def _fmt(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:,.{digits}f}"
+    return str(x)
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    s = report["settings"]
+    acc = report["machine"].get("accelerator", {})
+    lines = [
+        f"# mlx_lm.server load: {s['shape'] or s['model']}",
+        "",
+        f"{acc.get('name', '?')}, mlx {report['software']['mlx']}, mlx-lm {report['software']['mlx_lm']}, "
+        f"revision {report['software']['git_revision']}; prompts of ~{s['prompt_tokens']} tokens, "
+        f"{s['max_tokens']} tokens per stream, greedy.",
+        "",
+        "| streams | engine | aggregate tok/s | TTFT median s | TTFT max s | per-stream decode tok/s (median / min) | greedy = single |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    counts = sorted({int(n) for e in report["engines"].values() for n in e.get("waves", {})})
+    for n in counts:
+        for name, e in report["engines"].items():
+            w = e.get("waves", {}).get(str(n))
+            if w is None:
+                continue
+            same = "reference" if n == 1 else w.get("same_as_single", "-")
+            lines.append(
+                f"| {n} | {name} | {_fmt(w['aggregate_tps'])} | {_fmt(w['ttft_median_s'], 3)} | "
+                f"{_fmt(w['ttft_max_s'], 3)} | {_fmt(w['decode_tps_median'])} / {_fmt(w['decode_tps_min'])} | {same} |"
+            )
+        both = [report["engines"].get(k, {}).get("waves", {}).get(str(n)) for k in ENGINES]
+        if all(both) and both[0]["aggregate_tps"] and both[1]["aggregate_tps"]:
+            lines.append(f"| {n} | lily / stock | {both[0]['aggregate_tps'] / both[1]['aggregate_tps']:.2f} | | | | |")
+    lines += ["", "1 stream: each prompt alone, one after another (aggregate = median stream tokens/s)."]
+    p = report.get("prefill_vs_generate")
+    if p:
+        lines.append(
+            f"Prefill, one request: server {p['server_prefill_tps']:,.0f} tok/s ({p['server_prompt_tokens']} tokens) vs "
+            f"mlx_lm generate {p['generate_prefill_tps']:,.0f} tok/s: ratio {p['ratio']:.2f}."
+        )
+    for name, e in report["engines"].items():
+        if e.get("error"):
+            lines.append(f"{name}: error: {e['error']}")
+        if e.get("skipped"):
+            lines.append(f"{name}: skipped: {', '.join(e['skipped'])}")
+        for n, w in e.get("waves", {}).items():
+            if w.get("errors"):
+                lines.append(f"{name}, {n} streams: errors: {'; '.join(w['errors'][:3])}")
+    paths = report["engines"].get("lily", {}).get("layer_paths")
+    if paths is not None:
+        stock = [r for r in paths if r["path"] != "lily"]
+        kinds = sorted({(r["layer"], r["step"], r["batch"]) for r in paths})
+        lines.append(
+            f"Lily's layer paths under the server: {len(paths)} kinds of call, "
+            f"{'all on lily' if not stock else f'{len(stock)} on stock: {stock}'}; "
+            f"batch sizes seen: {sorted({k[2] for k in kinds})}."
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Lily's layers under mlx-lm's batch generator: batches of several rows,
+left-padded and length-limited prompts, boolean masks, BatchKVCache and
+batched ArraysCache, continuous batching; what the server runs.
+
+Each case asserts the path every layer took (``mlx_lily.paths``), not only
+the tokens. On the reference backend lily's ops are stock's computation, so
+lily must reproduce stock's tokens exactly, and each row of a batch must
+give the tokens its prompt gives alone (the CPU's matmuls are row-exact).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator, batch_generate
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lily
+from mlx_lily import kernels as K
+from mlx_lily import paths
+from mlx_lily.kernels.gated_delta import gated_delta_kernel
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+PROMPTS = [[5, 9, 300, 41, 7], [12, 800], [64, 65, 66]]
+LAYERS = {"Gated DeltaNet", "full attention", "MoE"}
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+
+
+@pytest.fixture
+def recorded():
+    paths.start()
+    yield paths.seen
+    paths.stop()
+
+
+@pytest.fixture(scope="module")
+def models(demo_checkpoint):
+    stock, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="mlx")
+    lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    return stock, lily, tokenizer
+
+
+def tokens_of(model, tokenizer, prompts, max_tokens=6, **kwargs):
+    out = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True, **kwargs)
+    return out.token_ids
+
+
+def assert_all_lily(records):
+    """Every layer call took lily's path, and every layer kind was called."""
+    stock = [r for r in records if r["path"] != "lily"]
+    assert not stock, stock
+    assert {r["layer"] for r in records} == LAYERS
+
+
+def test_batch_of_two_runs_lily_s_layers(models, reference_backend, recorded, capfd):
+    stock, lily, _ = models
+    batch = mx.array([[17, 301, 45, 999, 2, 77], [7, 6, 5, 4, 3, 2]])
+    got, want = lily(batch), stock(batch)
+    assert mx.array_equal(got, want).item()
+    assert_all_lily(recorded())
+    assert {r["batch"] for r in recorded()} == {2}
+    assert "stock mlx-lm" not in capfd.readouterr().err
+
+
+def test_padded_batch_matches_stock_and_each_prompt_alone(models, reference_backend, recorded):
+    # batch_generate right-pads the prompts (ArraysCache lengths, BatchKVCache
+    # right padding rolled to the left afterwards), then decodes all rows
+    # together with left-padding masks.
+    stock, lily, tokenizer = models
+    got = tokens_of(lily, tokenizer, PROMPTS)
+    assert got == tokens_of(stock, tokenizer, PROMPTS)
+    assert got == [tokens_of(lily, tokenizer, [p])[0] for p in PROMPTS]
+    records = recorded()
+    assert_all_lily(records)
+    seen = {(r["layer"], r["step"], r["batch"], r["mask"], r["cache"]) for r in records}
+    batched = {
+        ("Gated DeltaNet", "prefill", 3, "array", "ArraysCache+left_padding+lengths"),
+        ("full attention", "prefill", 3, "array", "BatchKVCache+left_padding"),
+        ("MoE", "prefill", 3, "none", "none"),
+        ("Gated DeltaNet", "decode", 3, "none", "ArraysCache"),
+        ("full attention", "decode", 3, "array", "BatchKVCache+left_padding"),
+        ("MoE", "decode", 3, "none", "none"),
+    }
+    assert batched <= seen, batched - seen
+
+
+def test_continuous_batching_a_request_joins_the_decode_batch(models, reference_backend, recorded):
+    # The server's pattern: one request decodes, a second arrives and decodes
+    # with it; each gets the tokens it gets alone.
+    _, lily, tokenizer = models
+    alone = [tokens_of(lily, tokenizer, [p], max_tokens=8)[0] for p in PROMPTS[:2]]
+    gen = BatchGenerator(lily, completion_batch_size=8, prefill_batch_size=8)
+    out: dict[int, list[int]] = {}
+    (first,) = gen.insert([PROMPTS[0]], max_tokens=[8])
+    batch_sizes = []
+    for step in range(40):
+        if step == 3:
+            (second,) = gen.insert([PROMPTS[1]], max_tokens=[8])
+        _, responses = gen.next()
+        batch_sizes.append(len(responses))
+        for r in responses:
+            out.setdefault(r.uid, []).append(r.token)
+        if step > 3 and not responses:
+            break
+    gen.close()
+    assert [out[first], out[second]] == alone
+    assert max(batch_sizes) == 2
+    assert_all_lily(recorded())
+    assert any(r["step"] == "decode" and r["batch"] == 2 for r in recorded())
+
+
+def test_prompts_continuing_saved_caches(models, reference_backend, recorded):
+    # The server resumes prompts from its prompt cache: caches of different
+    # lengths merge into one BatchKVCache (left-padded) and ArraysCache.
+    stock, lily, tokenizer = models
+    heads, tails = [[5, 9, 300], [12]], [[41, 7], [800, 3, 4]]
+
+    def continued(model):
+        caches = [make_prompt_cache(model) for _ in heads]
+        for head, cache in zip(heads, caches):
+            model(mx.array([head]), cache=cache)
+        return tokens_of(model, tokenizer, tails, prompt_caches=caches)
+
+    assert continued(lily) == continued(stock)
+    assert_all_lily(recorded())
+
+
+def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
+    # With kernels (in the CPU emulator) the gated delta kernel takes the
+    # padded, batched calls itself, mask and all, and each row's tokens are
+    # those of its prompt alone.
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    lily, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    masked_calls = []
+    run_on = gated_delta_kernel.run_on
+
+    def spy(backend, *args):
+        masked_calls.append(len(args) > 8 and args[8] is not None)
+        return run_on(backend, *args)
+
+    monkeypatch.setattr(gated_delta_kernel, "run_on", spy)
+    prompts = PROMPTS[:2]
+    got = tokens_of(lily, tokenizer, prompts, max_tokens=3)
+    assert any(masked_calls) and K.OPS["gated_delta"].last_path == "kernel"
+    assert got == [tokens_of(lily, tokenizer, [p], max_tokens=3)[0] for p in prompts]
+    assert_all_lily(recorded())

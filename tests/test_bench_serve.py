@@ -1,0 +1,47 @@
+"""python -m bench --serve, at a CPU-sized scale: both servers come up on
+loopback, the waves run, every concurrent stream's greedy text equals its
+prompt's single-request text, lily's server ran lily's path for every layer,
+and the files say so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import serve
+
+
+def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MLX_LM_BACKEND", raising=False)
+    code = serve.main([
+        "--model", str(demo_checkpoint), "--concurrency", "1,3", "--prompt-tokens", "24",
+        "--max-tokens", "6", "--out", str(tmp_path), "--budget-s", "300",
+    ])
+    assert code == 0
+    (json_file,) = tmp_path.glob("serve-*.json")
+    (md_file,) = tmp_path.glob("serve-*.md")
+    report = json.loads(json_file.read_text())
+    assert report["settings"]["concurrency"] == [1, 3]
+    assert {"hostname", "accelerator"} <= report["machine"].keys()
+    assert {"mlx", "mlx_lm", "git_revision"} <= report["software"].keys()
+    for engine in ("lily", "mlx"):
+        e = report["engines"][engine]
+        assert not e.get("error") and not e["skipped"], e
+        alone, three = e["waves"]["1"], e["waves"]["3"]
+        assert len(alone["streams"]) == 3 and len(three["streams"]) == 3
+        assert not alone["errors"] and not three["errors"]
+        # Greedy and deterministic: batching changes no stream's text.
+        assert three["same_as_single"] == "3/3"
+        assert all(s["completion_tokens"] == 6 and s["prompt_tokens"] >= 24 for s in three["streams"])
+        assert three["aggregate_tps"] > 0 and three["ttft_median_s"] > 0
+    # The lily server's layers all took lily's path, the three-stream wave
+    # decoding as one batch of more than one row.
+    paths = report["engines"]["lily"]["layer_paths"]
+    assert paths and all(r["path"] == "lily" for r in paths)
+    assert any(r["step"] == "decode" and r["batch"] > 1 for r in paths)
+    ratio = report["prefill_vs_generate"]
+    assert ratio is not None and ratio["ratio"] > 0
+    table = md_file.read_text()
+    assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
+    assert capsys.readouterr().out.strip() == table.strip()
