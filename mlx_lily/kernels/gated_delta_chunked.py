@@ -37,6 +37,8 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..toolchain.build import Kernel, Launch
+
 # Tokens per chunk: the rows of the triangular system and of each tile pass.
 CHUNK = 64
 
@@ -141,3 +143,117 @@ def gated_delta_chunked_reference(
 
     y = mx.stack(ys, axis=2).reshape(B, Hv, n * chunk, Dv)[:, :, :T]
     return mx.moveaxis(y, 1, 2).astype(q.dtype), S
+
+
+# -- the tile kernels ----------------------------------------------------------
+#
+# Three passes (see the .metal files): prepare (every chunk in parallel: gates,
+# the triangular solve, W, U, P), state (sequential over chunks, parallel over
+# 16-row slices of each head's state) and output (every chunk in parallel).
+# They take bf16 q, k and v (the tiles' operand type; the launcher converts
+# others, which the op does not send them: see gated_delta.py).
+
+# Threads per threadgroup of each pass (the bodies assume these).
+PREPARE_THREADS, STATE_THREADS, OUTPUT_THREADS = 256, 128, 256
+# State rows carried by one threadgroup of the state pass (one tile).
+STATE_SLICE = 16
+# Head sizes the bodies' block shapes take: Dk a multiple of 64, Dv of 32,
+# both at most 128 (the staged blocks stay under 32 KiB of threadgroup memory).
+MAX_HEAD_DIM = 128
+
+_BF16 = mx.bfloat16
+
+
+def chunked_supports(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
+    """None when the chunked kernels take a call the sequential kernel takes."""
+    Dk, Dv = q.shape[-1], v.shape[-1]
+    if Dk % 64 or Dk > MAX_HEAD_DIM:
+        return f"Dk={Dk} (chunked kernels: a multiple of 64, at most {MAX_HEAD_DIM})"
+    if Dv % 32 or Dv > MAX_HEAD_DIM:
+        return f"Dv={Dv} (chunked kernels: a multiple of 32, at most {MAX_HEAD_DIM})"
+    return None
+
+
+def _prepare_launch(q, k, v, a, b, A_log, dt_bias) -> Launch:
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    n = -(-T // CHUNK)
+    Tp = n * CHUNK
+    return Launch(
+        inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv)],
+        grid=(n * PREPARE_THREADS, Hv, B),
+        threadgroup=(PREPARE_THREADS, 1, 1),
+        output_shapes=[(B, Hv, Tp, Dk), (B, Hv, Tp, Dv), (B, Hv, n, Dk, CHUNK),
+                       (B, Hv, n, CHUNK, CHUNK), (B, Hv, Tp)],
+        output_dtypes=[_BF16, mx.float32, _BF16, _BF16, mx.float32],
+        template=[
+            ("SumT", mx.result_type(a.dtype, dt_bias.dtype)),
+            ("BetaT", b.dtype),
+            ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("C", CHUNK),
+        ],
+    )
+
+
+def _state_launch(w, u, kd, gcum, state=None) -> Launch:
+    B, Hv, Tp, Dk = w.shape
+    Dv = u.shape[-1]
+    n = Tp // CHUNK
+    has_state = state is not None
+    return Launch(
+        inputs=[w, u, kd, gcum, state if has_state else mx.zeros((1,), mx.float32)],
+        grid=(Dv // STATE_SLICE * STATE_THREADS, Hv, B),
+        threadgroup=(STATE_THREADS, 1, 1),
+        output_shapes=[(B, Hv, n, Dv, CHUNK), (B, Hv, n, Dv, Dk), (B, Hv, Dv, Dk)],
+        output_dtypes=[_BF16, _BF16, mx.float32],
+        template=[("Dk", Dk), ("C", CHUNK), ("HAS_STATE", has_state)],
+    )
+
+
+def _output_launch(q, s0, d, p, gcum, out_dtype) -> Launch:
+    B, T, Hk, Dk = q.shape
+    Hv, n, Dv = s0.shape[1:4]
+    return Launch(
+        inputs=[q, s0, d, p, gcum],
+        grid=(n * OUTPUT_THREADS, Hv, B),
+        threadgroup=(OUTPUT_THREADS, 1, 1),
+        output_shapes=[(B, T, Hv, Dv)],
+        output_dtypes=[out_dtype],
+        template=[("InT", out_dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("C", CHUNK)],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+chunk_prepare_kernel = Kernel(
+    name="gated_delta_chunk_prepare",
+    input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias"),
+    output_names=("w_out", "u_out", "kd_out", "p_out", "gcum_out"),
+    body="gated_delta_chunk_prepare.metal",
+    launch=_prepare_launch,
+    tiles=True,
+)
+chunk_state_kernel = Kernel(
+    name="gated_delta_chunk_state",
+    input_names=("w", "u", "kd", "gcum", "state_in"),
+    output_names=("d_out", "s0_out", "state_out"),
+    body="gated_delta_chunk_state.metal",
+    launch=_state_launch,
+    tiles=True,
+)
+chunk_output_kernel = Kernel(
+    name="gated_delta_chunk_output",
+    input_names=("q", "s0", "d", "p", "gcum"),
+    output_names=("y",),
+    body="gated_delta_chunk_output.metal",
+    launch=_output_launch,
+    tiles=True,
+)
+CHUNKED_KERNELS = (chunk_prepare_kernel, chunk_state_kernel, chunk_output_kernel)
+
+
+def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=None):
+    """The three passes on ``backend`` -> (y in q's dtype, state fp32)."""
+    qb, kb, vb = (x.astype(_BF16) for x in (q, k, v))
+    w, u, kd, p, gcum = chunk_prepare_kernel.run_on(backend, qb, kb, vb, a, b, A_log, dt_bias)
+    d, s0, state_out = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state)
+    y = chunk_output_kernel.run_on(backend, qb, s0, d, p, gcum, q.dtype)
+    return y, state_out
