@@ -30,8 +30,24 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from ..toolchain.registry import LilyOp, register
+from .._notice import notice_once
+from ..toolchain.registry import LilyOp, kernel_backend, register
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from .gated_delta_chunked import (
+    CHUNKED_KERNELS,
+    chunked_supports,
+    gated_delta_chunked_reference,
+    gated_delta_chunked_run,
+)
+
+# Calls of at least this many tokens take the chunked form (kernels and, on a
+# CPU, the chunked reference); shorter ones (decode, short prompts) the
+# sequential scan. A default: bench/ops.py --gdn-sweep measures the crossover.
+CHUNKED_FROM = 64
+# The chunked kernels multiply bf16 tiles: they take bf16 activations (the
+# model's), whose q, k and v are then exact operands. Calls in fp16 or fp32
+# keep the sequential kernel and its fp32-level agreement.
+CHUNKED_DTYPES = (mx.bfloat16,)
 
 
 def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float = 1e-6):
@@ -39,7 +55,14 @@ def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float =
 
 
 def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None):
-    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv] -> (y, state)."""
+    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv] -> (y, state).
+
+    Stock's ``gated_delta_update``, except on a CPU from CHUNKED_FROM tokens,
+    where stock loops per token and the chunked form (same gates, fp32, within
+    ~1e-6 of it) runs instead.
+    """
+    if mx.default_device() == mx.cpu and q.shape[1] >= CHUNKED_FROM:
+        return gated_delta_chunked_reference(q, k, v, a, b, A_log, dt_bias, state)
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, None)
 
 
@@ -219,6 +242,104 @@ gated_delta_kernel = Kernel(
 )
 
 
+def _sample_chunked():
+    """Two chunks (the second partial), GQA, an incoming state: bf16 as the model runs."""
+    keys = mx.random.split(mx.random.key(6), 6)
+    B, T, Hk, Hv, Dk, Dv = 1, CHUNKED_FROM + 9, 1, 2, 64, 32
+    q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)
+    a = mx.random.normal((B, T, Hv), key=keys[2]).astype(mx.bfloat16)
+    b = mx.random.normal((B, T, Hv), key=keys[3]).astype(mx.bfloat16)
+    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[4]))
+    dt_bias = mx.ones((Hv,))
+    state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=keys[5])
+    return (q, k, v, a, b, A_log, dt_bias, state), {}
+
+
+def uses_chunked(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
+    """None when a call the sequential kernel takes goes to the chunked kernels."""
+    if q.shape[1] < CHUNKED_FROM:
+        return f"T={q.shape[1]} < CHUNKED_FROM={CHUNKED_FROM}"
+    if q.dtype not in CHUNKED_DTYPES:
+        return f"q/k/v dtype {q.dtype} (chunked kernels: bfloat16)"
+    return chunked_supports(q, k, v, a, b, A_log, dt_bias, state)
+
+
+class GatedDeltaKernels:
+    """The op's kernels: the sequential scan (``gated_delta_kernel``, also the
+    oracle) and, for calls from CHUNKED_FROM tokens, the chunked passes on
+    matrix tiles. The op is ready when the sequential kernel passed its
+    self-check; the chunked passes are checked once per backend, on their own
+    sample against the reference, at their first call, and if they fail (or
+    do not build) every call keeps the sequential kernel, with one notice.
+    """
+
+    def __init__(self, sequential: Kernel):
+        self.sequential = sequential
+        self.reference = sequential.reference
+        self.sample = sequential.sample
+        self._chunked_checked: dict = {}
+
+    def ready(self) -> tuple[bool, str]:
+        backend, why = kernel_backend()
+        if backend is None:
+            return False, why
+        return self.ready_on(backend)
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        return self.sequential.ready_on(backend)
+
+    def chunked_ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._chunked_checked.get(backend)
+        if known is None:
+            known = self._chunked_self_check(backend)
+            self._chunked_checked[backend] = known
+            if not known[0]:
+                notice_once(
+                    f"kernel-off:gated_delta_chunked:{backend}",
+                    f"chunked gated_delta kernels are off on {backend} ({known[1]}); "
+                    "long calls run the sequential kernel",
+                )
+        return known
+
+    def _chunked_self_check(self, backend: str) -> tuple[bool, str]:
+        args, _ = _sample_chunked()
+        try:
+            got = gated_delta_chunked_run(backend, *args)
+            mx.eval(got)
+        except Exception as exc:  # a build or compile failure surfaces at eval
+            return False, f"{backend} chunked kernels failed to run: {type(exc).__name__}: {exc}"[:400]
+        want = gated_delta_reference(*args)
+        mismatch = gated_delta_agree(got, want, *args)
+        if mismatch is not None:
+            return False, f"{backend} chunked self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} chunked kernels, self-check passed"
+
+    def path_for(self, backend: str, *args) -> str:
+        """'chunked' or 'sequential': which kernels this call runs."""
+        if uses_chunked(*args) is None and self.chunked_ready_on(backend)[0]:
+            return "chunked"
+        return "sequential"
+
+    def run_on(self, backend: str, *args, **kwargs):
+        if self.path_for(backend, *args, **kwargs) == "chunked":
+            return gated_delta_chunked_run(backend, *args, **kwargs)
+        return self.sequential.run_on(backend, *args, **kwargs)
+
+    def emulate(self, *args, **kwargs):
+        return self.run_on("emulator", *args, **kwargs)
+
+    def forget(self) -> None:
+        self.sequential.forget()
+        for kernel in CHUNKED_KERNELS:
+            kernel.forget()
+        self._chunked_checked.clear()
+
+
+gated_delta_kernels = GatedDeltaKernels(gated_delta_kernel)
+
+
 l2norm_qk = register(
     LilyOp("l2norm_qk", l2norm_qk_reference, description="q/k L2 norm with readout scale")
 )
@@ -228,7 +349,7 @@ gated_delta = register(
     LilyOp(
         "gated_delta",
         gated_delta_reference,
-        kernel=gated_delta_kernel,
+        kernel=gated_delta_kernels,
         supports=gated_delta_supports,
         description="gated delta-rule recurrence",
         sample=_sample_recurrence,
