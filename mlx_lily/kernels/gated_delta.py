@@ -11,8 +11,13 @@ softplus(a + dt_bias)), beta = sigmoid(b):
 The reference is mlx-lm's own `gated_delta_update` (its per-token loop on a
 CPU or CUDA, its Metal kernel on Apple GPUs), so the reference path is stock.
 
-The kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
-in one dispatch: one SIMD group per state row, the row in registers, looping
+Calls of CHUNKED_FROM tokens or more in bf16 run the chunked form on matrix
+tiles instead (``gated_delta_chunked.py``: three passes, bf16 tile operands,
+the state in fp32), which the op checks once per backend against the reference
+and otherwise replaces by the sequential kernel below, with one notice.
+
+The sequential kernel (``gated_delta.metal``) runs the whole recurrence, gates
+included, in one dispatch: one SIMD group per state row, the row in registers, looping
 over the call's tokens. Its contract with the reference, relative to the
 reference's largest value (``gated_delta_agree``): y within 3e-2 / 4e-3 / 1e-4
 and the final state within 2e-2 / 2.5e-3 / 1e-4 for bf16 / f16 / f32 gate
