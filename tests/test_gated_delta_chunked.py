@@ -106,14 +106,6 @@ def test_reference_mask_matches_stock_ops():
     assert rel_err(gated_delta_chunked_reference(*args)[1], want_s) > 1e-3
 
 
-def test_the_op_reference_on_a_cpu_is_chunked_from_chunked_from():
-    assert mx.default_device() == mx.cpu
-    args = make_inputs(1, gd.CHUNKED_FROM, 1, 2, 32, 32, mx.float32, True, seed=5)
-    got = gd.gated_delta_reference(*args)
-    want = gated_delta_chunked_reference(*args)
-    assert mx.array_equal(got[0], want[0]).item() and mx.array_equal(got[1], want[1]).item()
-
-
 # -- the tile kernels in the emulator -------------------------------------------------
 
 

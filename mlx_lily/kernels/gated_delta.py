@@ -41,13 +41,12 @@ from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from .gated_delta_chunked import (
     CHUNKED_KERNELS,
     chunked_supports,
-    gated_delta_chunked_reference,
     gated_delta_chunked_run,
 )
 
-# Calls of at least this many tokens take the chunked form (kernels and, on a
-# CPU, the chunked reference); shorter ones (decode, short prompts) the
-# sequential scan. A default: bench/ops.py --gdn-sweep measures the crossover.
+# Calls of at least this many tokens take the chunked kernels; shorter ones
+# (decode, short prompts) the sequential scan. A default until measured:
+# bench/diagnostics/gated_delta_chunked.py times both by length.
 CHUNKED_FROM = 64
 # The chunked kernels multiply bf16 tiles: they take bf16 activations (the
 # model's), whose q, k and v are then exact operands. Calls in fp16 or fp32
@@ -62,12 +61,10 @@ def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float =
 def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None):
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv] -> (y, state).
 
-    Stock's ``gated_delta_update``, except on a CPU from CHUNKED_FROM tokens,
-    where stock loops per token and the chunked form (same gates, fp32, within
-    ~1e-6 of it) runs instead.
+    Stock's ``gated_delta_update``: on the reference path lily and stock agree
+    to the bit (bench's numerics rely on it). ``gated_delta_chunked_reference``
+    is the same rule in chunks (within ~1e-6 in fp32, no per-token loop).
     """
-    if mx.default_device() == mx.cpu and q.shape[1] >= CHUNKED_FROM:
-        return gated_delta_chunked_reference(q, k, v, a, b, A_log, dt_bias, state)
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, None)
 
 
