@@ -264,6 +264,10 @@ def run_case(name: str, phase: str, T: int, ctx: Optional[int], dims: Dict[str, 
 
     fn, path, reason = op.choose(*args, **kwargs)
     row.update(path=path, reason=reason)
+    # An op with several kernels (gated_delta: sequential or chunked) names the one timed.
+    path_for = getattr(op.kernel, "path_for", None)
+    if path == "kernel" and path_for is not None:
+        row["kernels"] = path_for(fn.args[0], *args, **kwargs)
     stock = time_call(op.reference, args, kwargs)
     row.update(stock_ms=stock["ms"], stock_min_ms=stock["min_ms"], stock_iters=stock["iters"])
     if path == "kernel":

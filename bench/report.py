@@ -290,8 +290,9 @@ def ops_table(rows: List[Dict[str, Any]]) -> List[str]:
             lines.append(f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | error | - | - | - |")
             continue
         lily = "reference only" if r["lily_ms"] is None else _num(r["lily_ms"], 3)
+        path = f"{r['path']} ({r['kernels']})" if r.get("kernels") else r["path"]
         lines.append(
-            f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | {r['path']} | {lily} | "
+            f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | {path} | {lily} | "
             f"{_num(r['stock_ms'], 3)} | {_num(r['speedup'], 2) if r['speedup'] else '-'} |"
         )
     return lines

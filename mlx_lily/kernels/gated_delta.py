@@ -17,7 +17,12 @@ steps, as stock does. The output at masked steps is not used by anyone and
 not part of the contract (stock's Metal kernel writes 0 there, its per-token
 loop the unmasked value; lily's kernel writes 0).
 
-The kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
+Calls of CHUNKED_FROM tokens or more in bf16 run the chunked form on matrix
+tiles instead (``gated_delta_chunked.py``: three passes, bf16 tile operands,
+the state in fp32), which the op checks once per backend against the reference
+and otherwise replaces by the sequential kernel below, with one notice.
+
+The sequential kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
 in one dispatch: one SIMD group per state row, the row in registers, looping
 over the call's tokens. Its contract with the reference, relative to the
 reference's largest value (``gated_delta_agree``): y within 3e-2 / 4e-3 / 1e-4
@@ -36,8 +41,23 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from ..toolchain.registry import LilyOp, register
+from .._notice import notice_once
+from ..toolchain.registry import LilyOp, kernel_backend, register
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from .gated_delta_chunked import (
+    CHUNKED_KERNELS,
+    chunked_supports,
+    gated_delta_chunked_run,
+)
+
+# Calls of at least this many tokens take the chunked kernels; shorter ones
+# (decode, short prompts) the sequential scan. A default until measured:
+# bench/diagnostics/gated_delta_chunked.py times both by length.
+CHUNKED_FROM = 64
+# The chunked kernels multiply bf16 tiles: they take bf16 activations (the
+# model's), whose q, k and v are then exact operands. Calls in fp16 or fp32
+# keep the sequential kernel and its fp32-level agreement.
+CHUNKED_DTYPES = (mx.bfloat16,)
 
 
 def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float = 1e-6):
@@ -45,7 +65,12 @@ def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float =
 
 
 def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
-    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; mask [B, T] -> (y, state)."""
+    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; mask [B, T] -> (y, state).
+
+    Stock's ``gated_delta_update``: on the reference path lily and stock agree
+    to the bit (bench's numerics rely on it). ``gated_delta_chunked_reference``
+    is the same rule in chunks (within ~1e-6 in fp32, no per-token loop).
+    """
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
 
 
@@ -233,6 +258,109 @@ gated_delta_kernel = Kernel(
 )
 
 
+def _sample_chunked():
+    """Two chunks (the second partial), GQA, an incoming state: bf16 as the model runs."""
+    keys = mx.random.split(mx.random.key(6), 6)
+    B, T, Hk, Hv, Dk, Dv = 1, CHUNKED_FROM + 9, 1, 2, 64, 32
+    q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)
+    a = mx.random.normal((B, T, Hv), key=keys[2]).astype(mx.bfloat16)
+    b = mx.random.normal((B, T, Hv), key=keys[3]).astype(mx.bfloat16)
+    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[4]))
+    dt_bias = mx.ones((Hv,))
+    state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=keys[5])
+    return (q, k, v, a, b, A_log, dt_bias, state), {}
+
+
+def uses_chunked(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
+    """None when a call the sequential kernel takes goes to the chunked kernels."""
+    if q.shape[1] < CHUNKED_FROM:
+        return f"T={q.shape[1]} < CHUNKED_FROM={CHUNKED_FROM}"
+    if q.dtype not in CHUNKED_DTYPES:
+        return f"q/k/v dtype {q.dtype} (chunked kernels: bfloat16)"
+    return chunked_supports(q, k, v, a, b, A_log, dt_bias, state)
+
+
+class GatedDeltaKernels:
+    """The op's kernels: the sequential scan (``gated_delta_kernel``, also the
+    oracle) and, for calls from CHUNKED_FROM tokens, the chunked passes on
+    matrix tiles. The op is ready when the sequential kernel passed its
+    self-check; the chunked passes are checked once per backend, on their own
+    sample against the reference, at their first call, and if they fail (or
+    do not build) every call keeps the sequential kernel, with one notice.
+    """
+
+    def __init__(self, sequential: Kernel):
+        self.sequential = sequential
+        self.reference = sequential.reference
+        self.sample = sequential.sample
+        self._chunked_checked: dict = {}
+
+    def ready(self) -> tuple[bool, str]:
+        backend, why = kernel_backend()
+        if backend is None:
+            return False, why
+        return self.ready_on(backend)
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        return self.sequential.ready_on(backend)
+
+    def chunked_ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._chunked_checked.get(backend)
+        if known is None:
+            known = self._chunked_self_check(backend)
+            self._chunked_checked[backend] = known
+            if not known[0]:
+                notice_once(
+                    f"kernel-off:gated_delta_chunked:{backend}",
+                    f"chunked gated_delta kernels are off on {backend} ({known[1]}); "
+                    "long calls run the sequential kernel",
+                )
+        return known
+
+    def _chunked_self_check(self, backend: str) -> tuple[bool, str]:
+        args, _ = _sample_chunked()
+        try:
+            got = gated_delta_chunked_run(backend, *args)
+            mx.eval(got)
+        except Exception as exc:  # a build or compile failure surfaces at eval
+            return False, f"{backend} chunked kernels failed to run: {type(exc).__name__}: {exc}"[:400]
+        want = gated_delta_reference(*args)
+        mismatch = gated_delta_agree(got, want, *args)
+        if mismatch is not None:
+            return False, f"{backend} chunked self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} chunked kernels, self-check passed"
+
+    def path_for(self, backend: str, *args, mask=None) -> str:
+        """'chunked' or 'sequential': which kernels this call runs.
+
+        Padded batches (a mask) keep the sequential kernel: the chunked passes
+        have no masked steps."""
+        if len(args) > 8:
+            args, mask = args[:8], args[8]
+        if mask is None and uses_chunked(*args) is None and self.chunked_ready_on(backend)[0]:
+            return "chunked"
+        return "sequential"
+
+    def run_on(self, backend: str, *args, **kwargs):
+        if self.path_for(backend, *args, **kwargs) == "chunked":
+            return gated_delta_chunked_run(backend, *args[:8], **{k: v for k, v in kwargs.items() if k != "mask"})
+        return self.sequential.run_on(backend, *args, **kwargs)
+
+    def emulate(self, *args, **kwargs):
+        return self.run_on("emulator", *args, **kwargs)
+
+    def forget(self) -> None:
+        self.sequential.forget()
+        for kernel in CHUNKED_KERNELS:
+            kernel.forget()
+        self._chunked_checked.clear()
+
+
+gated_delta_kernels = GatedDeltaKernels(gated_delta_kernel)
+
+
 l2norm_qk = register(
     LilyOp("l2norm_qk", l2norm_qk_reference, description="q/k L2 norm with readout scale")
 )
@@ -242,7 +370,7 @@ gated_delta = register(
     LilyOp(
         "gated_delta",
         gated_delta_reference,
-        kernel=gated_delta_kernel,
+        kernel=gated_delta_kernels,
         supports=gated_delta_supports,
         description="gated delta-rule recurrence",
         sample=_sample_recurrence,

@@ -1,0 +1,127 @@
+"""Gated DeltaNet at Qwen3.6's shapes on the GPU: the chunked tile kernels
+against the sequential kernel and stock, by call length, with their errors.
+
+    python3 -m bench.diagnostics.gated_delta_chunked --out DIR
+
+Writes DIR/gated_delta_chunked.json: per length T, the median milliseconds of
+stock (the op's reference), the sequential kernel, the chunked kernels (and
+each of their three passes), and max |chunked - float64| / max |float64| for
+y and the state at T = 1000 (the float64 recurrence on the CPU). The length
+from which the chunked kernels win is gated_delta.CHUNKED_FROM's measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+gd = importlib.import_module("mlx_lily.kernels.gated_delta")
+gdc = importlib.import_module("mlx_lily.kernels.gated_delta_chunked")
+from mlx_lily.toolchain.registry import gpu_backend  # noqa: E402
+
+HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv
+LENGTHS = [16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096]
+
+
+def inputs(T, seed=0):
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    Hk, Hv, Dk, Dv = HEADS
+    keys = mx.random.split(mx.random.key(seed), 8)
+    q = mx.random.normal((1, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, T, Hk, Dk), key=keys[1]).astype(mx.bfloat16)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((1, T, Hv, Dv), key=keys[2]).astype(mx.bfloat16)
+    a = mx.random.normal((1, T, Hv), key=keys[3]).astype(mx.bfloat16)
+    b = mx.random.normal((1, T, Hv), key=keys[4]).astype(mx.bfloat16)
+    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[5]))
+    dt_bias = mx.ones((Hv,), dtype=mx.bfloat16)
+    state = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=keys[6])
+    args = (q, k, v, a, b, A_log, dt_bias, state)
+    mx.eval(args)
+    return args
+
+
+def median_ms(fn, *args, iters=20):
+    mx.eval(fn(*args))
+    mx.eval(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        mx.eval(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def float64_errors(backend, T=1000):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from test_gated_delta_kernel import ground_truth
+
+    Hk, Hv, Dk, Dv = HEADS
+    args = inputs(T, seed=1)
+    y, s = gdc.gated_delta_chunked_run(backend, *args)
+    with mx.stream(mx.cpu):
+        want_y, want_s = ground_truth(*args)
+
+    def rel(got, want):
+        got = np.array(got.astype(mx.float32)).astype(np.float64)
+        return float(np.abs(got - want).max() / np.abs(want).max())
+
+    seq_y, seq_s = gd.gated_delta_kernel.run_on(backend, *args)
+    return {"T": T, "chunked_y": rel(y, want_y), "chunked_state": rel(s, want_s),
+            "sequential_y": rel(seq_y, want_y), "sequential_state": rel(seq_s, want_s)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    opts = parser.parse_args()
+    backend = gpu_backend()
+    if backend is None:
+        raise SystemExit("no GPU: this measures the kernels on Metal or CUDA")
+    ok, why = gd.gated_delta.kernel.chunked_ready_on(backend)
+    print(f"chunked kernels: {why}", flush=True)
+    rows = []
+    for T in map(int, opts.lengths.split(",")):
+        args = inputs(T)
+        row = {"T": T,
+               "stock_ms": median_ms(gd.gated_delta_reference, *args),
+               "sequential_ms": median_ms(lambda *a: gd.gated_delta_kernel.run_on(backend, *a), *args)}
+        if ok and gdc.chunked_supports(*args) is None:
+            row["chunked_ms"] = median_ms(lambda *a: gdc.gated_delta_chunked_run(backend, *a), *args)
+            qb, kb, vb = args[:3]
+            prep = lambda: gdc.chunk_prepare_kernel.run_on(backend, qb, kb, vb, *args[3:7])  # noqa: E731
+            w, u, kd, p, gcum = prep()
+            row["prepare_ms"] = median_ms(prep)
+            state = lambda: gdc.chunk_state_kernel.run_on(backend, w, u, kd, gcum, args[7])  # noqa: E731
+            d, s0, _ = state()
+            row["state_ms"] = median_ms(state)
+            row["output_ms"] = median_ms(
+                lambda: gdc.chunk_output_kernel.run_on(backend, qb, s0, d, p, gcum, qb.dtype))
+        row["op_path"] = gd.gated_delta.kernel.path_for(backend, *args)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    errors = float64_errors(backend) if ok else None
+    print(json.dumps({"float64_errors": errors}), flush=True)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"tool": "mlx-lily bench diagnostics: gated_delta_chunked", "backend": backend,
+           "machine": platform.platform(), "mlx": mx.__version__, "heads": HEADS,
+           "chunk": gdc.CHUNK, "chunked_from": gd.CHUNKED_FROM, "chunked_check": why,
+           "rows": rows, "float64_errors": errors}
+    (out / "gated_delta_chunked.json").write_text(json.dumps(doc, indent=1))
+    print(f"wrote {out / 'gated_delta_chunked.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
