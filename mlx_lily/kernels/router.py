@@ -201,6 +201,21 @@ def _sample():
     return (logits, 8, True), {}
 
 
+FUZZ_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def _fuzz(rng):
+    """A random call the kernel takes: rows, experts, k, dtype, logit scale, lead dims."""
+    experts = int(rng.choice([int(rng.integers(1, 65)), int(rng.integers(65, MAX_EXPERTS + 1)), 256]))
+    k = int(rng.integers(1, min(experts, MAX_K) + 1))
+    rows = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 200))]))
+    dtype = FUZZ_DTYPES[int(rng.integers(len(FUZZ_DTYPES)))]
+    scale = float(rng.choice([0.1, 1.0, 4.0, 16.0]))
+    lead = (1,) if rng.random() < 0.5 else ()
+    logits = mx.array((scale * rng.standard_normal((*lead, rows, experts))).astype(np.float32))
+    return (logits.astype(dtype), k, bool(rng.random() < 0.7)), {}
+
+
 router_topk_kernel = Kernel(
     name="router_topk",
     input_names=("logits",),
@@ -221,5 +236,6 @@ router_topk = register(
         description="MoE router: softmax + top-k + renormalise",
         sample=_sample,
         compare=router_compare,
+        fuzz=_fuzz,
     )
 )
