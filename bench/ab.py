@@ -56,6 +56,7 @@ examples:
   python -m bench --shape qwen3.6-35b-a3b --same-process --lengths 256,1K,4K --rounds 1
   python -m bench --model mlx-community/SOME-QWEN3.6-CHECKPOINT --lengths 1K,8K,32K
   python -m bench --ops                                     # per-op timings, real shapes
+  python -m bench --oracle --shape qwen3.6-35b-a3b          # both engines against an fp32 oracle
   python -m bench --ops --shape demo --ops-chunk 64 --lengths 32,64   # tiny, for tests
 
 outputs go to --out as ab-<date>-<host>-<chip>-<git rev>.{json,md,png}
@@ -79,7 +80,8 @@ def fresh_plan(lengths: List[int], rounds: int) -> List[Tuple[int, str, int]]:
 def _source(args: argparse.Namespace) -> Dict[str, Any]:
     if args.model:
         return {"model": args.model, "shape": None, "seed": args.seed}
-    return {"model": None, "shape": args.shape or "demo", "seed": args.seed}
+    return {"model": None, "shape": args.shape or "demo", "seed": args.seed,
+            "conditioned": args.conditioned}
 
 
 # ----------------------------------------------------------- worker side
@@ -313,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="generate a random qwen3_5_moe model in memory "
                            "(default: demo; with --ops: qwen3.6-35b-a3b)")
     what.add_argument("--seed", type=int, default=0, help="seed for generated weights (default: 0)")
+    what.add_argument("--conditioned", action="store_true",
+                      help="generated shapes: a well-conditioned random model (residual branches "
+                           "and routers scaled, as in trained models) whose outputs are not chaotic "
+                           "in rounding; see bench/README.md")
 
     how = p.add_argument_group("method")
     how.add_argument("--lengths", default=None,
@@ -344,6 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     ops.add_argument("--ops-chunk", type=int, default=PREFILL_STEP,
                      help=f"--ops: tokens per prefill chunk (default: {PREFILL_STEP})")
 
+    oracle = p.add_argument_group("numerics against an fp32 oracle")
+    oracle.add_argument("--oracle", action="store_true",
+                        help="compare both engines, end to end and layer by layer, with the same "
+                             "model in fp32 activations on the CPU instead of the A/B run")
+    oracle.add_argument("--oracle-tokens", type=int, default=128,
+                        help="--oracle: positions (default: 128)")
+    oracle.add_argument("--oracle-device", choices=("cpu", "gpu"), default="cpu",
+                        help="--oracle: where the fp32 oracle runs (default: cpu, deterministic)")
+
     out = p.add_argument_group("output")
     out.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"),
                      help="folder for the JSON, Markdown table and PNG plot (default: bench/out)")
@@ -361,6 +376,7 @@ def _settings(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
         "model": args.model,
         "shape": None if args.model else (args.shape or "demo"),
         "seed": args.seed,
+        "conditioned": bool(args.conditioned),
         "lengths": lengths,
         "rounds": args.rounds,
         "engine_order": [list(engine_order(r)) for r in range(args.rounds)],
@@ -387,10 +403,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         return worker_main(args.worker, args.worker_out)
     if args.model and args.shape:
         raise SystemExit("give --model or --shape, not both")
+    if args.model and args.conditioned:
+        raise SystemExit("--conditioned applies to generated shapes (--shape), not --model")
     if args.ops:
         from bench.ops import run_ops
 
         return run_ops(args)
+    if args.oracle:
+        from bench.oracle import run_oracle
+
+        if args.oracle_tokens < 2:
+            raise SystemExit("--oracle-tokens must be at least 2")
+        return run_oracle(args)
 
     lengths = parse_lengths(args.lengths or DEFAULT_LENGTHS)
     if args.warmup_length is not None:

@@ -56,7 +56,10 @@ def load_engine(source: Dict[str, Any], engine: str) -> Tuple[Any, int, float]:
         model_class = None
         if engine == "lily":
             from mlx_lily.models.qwen3_5_moe import Model as model_class
-        model, config = build_model(source["shape"], seed=source["seed"], model_class=model_class)
+        model, config = build_model(
+            source["shape"], seed=source["seed"], model_class=model_class,
+            conditioned=bool(source.get("conditioned")),
+        )
     return model, _vocab_size(config), time.perf_counter() - start
 
 
@@ -73,7 +76,9 @@ def load_shared(source: Dict[str, Any]) -> Tuple[Any, int, float, Optional[str]]
     else:
         from mlx_lily.checkpoints import build_model
 
-        model, config = build_model(source["shape"], seed=source["seed"])
+        model, config = build_model(
+            source["shape"], seed=source["seed"], conditioned=bool(source.get("conditioned"))
+        )
     note = None
     if not _is_qwen3_5_moe(model):
         note = (

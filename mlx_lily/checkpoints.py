@@ -109,6 +109,31 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 
 QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 
+# A well-conditioned random model (``conditioned=True``): every residual
+# branch's output projection is scaled by BRANCH_SCALE / sqrt(2 * layers), so
+# the residual stream grows slowly with depth, and the router's weights by
+# ROUTER_SCALE, so that routing margins are wide, as in trained models. A
+# plain random model is chaotic at depth: rounding-sized differences flip
+# later routers and greedy tokens, which hides what a kernel's error is.
+BRANCH_SCALE = 0.5
+ROUTER_SCALE = 8.0
+_BRANCH_OUTPUTS = ("o_proj", "out_proj", "down_proj")
+_ROUTERS = ("mlp.gate",)
+
+
+def _condition(layer: nn.Module, n_layers: int) -> None:
+    """Scale a layer's branch outputs and router, in place (before quantizing)."""
+    branch = BRANCH_SCALE / (2 * n_layers) ** 0.5
+    scaled = []
+    for name, module in layer.named_modules():
+        if not hasattr(module, "weight"):
+            continue
+        if name.rsplit(".", 1)[-1] in _BRANCH_OUTPUTS:
+            scaled.append((f"{name}.weight", module.weight * branch))
+        elif name in _ROUTERS:
+            scaled.append((f"{name}.weight", module.weight * ROUTER_SCALE))
+    layer.load_weights(scaled, strict=False)
+
 
 def model_config(shape: Union[str, Dict[str, Any]] = "demo", **overrides: Any) -> Dict[str, Any]:
     """The config.json dict for a named shape (or a dict of text-config fields)."""
@@ -137,12 +162,16 @@ def build_model(
     dtype: mx.Dtype = mx.bfloat16,
     model_class: Optional[Callable] = None,
     quiet: bool = True,
+    conditioned: bool = False,
 ):
     """Build a random model in memory; returns (model, config).
 
     Layer by layer: each layer's weights are drawn, cast, quantized and
     evaluated before the next layer's, bounding peak memory to one layer.
     ``model_class`` defaults to stock mlx-lm's qwen3_5_moe Model.
+    ``conditioned`` scales residual branches and routers (see BRANCH_SCALE)
+    so that the random model is not chaotic; the same seed draws the same
+    weights either way, before scaling.
     """
     from mlx_lm.models import qwen3_5_moe as stock
 
@@ -166,6 +195,8 @@ def build_model(
         nn.quantize(module, group_size=64, bits=4, class_predicate=class_predicate)
 
     def finish(prefix: str, module: nn.Module) -> None:
+        if conditioned and prefix:
+            _condition(module, n)
         # Cast first so scales and biases come out in the activation dtype.
         cast = model.cast_predicate
         module.update(_cast_tree(module, dtype, lambda k: cast(f"{prefix}{k}")))
@@ -265,8 +296,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "mlx_lily"
 
 
-def _marker(shape: Union[str, Dict[str, Any]], seed: int) -> Dict[str, Any]:
-    return {"format": FORMAT_VERSION, "shape": shape, "seed": seed}
+def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = False) -> Dict[str, Any]:
+    marker = {"format": FORMAT_VERSION, "shape": shape, "seed": seed}
+    if conditioned:
+        marker["conditioned"] = True
+    return marker
 
 
 def make_checkpoint(
@@ -276,6 +310,7 @@ def make_checkpoint(
     seed: int = 0,
     force: bool = False,
     quiet: bool = True,
+    conditioned: bool = False,
 ) -> Path:
     """Write (once) a random, quantized qwen3_5_moe checkpoint; return its path.
 
@@ -288,10 +323,11 @@ def make_checkpoint(
 
     if path is None:
         name = shape if isinstance(shape, str) else "custom"
-        path = default_cache_dir() / "checkpoints" / f"{name}-seed{seed}"
+        kind = "-conditioned" if conditioned else ""
+        path = default_cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
     path = Path(path)
     marker = path / MARKER
-    want = _marker(shape, seed)
+    want = _marker(shape, seed, conditioned)
     if not force and marker.exists():
         try:
             if json.loads(marker.read_text()) == want:
@@ -301,7 +337,7 @@ def make_checkpoint(
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model, config = build_model(shape, seed=seed, quiet=quiet)
+    model, config = build_model(shape, seed=seed, quiet=quiet, conditioned=conditioned)
     tokenizer = make_tokenizer()
     config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
     size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9

@@ -32,3 +32,18 @@ def demo_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def alt_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "small-alt", shape="small-alt", seed=1)
+
+
+@pytest.fixture(scope="session")
+def demo_conditioned_checkpoint(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "demo-conditioned", shape="demo", conditioned=True
+    )
+
+
+@pytest.fixture(scope="session")
+def alt_conditioned_checkpoint(tmp_path_factory):
+    return make_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "small-alt-conditioned", shape="small-alt", seed=1,
+        conditioned=True,
+    )

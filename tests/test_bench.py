@@ -215,3 +215,26 @@ def test_plot_skipped_without_matplotlib(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     assert report.ab_plot({"summary": []}, Path("unused.png")) is False
+
+
+def test_oracle_mode(tmp_path, monkeypatch):
+    # Both engines against the fp32 CPU oracle, on the reference path (pinned):
+    # lily computes exactly what stock does, so every figure is equal, and the
+    # oracle is a different computation, so the errors are not zero.
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
+    run_bench(tmp_path, "--oracle", "--shape", "small-alt", "--conditioned", "--oracle-tokens", "48")
+    files = outputs(tmp_path, "oracle")
+    doc = files["json"]
+    engines = doc["engines"]
+    assert set(engines) == {"lily", "stock"}
+    for figures in engines.values():
+        assert set(figures) == {"kl_mean", "kl_max", "top1"}
+        assert 0 < figures["kl_mean"] <= figures["kl_max"] and 0 <= figures["top1"] <= 1
+    assert engines["lily"] == engines["stock"]
+    layers = doc["oracle"]["layers"]
+    assert [r["layer"] for r in layers] == [0, 1, 2, 3]
+    assert [r["kind"] for r in layers] == ["linear", "full", "linear", "full"]
+    for r in layers:
+        assert r["lily_rel_err"] == r["stock_rel_err"] > 0 and r["lily_no_worse"]
+    assert doc["oracle"]["criterion"]["met"] and doc["settings"]["conditioned"]
+    assert files["md"].count("\n| ") >= 2 + 2 + len(layers)

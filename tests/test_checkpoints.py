@@ -67,3 +67,30 @@ def test_built_layer_by_layer():
 def test_unknown_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown shape 'huge'"):
         model_config("huge")
+
+
+def test_conditioned_scales_branches_and_routers_only():
+    # The same seed draws the same weights; conditioning scales the residual
+    # branches' output projections and the routers, nothing else.
+    from mlx.utils import tree_flatten
+
+    from mlx_lily.checkpoints import BRANCH_SCALE, ROUTER_SCALE, build_model
+
+    plain = dict(tree_flatten(build_model("demo", seed=3, quantize=False)[0].parameters()))
+    cond = dict(tree_flatten(build_model("demo", seed=3, quantize=False, conditioned=True)[0].parameters()))
+    layers = 4
+    branch = BRANCH_SCALE / (2 * layers) ** 0.5
+    scaled = 0
+    for name, w in plain.items():
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            factor = branch
+        elif name.endswith("mlp.gate.weight"):
+            factor = ROUTER_SCALE
+        else:
+            assert mx.array_equal(cond[name], w).item(), name
+            continue
+        scaled += 1
+        want = (w.astype(mx.float32) * factor).astype(w.dtype)
+        assert mx.allclose(cond[name].astype(mx.float32), want.astype(mx.float32), rtol=1e-2).item(), name
+    # Per layer: one attention output, one router, routed and shared down projections.
+    assert scaled == layers * 4

@@ -399,3 +399,70 @@ def test_each_distinct_source_gets_its_own_backend_name():
     assert a.backend_name("metal") != kernel("y[0] = x[0];", header="// h\n").backend_name("metal")
     # The CUDA build also compiles the prelude, so its name covers it too.
     assert a.backend_name("cuda") != a.backend_name("metal")
+
+
+# -- each instantiation checked at its first use --------------------------------
+
+# Right for SCALE == 1 (a copy), wrong for any other value: the sample's
+# instantiation passes, another one used later must not be trusted.
+_SCALED_COPY = """
+uint i = thread_position_in_grid.x;
+if (i < x_shape[0]) {
+  out[i] = static_cast<T>(static_cast<float>(x[i]) * float(SCALE));
+}
+"""
+
+
+def _scaled_copy_launch(x, scale):
+    return Launch(
+        inputs=[x], grid=(x.size, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[x.dtype],
+        template=[("T", x.dtype), ("SCALE", scale)],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+def test_each_instantiation_is_checked_at_first_use(emulator_backend, fresh_notices, capsys):
+    references = []
+
+    def reference(x, scale):
+        references.append(scale)
+        return x
+
+    kernel = Kernel(
+        "scaled_copy", ("x",), ("out",), _scaled_copy_launch, source=_SCALED_COPY,
+        reference=reference, sample=lambda: ((mx.arange(8, dtype=mx.float32), 1), {}),
+    )
+    op = LilyOp("scaled_copy_test", reference, kernel=kernel)
+    x = mx.arange(40, dtype=mx.float32)
+    # The sample's instantiation (SCALE=1): its first use on these inputs is checked once.
+    for _ in range(3):
+        assert mx.array_equal(op(x, 1), x).item() and op.last_path == "kernel"
+    assert references == [1, 1]  # the sample's self-check, then this call's first use
+    # SCALE=3 computes x * 3: off at its first use, the call gets the reference's result.
+    for _ in range(3):
+        assert mx.array_equal(op(x, 3), x).item()
+        assert op.last_path == "reference" and "SCALE=3" in op.last_reason
+    # Another dtype is another instantiation, checked afresh (and right).
+    xb = x.astype(mx.bfloat16)
+    assert mx.array_equal(op(xb, 1), xb).item() and op.last_path == "kernel"
+    assert op(x, 1) is not None and op.last_path == "kernel"  # SCALE=1 is still on
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[mlx-lily]")]
+    assert len(lines) == 1 and "scaled_copy" in lines[0] and "SCALE=3" in lines[0], lines
+
+
+def test_an_instantiation_that_fails_to_run_falls_back_without_raising(emulator_backend, fresh_notices):
+    kernel = Kernel(
+        "scaled_copy_bad_group", ("x",), ("out",),
+        lambda x, scale: Launch(
+            inputs=[x], grid=(x.size, 1, 1), threadgroup=(2048, 1, 1),  # too many threads
+            output_shapes=[x.shape], output_dtypes=[x.dtype],
+            template=[("T", x.dtype), ("SCALE", scale)], finish=lambda o: o[0],
+        ) if scale == 2 else _scaled_copy_launch(x, scale),
+        source=_SCALED_COPY, reference=lambda x, scale: x,
+        sample=lambda: ((mx.arange(8, dtype=mx.float32), 1), {}),
+    )
+    op = LilyOp("scaled_copy_bad_group_test", lambda x, scale: x, kernel=kernel)
+    x = mx.arange(4096, dtype=mx.float32)
+    assert mx.array_equal(op(x, 2), x).item()
+    assert op.last_path == "reference" and "threadgroup" in op.last_reason

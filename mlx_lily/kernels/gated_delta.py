@@ -246,6 +246,30 @@ def gated_delta_compare(got, want) -> tuple[bool, float]:
     return (y_err <= y_tol and s_err <= s_tol), max(y_err, s_err)
 
 
+def _fuzz(rng):
+    """A random call the kernel takes: batch, tokens, heads, head dims, dtypes, a state or none."""
+    dtypes = KERNEL_DTYPES
+    pick = lambda: dtypes[int(rng.integers(len(dtypes)))]  # noqa: E731
+    B = int(rng.choice([1, 1, 2]))
+    T = int(rng.choice([1, int(rng.integers(2, 33)), int(rng.integers(33, 80))]))
+    Hk = int(rng.integers(1, 5))
+    Hv = Hk * int(rng.integers(1, 4))
+    Dk = int(rng.choice([32, 64, 128, 256]))
+    Dv = int(rng.choice([1, 8, 16, 32, 48, 128]))
+    in_dtype, gate_dtype = pick(), pick()
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    q, k = normalize_qk(
+        normal(B, T, Hk, Dk).astype(in_dtype), normal(B, T, Hk, Dk).astype(in_dtype),
+        inv_scale=Dk**-0.5, eps=1e-6,
+    )
+    v = normal(B, T, Hv, Dv).astype(in_dtype)
+    a, b = normal(B, T, Hv).astype(gate_dtype), normal(B, T, Hv).astype(gate_dtype)
+    A_log = mx.log(mx.array(rng.uniform(1, 16, (Hv,)).astype(np.float32))).astype(pick())
+    dt_bias = mx.array(rng.uniform(0.5, 1.5, (Hv,)).astype(np.float32)).astype(pick())
+    state = 0.1 * normal(B, Hv, Dv, Dk) if rng.random() < 0.5 else None
+    return (q, k, v, a, b, A_log, dt_bias, state), {}
+
+
 gated_delta_kernel = Kernel(
     name="gated_delta",
     input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask"),
@@ -375,5 +399,6 @@ gated_delta = register(
         description="gated delta-rule recurrence",
         sample=_sample_recurrence,
         compare=gated_delta_compare,
+        fuzz=_fuzz,
     )
 )

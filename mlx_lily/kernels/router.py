@@ -3,14 +3,20 @@
 The reference is stock mlx-lm's routing, step for step (precise softmax,
 argpartition, gather, renormalise in the activation dtype), so that the
 reference path reproduces stock logits exactly. The kernel
-(``router_topk.metal``) computes the softmax in fp32, picks the k most probable
-experts with a lowest-index tie-break for equal probabilities, returns them by
-descending probability, and renormalises in fp32.
+(``router_topk.metal``) computes the softmax in fp32 and ranks the experts as
+stock does: by the probability rounded to the activation dtype (stock takes
+the top k of its softmax output, which is in that dtype), so near-ties resolve
+by that rounding, and among equal rounded probabilities the higher expert
+index first (the order of MLX's CPU argpartition, which keeps the last of
+equal values). It returns them by descending rank and renormalises in the
+dtype's rounding, as stock. A row of NaN probabilities (NaN or infinite
+logits) still gets k distinct experts in range.
 
 The op's contract, which tests and the kernel's self-check hold both paths to:
-the same experts except among exactly tied probabilities (argpartition orders
-ties arbitrarily), and the same weights within the dtype's tolerance.
+the same experts except among tied rounded probabilities (GPU argpartitions
+may order ties otherwise), and the same weights within the dtype's tolerance.
 """
+
 
 from __future__ import annotations
 
@@ -165,20 +171,25 @@ def softmax_fp64(logits: mx.array) -> np.ndarray:
 def router_topk_ground_truth(logits: mx.array, k: int, normalize: bool):
     """The kernel's contract in numpy: (indices, weights, probabilities), all [..., *].
 
-    fp32 softmax; the k most probable experts by descending probability, the
-    lower index first among equal probabilities; weights rounded to the logits'
-    dtype and, when normalising, divided by their sum rounded to that dtype
-    (stock mlx-lm's rounding), returned in fp32.
+    fp32 softmax rounded to the logits' dtype; the k experts of largest rounded
+    probability, the higher index first among equal ones (MLX's CPU
+    argpartition), NaN below every number; weights the rounded probabilities
+    and, when normalising, divided by their sum rounded to that dtype (stock
+    mlx-lm's rounding), returned in fp32.
     """
 
     def rounded(a: np.ndarray) -> np.ndarray:
         return np.array(mx.array(a).astype(logits.dtype).astype(mx.float32))
 
     x = np.array(logits.astype(mx.float32))
-    e = np.exp(x - x.max(axis=-1, keepdims=True))
-    probs = e / e.sum(axis=-1, keepdims=True)
-    # A stable sort of -p keeps equal probabilities in index order.
-    order = np.argsort(-probs, axis=-1, kind="stable")[..., :k]
+    with np.errstate(invalid="ignore"):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        probs = e / e.sum(axis=-1, keepdims=True)
+    ranks = rounded(probs)
+    ranks = np.where(np.isnan(ranks), -0.5, ranks)
+    index = np.broadcast_to(np.arange(ranks.shape[-1]), ranks.shape)
+    # lexsort's last key is the primary one: rank, then index, both descending.
+    order = np.lexsort((-index, -ranks), axis=-1)[..., :k]
     weights = rounded(np.take_along_axis(probs, order, axis=-1))
     if normalize:
         weights = weights / rounded(weights.sum(axis=-1, keepdims=True))
@@ -188,6 +199,21 @@ def router_topk_ground_truth(logits: mx.array, k: int, normalize: bool):
 def _sample():
     logits = mx.random.normal((6, 64), key=mx.random.key(0)).astype(mx.bfloat16)
     return (logits, 8, True), {}
+
+
+FUZZ_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def _fuzz(rng):
+    """A random call the kernel takes: rows, experts, k, dtype, logit scale, lead dims."""
+    experts = int(rng.choice([int(rng.integers(1, 65)), int(rng.integers(65, MAX_EXPERTS + 1)), 256]))
+    k = int(rng.integers(1, min(experts, MAX_K) + 1))
+    rows = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 200))]))
+    dtype = FUZZ_DTYPES[int(rng.integers(len(FUZZ_DTYPES)))]
+    scale = float(rng.choice([0.1, 1.0, 4.0, 16.0]))
+    lead = (1,) if rng.random() < 0.5 else ()
+    logits = mx.array((scale * rng.standard_normal((*lead, rows, experts))).astype(np.float32))
+    return (logits.astype(dtype), k, bool(rng.random() < 0.7)), {}
 
 
 router_topk_kernel = Kernel(
@@ -210,5 +236,6 @@ router_topk = register(
         description="MoE router: softmax + top-k + renormalise",
         sample=_sample,
         compare=router_compare,
+        fuzz=_fuzz,
     )
 )

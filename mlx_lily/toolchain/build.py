@@ -19,7 +19,11 @@ the active backend (``registry.kernel_backend()``):
 A kernel is trusted only after a one-time self-check per backend and process:
 it runs on its op's ``sample()`` inputs and must agree with the op's reference.
 A build failure or a disagreement turns the kernel off with one notice, and its
-op keeps running the reference; nothing crashes.
+op keeps running the reference; nothing crashes. Each other instantiation (the
+launch's template arguments and the inputs' dtypes) is checked the same way at
+its first use, on that call's own inputs (``run_checked``): a failure there
+turns off that instantiation only, with one notice, and the call returns the
+reference's result.
 
 Launch rules the toolchain applies on every backend, so that Metal, CUDA and
 the emulator run the same threads:
@@ -158,6 +162,8 @@ class Kernel:
     _text: Optional[str] = field(default=None, init=False, repr=False)
     _built: Dict[str, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
+    # (backend, template, input dtypes) -> None (passed) or why it is off.
+    _instances: Dict[tuple, Optional[str]] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self):
@@ -186,7 +192,75 @@ class Kernel:
 
     def run_on(self, backend: str, *args, **kwargs):
         """Run on ``backend`` ('metal', 'cuda' or 'emulator'), no self-check."""
-        launch = self.launch(*args, **kwargs)
+        return self._run_launch(backend, self.launch(*args, **kwargs))
+
+    def run_checked(self, backend: str, *args, **kwargs) -> tuple[Any, Optional[str]]:
+        """(result, None) from the kernel, or (the reference's result, why not).
+
+        The first call of each instantiation (template arguments and input
+        dtypes) runs the kernel and the reference on its inputs and compares
+        them; later calls cost one dict look-up. A failing instantiation is
+        off for the process, with one notice.
+        """
+        try:
+            launch = self.launch(*args, **kwargs)
+            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs))
+        except Exception as exc:  # a launcher refusing a shape supports() let through
+            return self._off(backend, None, f"launch failed: {_one_line(exc)}", args, kwargs)
+        why_not = self._instances.get(key, _UNCHECKED)
+        if why_not is None:
+            return self._run_launch(backend, launch), None
+        if why_not is not _UNCHECKED:
+            return self.reference(*args, **kwargs), why_not
+        with self._lock:
+            return self._first_use(backend, key, launch, args, kwargs)
+
+    def _first_use(self, backend, key, launch, args, kwargs) -> tuple[Any, Optional[str]]:
+        if key in self._instances:  # another thread checked it meanwhile
+            why_not = self._instances[key]
+            if why_not is None:
+                return self._run_launch(backend, launch), None
+            return self.reference(*args, **kwargs), why_not
+        if self.reference is None:
+            self._instances[key] = None
+            return self._run_launch(backend, launch), None
+        try:
+            got = self._run_launch(backend, launch)
+            mx.eval(got)
+        except Exception as exc:  # a compile error of this instantiation surfaces here
+            return self._off(backend, key, f"failed to run: {_one_line(exc)}", args, kwargs)
+        want = self.reference(*args, **kwargs)
+        mx.eval(want)
+        if not _all_finite(want):
+            # Nothing to judge against (NaN or inf in the reference's result):
+            # answer with the reference and check again on a later call.
+            return want, "first use: the reference's result is not finite; not checked yet"
+        try:
+            mismatch = self.agree(got, want, *args, **kwargs)
+        except Exception as exc:  # e.g. outputs of the wrong shape or dtype
+            mismatch = f"comparison failed: {_one_line(exc)}"
+        if mismatch is not None:
+            return self._off(backend, key, f"disagrees with the reference: {mismatch}", args, kwargs, want)
+        self._instances[key] = None
+        return got, None
+
+    def _off(self, backend, key, why, args, kwargs, want=None) -> tuple[Any, str]:
+        """Turn one instantiation off (key None: this call only), warn once, run the reference."""
+        where = "this call" if key is None else describe_instance(key[1], key[2])
+        why = f"{backend} kernel off for {where}: {why}"
+        if key is not None:
+            self._instances[key] = why
+        notice_once(
+            f"kernel-instance-off:{self.name}:{key}",
+            f"kernel {self.name} {why}; those calls run the pure-MLX reference",
+        )
+        if self.reference is None:
+            raise RuntimeError(f"kernel {self.name} {why} (and it has no reference)")
+        if want is None:
+            want = self.reference(*args, **kwargs)
+        return want, why
+
+    def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
         outputs = self._build(backend)(
@@ -223,6 +297,7 @@ class Kernel:
             self._text = None
             self._built.clear()
             self._checked.clear()
+            self._instances.clear()
 
     # -- sources -------------------------------------------------------------
 
@@ -397,6 +472,28 @@ def _template_suffix(value: Any) -> str:
     if isinstance(value, int):
         return f"_{value}"
     return "_" + str(value).rsplit(".", 1)[-1]
+
+
+# Marks an instantiation not yet checked (None means checked and passed).
+_UNCHECKED = object()
+
+
+def describe_instance(template, dtypes) -> str:
+    """'T=bfloat16, E=256, ...; inputs bfloat16, ...' for notices."""
+    def text(value):
+        return str(value).rsplit(".", 1)[-1] if isinstance(value, mx.Dtype) else str(value)
+
+    args = ", ".join(f"{name}={text(value)}" for name, value in template)
+    return f"{args or 'no template'}; inputs {', '.join(text(d) for d in dtypes)}"
+
+
+def _all_finite(result) -> bool:
+    arrays = result if isinstance(result, (list, tuple)) else [result]
+    for a in arrays:
+        if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.inexact):
+            if not mx.isfinite(a).all().item():
+                return False
+    return True
 
 
 def _one_line(exc: Exception) -> str:

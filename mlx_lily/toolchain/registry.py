@@ -5,8 +5,9 @@ decides per call which path runs:
 
 * the **kernel**, when one is registered, a kernel backend is active (see
   :func:`kernel_backend`), the kernel built and passed its one-time self-check
-  on this machine, and the op's ``supports`` predicate accepts the call's shapes
-  and dtypes;
+  on this machine, the op's ``supports`` predicate accepts the call's shapes
+  and dtypes, and this instantiation of the kernel (template arguments, dtypes)
+  passed its check at its first use;
 * otherwise the **reference**, a pure-MLX function that is the ground truth in
   tests and what runs on a CPU.
 
@@ -43,6 +44,10 @@ class KernelLike(Protocol):
         """
 
     def run_on(self, backend: str, *args, **kwargs): ...
+
+    # Optional: run_checked(backend, *args, **kwargs) -> (result, None), or
+    # (the reference's result, why not) when this call's instantiation of the
+    # kernel failed its first-use check (see ``toolchain/build.py``).
 
 
 BACKEND_ENV = "MLX_LILY_KERNEL_BACKEND"
@@ -103,6 +108,9 @@ class LilyOp:
     # kernel's result against the reference's, for ops whose outputs are not
     # comparable element by element (None: the largest absolute difference).
     compare: Optional[Callable[..., tuple]] = None
+    # fuzz(rng: numpy Generator) -> (args, kwargs): a random call the kernel
+    # supports (shapes and dtypes drawn from rng), for tests/test_fuzz_kernels.py.
+    fuzz: Optional[Callable[..., tuple]] = None
     last_path: Optional[str] = field(default=None, compare=False)
     last_reason: Optional[str] = field(default=None, compare=False)
 
@@ -121,7 +129,16 @@ class LilyOp:
             if why_not is not None:
                 return self.reference, "reference", why_not
         # Bound to the backend just read: one environment look-up per call.
-        return functools.partial(self.kernel.run_on, backend), "kernel", why
+        return functools.partial(self._run_kernel, backend), "kernel", why
+
+    def _run_kernel(self, backend: str, *args, **kwargs):
+        run_checked = getattr(self.kernel, "run_checked", None)
+        if run_checked is None:
+            return self.kernel.run_on(backend, *args, **kwargs)
+        result, why_not = run_checked(backend, *args, **kwargs)
+        if why_not is not None:
+            self.last_path, self.last_reason = "reference", why_not
+        return result
 
     def __call__(self, *args, **kwargs):
         fn, path, reason = self.choose(*args, **kwargs)

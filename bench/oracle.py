@@ -1,0 +1,261 @@
+"""Numerics against an fp32 oracle: ``python -m bench --oracle``.
+
+The oracle is the same model, with the same quantized weights, computed with
+fp32 activations (quantization scales and biases and every other parameter
+widened to fp32, which is exact) on the CPU, which is deterministic. Each
+engine (lily, stock) is measured against it:
+
+* **end to end**: the engine's own forward over the sequence (its activation
+  dtype, its device) against the oracle's: KL(oracle || engine) per position
+  (mean and max) and top-1 agreement;
+* **per layer, teacher-forced**: every decoder layer of each engine gets the
+  oracle's input to that layer (rounded to the activation dtype) and a fresh
+  cache, so errors do not compound across layers; its output is compared with
+  the oracle layer's: relative error ``||engine - oracle|| / ||oracle||`` of
+  the layer's output, and of its residual update (output minus input).
+
+The criterion: lily's error against the oracle is no larger than stock's,
+per layer and end to end (within CRITERION_SLACK: two engines of equal
+precision that round in different places land on either side of each other).
+
+Memory: the engines' weights exist once (``switch``); the oracle widens one
+layer's scales and biases at a time (tens of MB at the real shapes) and
+restores them after, so no fp32 copy of the model exists.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .common import log, prompt_ids
+from .engines import ENGINES, switch
+
+# Positions scored by default: enough for stable KL means, and at the real
+# shapes the CPU oracle (fp32, 40 layers and a 248K-way lm_head) stays within
+# minutes.
+DEFAULT_TOKENS = 128
+# lily may exceed stock's error by this factor and still meet the criterion.
+CRITERION_SLACK = 1.05
+
+
+def _widened(module) -> Dict[str, Any]:
+    """The module's parameters with every floating one in fp32 (exact)."""
+    flat = []
+    for name, value in tree_flatten(module.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating) and value.dtype != mx.float32:
+            value = value.astype(mx.float32)
+        flat.append((name, value))
+    return tree_unflatten(flat)
+
+
+class _InFp32:
+    """Run a module with fp32 parameters on ``device``; restore them after."""
+
+    def __init__(self, module, device):
+        self.module, self.device = module, device
+
+    def __enter__(self):
+        self.saved = self.module.parameters()
+        self.stream = mx.stream(self.device)
+        self.stream.__enter__()
+        self.module.update(_widened(self.module))
+        return self.module
+
+    def __exit__(self, *exc):
+        self.module.update(self.saved)
+        self.stream.__exit__(*exc)
+
+
+def _masks(h: mx.array, layer, cache):
+    from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+
+    return create_ssm_mask(h, cache) if layer.is_linear else create_attention_mask(h, cache)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    scale = float(np.linalg.norm(want))
+    return float(np.linalg.norm(got - want)) / max(scale, 1e-30)
+
+
+def _logprobs(logits: mx.array) -> np.ndarray:
+    logits = logits.astype(mx.float32)
+    out = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.eval(out)
+    return np.array(out)
+
+
+def kl_and_top1(oracle: np.ndarray, engine: np.ndarray) -> Dict[str, float]:
+    """KL(oracle || engine) per position (mean, max) and top-1 agreement, in fp64."""
+    kls = []
+    for i in range(0, len(oracle), 32):  # a few rows at a time: 248K vocabulary
+        o, e = oracle[i:i + 32].astype(np.float64), engine[i:i + 32].astype(np.float64)
+        kls.append((np.exp(o) * (o - e)).sum(-1))
+    kl = np.concatenate(kls)
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1": float((oracle.argmax(-1) == engine.argmax(-1)).mean()),
+    }
+
+
+def run_oracle_here(model, vocab: int, n_tokens: int, device: str = "cpu") -> Dict[str, Any]:
+    """The oracle comparison on a model built by ``engines.load_shared``."""
+    from .measure import score
+
+    oracle_device = mx.cpu if device == "cpu" else mx.gpu
+    lm = model.language_model
+    text = lm.model
+    layers = text.layers
+    tokens = mx.array(prompt_ids(n_tokens, vocab))[None]
+    act_dtype = text.norm.weight.dtype
+
+    # End to end: each engine's own forward, as a user runs it.
+    engine_logprobs = {}
+    for engine in ENGINES:
+        switch(model, engine)
+        start = time.perf_counter()
+        engine_logprobs[engine] = score(model, tokens[0])
+        log(f"oracle: {engine} end to end in {time.perf_counter() - start:.1f}s")
+
+    # The oracle, layer by layer, with each engine's layer teacher-forced.
+    start = time.perf_counter()
+    with _InFp32(text.embed_tokens, oracle_device) as embed:
+        h = embed(tokens)
+        mx.eval(h)
+    rows: List[Dict[str, Any]] = []
+    for i, layer in enumerate(layers):
+        with _InFp32(layer, oracle_device):
+            cache = lm.make_cache()[i]
+            out = layer(h, _masks(h, layer, cache), cache)
+            mx.eval(out)
+        oracle_in, oracle_out = np.array(h[0]), np.array(out[0])
+        row: Dict[str, Any] = {"layer": i, "kind": "linear" if layer.is_linear else "full"}
+        x = h.astype(act_dtype)
+        x_np = np.array(x[0].astype(mx.float32))
+        for engine in ENGINES:
+            switch(model, engine)
+            cache = lm.make_cache()[i]
+            got = layer(x, _masks(x, layer, cache), cache)
+            got = np.array(got[0].astype(mx.float32))
+            row[f"{engine}_rel_err"] = _rel(got, oracle_out)
+            row[f"{engine}_update_rel_err"] = _rel(got - x_np, oracle_out - oracle_in)
+        switch(model, "stock")
+        row["ratio"] = row["lily_rel_err"] / max(row["stock_rel_err"], 1e-30)
+        row["lily_no_worse"] = row["lily_rel_err"] <= CRITERION_SLACK * row["stock_rel_err"]
+        rows.append(row)
+        h = out
+        log(
+            f"oracle: layer {i + 1}/{len(layers)} ({row['kind']}): rel err lily "
+            f"{row['lily_rel_err']:.3e} stock {row['stock_rel_err']:.3e} "
+            f"({time.perf_counter() - start:.0f}s)"
+        )
+    with _InFp32(text.norm, oracle_device) as norm, _InFp32(lm.lm_head, oracle_device) as head:
+        oracle_logprobs = _logprobs(head(norm(h))[0])
+    log(f"oracle: fp32 forward done in {time.perf_counter() - start:.1f}s")
+
+    engines = {e: kl_and_top1(oracle_logprobs, engine_logprobs[e]) for e in ENGINES}
+    lily, stock = engines["lily"], engines["stock"]
+    worse_layers = [r["layer"] for r in rows if not r["lily_no_worse"]]
+    return {
+        "positions": n_tokens,
+        "oracle_device": device,
+        "activation_dtype": str(act_dtype).rsplit(".", 1)[-1],
+        "engines": engines,
+        "layers": rows,
+        "criterion": {
+            "rule": f"lily's error <= {CRITERION_SLACK} x stock's, per layer and end to end",
+            "slack": CRITERION_SLACK,
+            "layers_lily_worse": worse_layers,
+            "end_to_end_lily_no_worse": lily["kl_mean"] <= CRITERION_SLACK * stock["kl_mean"],
+            "met": not worse_layers and lily["kl_mean"] <= CRITERION_SLACK * stock["kl_mean"],
+        },
+    }
+
+
+def markdown(doc: Dict[str, Any]) -> str:
+    r = doc["oracle"]
+    e = r["engines"]
+    s = doc["settings"]
+    what = s["model"] or f"random {s['shape']} (seed {s['seed']}{', conditioned' if s['conditioned'] else ''})"
+    lines = [
+        f"# lily vs stock against an fp32 oracle ({what})",
+        "",
+        f"{r['positions']} positions; oracle: the same quantized weights, fp32 activations, on the "
+        f"{r['oracle_device'].upper()}; engines in {r['activation_dtype']} on "
+        f"{doc['machine']['accelerator'].get('name', '?')}. Revision {doc['software']['git_revision']}.",
+        "",
+        "## End to end",
+        "",
+        "| engine | KL(oracle ‖ engine) mean | KL max | top-1 agreement with the oracle |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ENGINES:
+        lines.append(f"| {name} | {e[name]['kl_mean']:.3e} | {e[name]['kl_max']:.3e} | {e[name]['top1']:.4f} |")
+    c = r["criterion"]
+    lines += [
+        "",
+        f"Criterion ({c['rule']}): **{'met' if c['met'] else 'NOT met'}**"
+        + (f"; lily worse at layers {c['layers_lily_worse']}" if c["layers_lily_worse"] else "")
+        + ("" if c["end_to_end_lily_no_worse"] else "; lily worse end to end"),
+        "",
+        "## Per layer (teacher-forced: each layer gets the oracle's input)",
+        "",
+        "Relative error `||engine - oracle|| / ||oracle||` of the layer's output, and of its "
+        "residual update (output - input).",
+        "",
+        "| layer | kind | lily | stock | lily / stock | lily update | stock update | no worse |",
+        "|---:|---|---:|---:|---:|---:|---:|:---:|",
+    ]
+    for row in r["layers"]:
+        lines.append(
+            f"| {row['layer']} | {row['kind']} | {row['lily_rel_err']:.3e} | {row['stock_rel_err']:.3e} | "
+            f"{row['ratio']:.3f} | {row['lily_update_rel_err']:.3e} | {row['stock_update_rel_err']:.3e} | "
+            f"{'yes' if row['lily_no_worse'] else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_oracle(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .common import file_stem, machine_info, now_iso, software_info, op_paths
+    from .engines import load_shared
+
+    source = {"model": args.model, "shape": None if args.model else (args.shape or "demo"),
+              "seed": args.seed, "conditioned": args.conditioned}
+    started = now_iso()
+    machine, software = machine_info(), software_info()
+    log(f"oracle: building/loading the model ({source['model'] or source['shape']})")
+    model, vocab, load_s, note = load_shared(source)
+    if note:
+        raise SystemExit(f"--oracle needs a qwen3_5_moe model: {note}")
+    log(f"oracle: model ready in {load_s:.1f}s; {args.oracle_tokens} positions")
+    result = run_oracle_here(model, vocab, args.oracle_tokens, args.oracle_device)
+    doc = {
+        "tool": "mlx-lily bench (oracle)",
+        "schema": 1,
+        "started": started,
+        "finished": now_iso(),
+        "machine": machine,
+        "software": software,
+        "settings": {**source, "positions": args.oracle_tokens, "oracle_device": args.oracle_device,
+                     "prompt": "token i = ((i * 2654435761) mod 2**32) mod vocab_size"},
+        "op_paths": op_paths(),
+        "engines": result["engines"],
+        "oracle": result,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = file_stem("oracle", machine, software["git_revision"])
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    text = markdown(doc)
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    log(f"wrote {out / stem}.json and .md")
+    return 0
