@@ -319,6 +319,7 @@ class GatedDeltaKernels:
         self.sequential = sequential
         self.reference = sequential.reference
         self.sample = sequential.sample
+        self.agree = sequential.agree
         self._chunked_checked: dict = {}
 
     def ready(self) -> tuple[bool, str]:
@@ -371,6 +372,14 @@ class GatedDeltaKernels:
         if self.path_for(backend, *args, **kwargs) == "chunked":
             return gated_delta_chunked_run(backend, *args[:8], **{k: v for k, v in kwargs.items() if k != "mask"})
         return self.sequential.run_on(backend, *args, **kwargs)
+
+    def run_checked(self, backend: str, *args, **kwargs):
+        """As the op's registry asks: the chunked passes were checked as a
+        whole at their first call; the sequential kernel checks each of its
+        instantiations at its first use."""
+        if self.path_for(backend, *args, **kwargs) == "chunked":
+            return self.run_on(backend, *args, **kwargs), None
+        return self.sequential.run_checked(backend, *args, **kwargs)
 
     def emulate(self, *args, **kwargs):
         return self.run_on("emulator", *args, **kwargs)

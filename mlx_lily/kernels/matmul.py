@@ -18,6 +18,7 @@ import math
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
@@ -70,6 +71,16 @@ def _sample():
     return (x, w), {}
 
 
+def _fuzz(rng):
+    """A random call the kernel takes: M, N any size, K a multiple of 8."""
+    M = int(rng.choice([1, int(rng.integers(2, 17)), int(rng.integers(17, 150))]))
+    N = int(rng.choice([int(rng.integers(1, 17)), int(rng.integers(17, 150))]))
+    K = 8 * int(rng.integers(1, 24))
+    x = mx.array(rng.standard_normal((M, K)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32)).astype(mx.bfloat16)
+    return (x, w), {}
+
+
 def matmul_nt_agree(got, want, x, w) -> Optional[str]:
     """Within bf16 output rounding: both sides accumulate the same bf16
     products in fp32 (in different orders) and round once to bf16, so they
@@ -102,5 +113,6 @@ matmul_nt = register(
         supports=matmul_nt_supports,
         description="dense bf16 x @ w.T on matrix tiles (the tile layer's proof; not in the model)",
         sample=_sample,
+        fuzz=_fuzz,
     )
 )
