@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
@@ -298,18 +299,41 @@ def make_checkpoint(
                 return path
         except (OSError, ValueError):
             pass
+    _refuse_foreign(path)
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model, config = build_model(shape, seed=seed, quiet=quiet)
-    tokenizer = make_tokenizer()
-    config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
-    _progress(f"saving {size_gb:.1f} GB of weights", quiet)
-    save_model(tmp, model, donate_model=True)
-    save_config(config, tmp / "config.json")
-    tokenizer.save_pretrained(tmp)
-    (tmp / MARKER).write_text(json.dumps(want))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place, so a crash never
+    # leaves a half-written checkpoint under the name.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        model, config = build_model(shape, seed=seed, quiet=quiet)
+        tokenizer = make_tokenizer()
+        config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+        _progress(f"saving {size_gb:.1f} GB of weights", quiet)
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(want))
+        if path.exists():
+            _refuse_foreign(path)  # checked again: it may have changed meanwhile
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
+
+
+def _refuse_foreign(path: Path) -> None:
+    """Raise unless ``path`` is absent, an empty folder, or a checkpoint lily
+    wrote (it has lily's marker file): lily never deletes what it did not write."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a folder; choose another path for the checkpoint")
+    if any(path.iterdir()) and not (path / MARKER).is_file():
+        raise FileExistsError(
+            f"{path} is a non-empty folder that is not a lily checkpoint (no {MARKER}); "
+            "lily will not overwrite it: choose another path or empty it yourself"
+        )

@@ -67,3 +67,29 @@ def test_built_layer_by_layer():
 def test_unknown_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown shape 'huge'"):
         model_config("huge")
+
+
+def test_refuses_a_folder_lily_did_not_write(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match="not a lily checkpoint"):
+            make_checkpoint(folder, shape="demo", force=force)
+    assert (folder / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no leftovers
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        make_checkpoint(a_file, shape="demo")
+
+
+def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    path = make_checkpoint(folder, shape="demo")
+    assert (path / checkpoints.MARKER).is_file()
+    (path / "stale.txt").write_text("written inside lily's checkpoint")
+    make_checkpoint(folder, shape="demo", force=True)  # lily's own: rebuilt
+    assert not (path / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
