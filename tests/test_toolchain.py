@@ -399,3 +399,13 @@ def test_each_distinct_source_gets_its_own_backend_name():
     assert a.backend_name("metal") != kernel("y[0] = x[0];", header="// h\n").backend_name("metal")
     # The CUDA build also compiles the prelude, so its name covers it too.
     assert a.backend_name("cuda") != a.backend_name("metal")
+
+
+def test_unknown_kernel_backend_says_so_once(monkeypatch, auto_backend, fresh_notices, capsys):
+    # A misspelt backend must not silently run the references.
+    monkeypatch.setenv(BACKEND_ENV, "bogus")
+    for _ in range(3):
+        assert kernel_backend()[0] is None
+    err = capsys.readouterr().err
+    assert err.count("MLX_LILY_KERNEL_BACKEND='bogus' is not one of") == 1, err
+    assert "run their references" in err
