@@ -93,3 +93,26 @@ def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
     make_checkpoint(folder, shape="demo", force=True)  # lily's own: rebuilt
     assert not (path / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_tokenizer_covers_the_model_vocabulary(demo_checkpoint):
+    # Every id the model can emit decodes (the demo's vocabulary was once twice
+    # its tokenizer's: undecodable text, logprobs with token null).
+    from transformers import AutoTokenizer
+
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_checkpoint))
+    vocab = config["text_config"]["vocab_size"]
+    assert len(tokenizer) == vocab
+    assert None not in tokenizer.convert_ids_to_tokens(list(range(vocab)))
+
+
+@pytest.mark.parametrize("size", [300, 512, 2000])
+def test_make_tokenizer_has_exactly_the_size_asked(size):
+    from mlx_lily.checkpoints import make_tokenizer
+
+    tokenizer = make_tokenizer(size)
+    assert len(tokenizer) == size
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    last = tokenizer.decode([size - 1])
+    assert last.strip().isalpha(), last  # a filler word, decodable text
