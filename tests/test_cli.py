@@ -133,10 +133,15 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
                "--prompt", "hi", "--max-tokens", "4"])
     assert out.returncode == 0 and "runs on lily's model" in out.stderr, out.stderr
 
-    demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"], {"MLX_LILY_CACHE": str(tmp_path)})
-    assert demo.returncode == 0, demo.stderr
-    assert "greedy tokens agree: yes" in demo.stdout
-    assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
+    for kernels, says in (("reference", "No lily op ran a kernel here"),
+                          ("emulator", "Lily ran kernels for gated_delta, router_topk")):
+        demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"],
+                   {"MLX_LILY_CACHE": str(tmp_path), "MLX_LILY_KERNEL_BACKEND": kernels})
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        assert "greedy tokens agree: yes" in demo.stdout
+        assert says in demo.stdout, demo.stdout
+        assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
+        assert "\ufffd" not in demo.stderr
 
     doctor = run([sys.executable, "-m", "mlx_lily", "doctor"])
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
