@@ -141,7 +141,6 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
         assert "greedy tokens agree: yes" in demo.stdout
         assert says in demo.stdout, demo.stdout
         assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
-        assert "\ufffd" not in demo.stderr
 
     doctor = run([sys.executable, "-m", "mlx_lily", "doctor"])
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
