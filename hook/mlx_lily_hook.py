@@ -1,15 +1,18 @@
 """mlx-lily's startup hook (installed as mlx_lily_hook.pth + this module).
 
-At interpreter start it only puts a tiny import finder first in sys.meta_path; nothing heavy is
-imported. When ``mlx_lm.utils`` is imported later, the finder lets it load
-normally and then:
+At interpreter start it only puts a tiny import finder first in sys.meta_path;
+nothing heavy is imported. When ``mlx_lm.utils`` is imported later, the finder
+lets it load normally and then, only in an mlx-lm command-line program
+(``mlx_lm.generate``, ``mlx_lm.server``, ``mlx_lm chat``,
+``python -m mlx_lm.generate`` ...):
 
-* for an mlx-lm command-line program (``mlx_lm.generate``, ``mlx_lm.server``,
-  ``mlx_lm chat``, ``python -m mlx_lm.generate`` ...), takes ``--backend lily|mlx``
-  out of ``sys.argv`` so mlx-lm's own argument parser never sees it;
+* takes ``--backend lily|mlx`` out of ``sys.argv`` so mlx-lm's own argument
+  parser never sees it, and adds it to that parser's ``--help``;
 * if the backend asked for (the flag, else ``MLX_LM_BACKEND``) is ``lily``,
-  calls ``mlx_lily.enable()``.
+  asks mlx_lily to enable itself, and makes lily's errors one line.
 
+Any other program that imports mlx_lm is left alone, whatever the environment
+says: it chooses lily with ``mlx_lily.load`` or ``mlx_lily.enable()``.
 ``MLX_LILY_HOOK=0`` switches the hook off entirely.
 """
 
@@ -17,6 +20,17 @@ import os
 import sys
 
 _TARGET = "mlx_lm.utils"
+BACKEND_ENV = "MLX_LM_BACKEND"
+BACKEND_HELP = (
+    "Which backend builds the model: 'lily' (mlx-lily's kernels for the Qwen3.5/3.6 "
+    "MoE family; other model types run stock) or 'mlx' (stock). Default: "
+    f"${BACKEND_ENV}, else mlx."
+)
+
+# Set when the hook asked for lily; mlx_lily.backend reads it when it finishes
+# importing, which is how a request made while mlx_lily is itself importing
+# mlx_lm.utils still takes effect (no circular import).
+lily_requested = False
 
 
 def _is_mlx_lm_program():
@@ -52,18 +66,47 @@ def _fail(message):
     raise SystemExit(2)
 
 
+def add_backend_to_help(default_text=BACKEND_HELP):
+    """Make every argparse --help in this process list --backend.
+
+    The flag is taken out of sys.argv before mlx-lm parses it, so mlx-lm's
+    parsers never declare it; they only learn of it when printing help.
+    """
+    import argparse
+
+    stock_format_help = argparse.ArgumentParser.format_help
+
+    def format_help(self):
+        if "--backend" not in self._option_string_actions:
+            self.add_argument("--backend", choices=["lily", "mlx"], help=default_text)
+        return stock_format_help(self)
+
+    argparse.ArgumentParser.format_help = format_help
+
+
+def request_lily():
+    """Enable lily now, or as soon as mlx_lily.backend finishes importing."""
+    global lily_requested
+    lily_requested = True
+    if "mlx_lily.backend" not in sys.modules:
+        import mlx_lily.backend  # noqa: F401  (enables lily as it finishes)
+    import mlx_lily.errors
+
+    mlx_lily.errors.install_one_line_errors()
+
+
 def _after_mlx_lm_utils():
-    backend = None
-    if _is_mlx_lm_program():
-        backend = _take_backend_flag(sys.argv)
+    if not _is_mlx_lm_program():
+        return
+    backend = _take_backend_flag(sys.argv)
+    if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
+        add_backend_to_help()
     if backend is None:
-        backend = os.environ.get("MLX_LM_BACKEND") or "mlx"
+        backend = os.environ.get(BACKEND_ENV) or "mlx"
     if backend not in ("lily", "mlx"):
         _fail(f"unknown backend {backend!r}: use lily or mlx")
     if backend == "lily":
-        import mlx_lily
-
-        mlx_lily.enable()
+        request_lily()
 
 
 class _Loader:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 
 from . import backend
+from .errors import LilyError, one_line, want_traceback
 
 # Our command name -> mlx-lm's module that implements it.
 MLX_LM_COMMANDS = {
@@ -52,6 +53,26 @@ def take_backend(argv: list[str], default: str) -> str:
     return value
 
 
+BACKEND_HELP = (
+    "Which backend builds the model: 'lily' (mlx-lily's kernels for the Qwen3.5/3.6 "
+    "MoE family; other model types run stock) or 'mlx' (stock). Default here: lily."
+)
+
+
+def add_backend_to_help() -> None:
+    """List --backend in mlx-lm's --help (the flag never reaches its parser)."""
+    import argparse
+
+    stock_format_help = argparse.ArgumentParser.format_help
+
+    def format_help(self):
+        if "--backend" not in self._option_string_actions:
+            self.add_argument("--backend", choices=list(backend.BACKENDS), help=BACKEND_HELP)
+        return stock_format_help(self)
+
+    argparse.ArgumentParser.format_help = format_help
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -64,8 +85,15 @@ def main(argv: list[str] | None = None) -> None:
         chosen = take_backend(rest, default="lily")
         module = importlib.import_module(MLX_LM_COMMANDS[command])
         backend.enable() if chosen == "lily" else backend.disable()
+        if any(arg in ("-h", "--help") for arg in rest):
+            add_backend_to_help()
         sys.argv = [f"mlx_lily {command}"] + rest
-        module.main()
+        try:
+            module.main()
+        except LilyError as e:
+            if want_traceback():
+                raise
+            sys.exit(one_line(e))
     elif command == "demo":
         from .demo import main as demo_main
 

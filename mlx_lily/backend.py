@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 from typing import Any, Iterator
 
 import mlx_lm.utils as mlx_utils
@@ -80,3 +81,17 @@ def load(path_or_hf_repo: str, backend: str = "lily", **kwargs: Any):
     """``mlx_lm.load`` with the chosen backend; same arguments, same return value."""
     with using(backend):
         return mlx_utils.load(path_or_hf_repo, **kwargs)
+
+
+def _hook_requested_lily() -> bool:
+    """Whether the startup hook asked for lily (an mlx-lm program run with
+    ``--backend lily`` or ``MLX_LM_BACKEND=lily``); see hook/mlx_lily_hook.py."""
+    hook = sys.modules.get("mlx_lily_hook")
+    return bool(getattr(hook, "lily_requested", False))
+
+
+# The hook may ask while this module is importing mlx_lm.utils (a program that
+# imports mlx_lily first): it cannot enable a half-imported module, so the
+# request is honoured here, once everything above exists.
+if _hook_requested_lily():
+    enable()

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Union
@@ -28,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 # Bump when the files written here change, so cached checkpoints are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the model's vocabulary is the tokenizer's
 MARKER = "lily_checkpoint.json"
 
 _COMMON = {
@@ -60,7 +61,7 @@ SHAPES: Dict[str, Dict[str, Any]] = {
         "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 64,
         "intermediate_size": 256,
-        "vocab_size": 1024,
+        "vocab_size": 512,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
     },
     # Other head counts, GQA ratio, value/key head ratio, expert count and top-k.
@@ -81,7 +82,7 @@ SHAPES: Dict[str, Dict[str, Any]] = {
         "moe_intermediate_size": 64,
         "shared_expert_intermediate_size": 128,
         "intermediate_size": 256,
-        "vocab_size": 1024,
+        "vocab_size": 512,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
     },
     # Qwen3.6-35B-A3B.
@@ -264,7 +265,13 @@ CHAT_TEMPLATE = (
 
 def make_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer (transformers' fast tokenizer) trained on
-    the built-in text, with Qwen's ChatML special tokens and chat template."""
+    the built-in text, with Qwen's ChatML special tokens and chat template,
+    of exactly ``vocab_size`` tokens, so that every id the model can emit
+    decodes to text.
+
+    The built-in text yields a few hundred tokens; larger vocabularies (the
+    real shapes') are filled with word-like tokens that decode to text but that
+    encoding never produces (no merge leads to them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -278,6 +285,10 @@ def make_tokenizer(vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:
+        tok = _fill_vocabulary(tok, vocab_size)
+    if tok.get_vocab_size() != vocab_size:
+        raise ValueError(f"cannot make a {vocab_size}-token tokenizer (got {tok.get_vocab_size()})")
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -286,6 +297,27 @@ def make_tokenizer(vocab_size: int = 512):
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
+
+
+def _fill_vocabulary(tok, vocab_size: int):
+    """Append word-like tokens (' ab', ' abc', ...) to a trained BPE vocabulary."""
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    next_id = tok.get_vocab_size()
+    space = "\u0120"  # the byte-level alphabet's space
+    for length in itertools.count(2):
+        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+            if next_id == vocab_size:
+                return Tokenizer.from_str(json.dumps(spec))
+            word = space + "".join(letters)
+            if word not in vocab:
+                vocab[word] = next_id
+                next_id += 1
 
 
 def default_cache_dir() -> Path:
@@ -334,18 +366,41 @@ def make_checkpoint(
                 return path
         except (OSError, ValueError):
             pass
+    _refuse_foreign(path)
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model, config = build_model(shape, seed=seed, quiet=quiet, conditioned=conditioned)
-    tokenizer = make_tokenizer()
-    config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
-    _progress(f"saving {size_gb:.1f} GB of weights", quiet)
-    save_model(tmp, model, donate_model=True)
-    save_config(config, tmp / "config.json")
-    tokenizer.save_pretrained(tmp)
-    (tmp / MARKER).write_text(json.dumps(want))
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Written beside the target and renamed into place, so a crash never
+    # leaves a half-written checkpoint under the name.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    try:
+        model, config = build_model(shape, seed=seed, quiet=quiet, conditioned=conditioned)
+        tokenizer = make_tokenizer(config["text_config"]["vocab_size"])
+        config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
+        _progress(f"saving {size_gb:.1f} GB of weights", quiet)
+        save_model(tmp, model, donate_model=True)
+        save_config(config, tmp / "config.json")
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(want))
+        if path.exists():
+            _refuse_foreign(path)  # checked again: it may have changed meanwhile
+            shutil.rmtree(path)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
+
+
+def _refuse_foreign(path: Path) -> None:
+    """Raise unless ``path`` is absent, an empty folder, or a checkpoint lily
+    wrote (it has lily's marker file): lily never deletes what it did not write."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a folder; choose another path for the checkpoint")
+    if any(path.iterdir()) and not (path / MARKER).is_file():
+        raise FileExistsError(
+            f"{path} is a non-empty folder that is not a lily checkpoint (no {MARKER}); "
+            "lily will not overwrite it: choose another path or empty it yourself"
+        )

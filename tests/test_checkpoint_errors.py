@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
 
 import mlx_lily
-from mlx_lily.errors import CheckpointError
+from mlx_lily.errors import CheckpointError, ConfigError
 
 EXPERT = "language_model.model.layers.0.mlp.switch_mlp.gate_proj"
 
@@ -57,19 +60,87 @@ def test_unexpected_tensor(copy_of):
         mlx_lily.load(str(copy_of), backend="lily")
 
 
-@pytest.mark.parametrize("where", ["model", "tensor"])
-def test_unsupported_quantization(copy_of, where):
-    config_path = copy_of / "config.json"
+def edit_config(path, change):
+    config_path = path / "config.json"
     config = json.loads(config_path.read_text())
-    if where == "model":
-        config["quantization"]["bits"] = 7
-        match = "unsupported quantization for the model.*bits=7"
-    else:
-        config["quantization"][EXPERT] = {"group_size": 48, "bits": 4}
-        match = f"unsupported quantization for tensor '{EXPERT}'.*group_size=48"
+    change(config)
     config_path.write_text(json.dumps(config))
+
+
+def test_declared_bits_must_match_the_tensors(copy_of):
+    # Stock mlx-lm infers each layer's bits from its tensors and loads this;
+    # lily refuses a config.json that misdescribes its weights.
+    edit_config(copy_of, lambda c: c["quantization"].__setitem__("bits", 7))
+    match = r"packed at 4 bits, group size 64 .* declares 7 bits, group size 64 \(MLX has no 7-bit"
     with pytest.raises(CheckpointError, match=match):
         mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_unsupported_quantization_for_a_tensor(copy_of):
+    edit_config(copy_of, lambda c: c["quantization"].__setitem__(EXPERT, {"group_size": 48, "bits": 4}))
+    with pytest.raises(CheckpointError, match=f"unsupported quantization for tensor '{EXPERT}'.*group_size=48"):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_packed_weight_of_half_its_size(copy_of):
+    # Stock loads it as a 2-bit layer and generates; lily names the tensor.
+    def halve(w):
+        w[f"{EXPERT}.weight"] = w[f"{EXPERT}.weight"][..., : w[f"{EXPERT}.weight"].shape[-1] // 2]
+
+    edit_weights(copy_of, halve)
+    with pytest.raises(CheckpointError, match=rf"'{EXPERT}.weight' is packed at 2 bits.*declares 4 bits"):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_missing_lm_head(copy_of):
+    # Stock fails with a bare KeyError from inside its quantization step.
+    edit_weights(copy_of, lambda w: w.pop("language_model.lm_head.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'language_model.lm_head.weight'.*\(512, 128\)"):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def set_text_field(name, value):
+    def change(config):
+        if value is None:
+            config["text_config"].pop(name)
+        else:
+            config["text_config"][name] = value
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "name, value, match",
+    [
+        # stock: an argpartition error from inside the router
+        ("num_experts_per_tok", 9, r"num_experts_per_tok is 9; expected at most text_config.num_experts \(8\)"),
+        # stock: loads and generates with no routed experts
+        ("num_experts_per_tok", 0, "num_experts_per_tok is 0; expected .* a positive integer"),
+        ("num_experts_per_tok", None, "has no text_config.num_experts_per_tok"),
+        # stock: "group size 2048 not supported" (its default width)
+        ("hidden_size", None, r"has no text_config.hidden_size \(the model width"),
+        ("num_key_value_heads", 3, r"num_attention_heads \(4\) is not a multiple of text_config.num_key_value_heads \(3\)"),
+    ],
+)
+def test_bad_config_field(copy_of, name, value, match):
+    edit_config(copy_of, set_text_field(name, value))
+    with pytest.raises(ConfigError, match=match):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_command_line_error_is_one_line(copy_of):
+    edit_config(copy_of, set_text_field("num_experts_per_tok", 9))
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_LM_BACKEND", "MLX_LILY_TRACEBACK")}
+    for command in (["mlx_lm.generate", "--backend", "lily"], [sys.executable, "-m", "mlx_lily", "generate"]):
+        out = subprocess.run([*command, "--model", str(copy_of), "--prompt", "hi", "--max-tokens", "2"],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 1
+        errors = [line for line in out.stderr.splitlines() if not line.startswith("[mlx-lily]")]
+        assert errors == ["mlx-lily: config.json text_config.num_experts_per_tok is 9; "
+                          "expected at most text_config.num_experts (8)"], out.stderr
+    asked = subprocess.run(["mlx_lm.generate", "--backend", "lily", "--model", str(copy_of), "--prompt", "hi"],
+                           capture_output=True, text=True, timeout=300, env={**env, "MLX_LILY_TRACEBACK": "1"})
+    assert "Traceback" in asked.stderr and "ConfigError" in asked.stderr
 
 
 def test_good_checkpoint_loads(demo_checkpoint):

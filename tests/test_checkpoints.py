@@ -94,3 +94,52 @@ def test_conditioned_scales_branches_and_routers_only():
         assert mx.allclose(cond[name].astype(mx.float32), want.astype(mx.float32), rtol=1e-2).item(), name
     # Per layer: one attention output, one router, routed and shared down projections.
     assert scaled == layers * 4
+
+
+def test_refuses_a_folder_lily_did_not_write(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    for force in (False, True):
+        with pytest.raises(FileExistsError, match="not a lily checkpoint"):
+            make_checkpoint(folder, shape="demo", force=force)
+    assert (folder / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no leftovers
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        make_checkpoint(a_file, shape="demo")
+
+
+def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
+    folder = tmp_path / "empty"
+    folder.mkdir()
+    path = make_checkpoint(folder, shape="demo")
+    assert (path / checkpoints.MARKER).is_file()
+    (path / "stale.txt").write_text("written inside lily's checkpoint")
+    make_checkpoint(folder, shape="demo", force=True)  # lily's own: rebuilt
+    assert not (path / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_tokenizer_covers_the_model_vocabulary(demo_checkpoint):
+    # Every id the model can emit decodes (the demo's vocabulary was once twice
+    # its tokenizer's: undecodable text, logprobs with token null).
+    from transformers import AutoTokenizer
+
+    config = json.loads((demo_checkpoint / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(demo_checkpoint))
+    vocab = config["text_config"]["vocab_size"]
+    assert len(tokenizer) == vocab
+    assert None not in tokenizer.convert_ids_to_tokens(list(range(vocab)))
+
+
+@pytest.mark.parametrize("size", [300, 512, 2000])
+def test_make_tokenizer_has_exactly_the_size_asked(size):
+    from mlx_lily.checkpoints import make_tokenizer
+
+    tokenizer = make_tokenizer(size)
+    assert len(tokenizer) == size
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    last = tokenizer.decode([size - 1])
+    assert last.strip().isalpha(), last  # a filler word, decodable text

@@ -9,6 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 
 ENV = {k: v for k, v in os.environ.items() if k not in ("MLX_LM_BACKEND", "MLX_LILY_HOOK")}
 
@@ -28,28 +29,57 @@ def generated_text(stdout: str) -> str:
 
 def test_hook_is_installed():
     # The CLI tests below need the package installed (pip install .), which
-    # puts mlx_lily_hook.pth into site-packages.
+    # puts mlx_lily_hook.pth into site-packages; the hook it imports must be
+    # this checkout's (an older install tests an older hook).
     purelib = Path(sysconfig.get_paths()["purelib"])
     assert (purelib / "mlx_lily_hook.pth").exists(), "run: pip install -e '.[test]'"
+    out = run([sys.executable, "-c", "import mlx_lily_hook; print(mlx_lily_hook.__file__)"])
+    assert out.returncode == 0, out.stderr
+    installed = Path(out.stdout.strip()).read_text()
+    assert installed == (ROOT / "hook" / "mlx_lily_hook.py").read_text(), (
+        f"{out.stdout.strip()} is not this checkout's hook: reinstall (pip install -e '.[test]')"
+    )
 
 
 def test_plain_import_is_untouched():
+    # Whatever MLX_LM_BACKEND says: only mlx-lm's programs take it.
     code = (
         "import sys, mlx_lm, mlx_lm.utils as u;"
         "print('mlx_lily' in sys.modules, u.load_model.__module__, u.load_model.__qualname__)"
     )
-    out = run([sys.executable, "-c", code])
+    for env in ({}, {"MLX_LM_BACKEND": "lily"}):
+        out = run([sys.executable, "-c", code], env)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["False", "mlx_lm.utils", "load_model"]
+        assert out.stderr == ""
+
+
+def test_env_does_not_break_importing_mlx_lily():
+    # It used to crash with a circular import ("partially initialized module").
+    code = "import mlx_lily; print(mlx_lily.is_enabled())"
+    out = run([sys.executable, "-c", code], {"MLX_LM_BACKEND": "lily"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["False", "mlx_lm.utils", "load_model"]
-    assert out.stderr == ""
+    assert out.stdout.strip() == "False"  # not an mlx-lm program: untouched
 
 
-def test_env_selects_lily_and_hook_can_be_switched_off():
-    code = "import mlx_lm.utils as u, mlx_lily.backend as b; print(b.is_enabled())"
+def test_env_selects_lily_in_an_mlx_lm_program_even_if_mlx_lily_comes_first():
+    # An mlx-lm program (argv[0] named like its console scripts) that imports
+    # mlx_lily before mlx_lm.utils: the hook fires while mlx_lily is importing.
+    code = "import sys; sys.argv[0] = 'mlx_lm.generate'; import mlx_lily; print(mlx_lily.is_enabled())"
     assert run([sys.executable, "-c", code], {"MLX_LM_BACKEND": "lily"}).stdout.strip() == "True"
     assert run([sys.executable, "-c", code], {"MLX_LM_BACKEND": "mlx"}).stdout.strip() == "False"
     off = {"MLX_LM_BACKEND": "lily", "MLX_LILY_HOOK": "0"}
     assert run([sys.executable, "-c", code], off).stdout.strip() == "False"
+
+
+def test_help_lists_the_backend_flag():
+    for command in (["mlx_lm.generate"], ["mlx_lm.server"], ["mlx_lm.chat"], ["mlx_lm.benchmark"],
+                    [sys.executable, "-m", "mlx_lm", "generate"], [sys.executable, "-m", "mlx_lily", "generate"]):
+        out = run([*command, "--help"])
+        assert out.returncode == 0, out.stderr
+        assert "--backend {lily,mlx}" in out.stdout, (command, out.stdout)
+    off = run(["mlx_lm.generate", "--help"], {"MLX_LILY_HOOK": "0"})
+    assert "--backend" not in off.stdout  # the hook is what adds it
 
 
 def test_generate_lily_equals_stock(demo_checkpoint):
@@ -103,10 +133,17 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
                "--prompt", "hi", "--max-tokens", "4"])
     assert out.returncode == 0 and "runs on lily's model" in out.stderr, out.stderr
 
-    demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"], {"MLX_LILY_CACHE": str(tmp_path)})
-    assert demo.returncode == 0, demo.stderr
-    assert "greedy tokens agree: yes" in demo.stdout
-    assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
+    for kernels, says in (("reference", "No lily op ran a kernel here"),
+                          ("emulator", "Lily ran kernels for ")):
+        demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"],
+                   {"MLX_LILY_CACHE": str(tmp_path), "MLX_LILY_KERNEL_BACKEND": kernels})
+        assert demo.returncode == 0, demo.stdout + demo.stderr
+        assert "greedy tokens agree: yes" in demo.stdout
+        assert says in demo.stdout, demo.stdout
+        if kernels == "emulator":
+            ran = next(line for line in demo.stdout.splitlines() if line.startswith(says))
+            assert "gated_delta" in ran and "router_topk" in ran, ran
+        assert demo.stdout.count("tok/s") == 4  # prompt and generation, both engines
 
     doctor = run([sys.executable, "-m", "mlx_lily", "doctor"])
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr

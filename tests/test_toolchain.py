@@ -466,3 +466,13 @@ def test_an_instantiation_that_fails_to_run_falls_back_without_raising(emulator_
     x = mx.arange(4096, dtype=mx.float32)
     assert mx.array_equal(op(x, 2), x).item()
     assert op.last_path == "reference" and "threadgroup" in op.last_reason
+
+
+def test_unknown_kernel_backend_says_so_once(monkeypatch, auto_backend, fresh_notices, capsys):
+    # A misspelt backend must not silently run the references.
+    monkeypatch.setenv(BACKEND_ENV, "bogus")
+    for _ in range(3):
+        assert kernel_backend()[0] is None
+    err = capsys.readouterr().err
+    assert err.count("MLX_LILY_KERNEL_BACKEND='bogus' is not one of") == 1, err
+    assert "run their references" in err

@@ -9,7 +9,7 @@ construction, and every checkpoint stock loads, lily loads.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -17,7 +17,7 @@ from mlx_lm.models import qwen3_5_moe as stock
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..layers import LilyAttention, LilyGatedDeltaNet, LilySparseMoeBlock
 
 # Quantizations MLX can load; lily's kernels target affine 4-bit group 64 and
@@ -30,6 +30,64 @@ _SPECIALIZE = {
     Qwen3NextAttention: LilyAttention,
     Qwen3NextSparseMoeBlock: LilySparseMoeBlock,
 }
+
+
+# text_config fields with no sensible default for this family (stock's
+# defaults are a dense model's, or 0 for the MoE sizes): each must be a
+# positive integer.
+_REQUIRED_FIELDS = {
+    "hidden_size": "the model width",
+    "num_hidden_layers": "the number of layers",
+    "num_attention_heads": "query heads of the full-attention layers",
+    "num_key_value_heads": "KV heads of the full-attention layers",
+    "linear_num_key_heads": "key heads of the Gated DeltaNet layers",
+    "linear_num_value_heads": "value heads of the Gated DeltaNet layers",
+    "linear_key_head_dim": "the Gated DeltaNet key head size",
+    "linear_value_head_dim": "the Gated DeltaNet value head size",
+    "num_experts": "routed experts per layer",
+    "num_experts_per_tok": "experts each token is routed to",
+    "moe_intermediate_size": "each routed expert's hidden size",
+    "shared_expert_intermediate_size": "the shared expert's hidden size",
+    "vocab_size": "the vocabulary size",
+}
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_config(params: Dict[str, Any]) -> None:
+    """Name the first config.json field that is missing or out of range."""
+    text = params.get("text_config", params)
+    where = "text_config." if "text_config" in params else ""
+    for name, meaning in _REQUIRED_FIELDS.items():
+        if name not in text:
+            raise ConfigError(f"config.json has no {where}{name} ({meaning}: a positive integer)")
+        if not _is_positive_int(text[name]):
+            raise ConfigError(
+                f"config.json {where}{name} is {text[name]!r}; expected {meaning}, a positive integer"
+            )
+    if text["num_experts_per_tok"] > text["num_experts"]:
+        raise ConfigError(
+            f"config.json {where}num_experts_per_tok is {text['num_experts_per_tok']}; expected "
+            f"at most {where}num_experts ({text['num_experts']})"
+        )
+    for many, few in (("num_attention_heads", "num_key_value_heads"),
+                      ("linear_num_value_heads", "linear_num_key_heads")):
+        if text[many] % text[few]:
+            raise ConfigError(
+                f"config.json {where}{many} ({text[many]}) is not a multiple of "
+                f"{where}{few} ({text[few]})"
+            )
+    quant = params.get("quantization")
+    if isinstance(quant, dict):
+        mode = quant.get("mode", "affine")
+        if mode not in _VALID_BITS:
+            raise ConfigError(f"config.json quantization mode {mode!r} is not one MLX supports "
+                              f"({', '.join(_VALID_BITS)})")
+        for path, override in quant.items():
+            if isinstance(override, dict):
+                _check_quantization(override, f"tensor {path!r}")
 
 
 def _check_quantization(q: Dict[str, Any], where: str) -> None:
@@ -48,13 +106,11 @@ def _check_quantization(q: Dict[str, Any], where: str) -> None:
 class ModelArgs(stock.ModelArgs):
     @classmethod
     def from_dict(cls, params):
-        quant = params.get("quantization")
-        if isinstance(quant, dict):
-            _check_quantization(quant, "the model (config.json 'quantization')")
-            for path, override in quant.items():
-                if isinstance(override, dict):
-                    _check_quantization(override, f"tensor {path!r}")
-        return super().from_dict(params)
+        check_config(params)
+        args = super().from_dict(params)
+        # What config.json declares, to check the tensors against in sanitize.
+        args.declared_quantization = params.get("quantization")
+        return args
 
 
 def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
@@ -75,6 +131,15 @@ class Model(stock.Model):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
         specialize(self)
+
+    def sanitize(self, weights):
+        weights = super().sanitize(weights)
+        declared = getattr(self.args, "declared_quantization", None)
+        # Before mlx-lm quantizes the model: it infers each layer's bits from
+        # the tensor shapes, so a tensor that contradicts config.json would
+        # load silently (or fail deep inside mlx-lm).
+        _check_packed_tensors(self, weights, declared if isinstance(declared, dict) else None)
+        return weights
 
     def load_weights(self, file_or_weights, strict: bool = True):
         if strict and not isinstance(file_or_weights, str):
@@ -118,4 +183,44 @@ def _check_weights(model: Model, weights: Dict[str, mx.array]) -> None:
             raise CheckpointError(
                 f"checkpoint tensor {name!r} has shape {tuple(got.shape)}, "
                 f"expected {tuple(value.shape)} from config.json"
+            )
+
+
+def _check_packed_tensors(model: Model, weights: Dict[str, mx.array], declared: Optional[Dict[str, Any]]) -> None:
+    """Each quantized layer has its packed weight, and is packed at the bits and
+    group size config.json declares for it."""
+    modules = dict(model.named_modules())
+    for name in sorted(weights):
+        if not name.endswith(".scales"):
+            continue
+        prefix = name[: -len(".scales")]
+        weight = weights.get(f"{prefix}.weight")
+        module = modules.get(prefix)
+        if module is None or not hasattr(module, "weight"):
+            continue  # an unexpected tensor: named by _check_weights
+        in_dims = module.weight.shape[-1]
+        if weight is None:
+            raise CheckpointError(
+                f"checkpoint is missing tensor '{prefix}.weight' (its '{name}' is there; expected "
+                f"a packed weight for {tuple(module.weight.shape)} values)"
+            )
+        if declared is None:
+            continue
+        want = declared.get(prefix, declared)
+        if not isinstance(want, dict):
+            continue
+        group = in_dims // weights[name].shape[-1] if weights[name].shape[-1] else 0
+        bits, exact = divmod(weight.shape[-1] * 32, in_dims)
+        if exact or (bits, group) != (want.get("bits"), want.get("group_size")):
+            source = f"quantization.{prefix}" if prefix in declared else "quantization"
+            got = f"{weight.shape[-1] * 32 / in_dims:.3g}" if exact else str(bits)
+            unsupported = ""
+            mode = want.get("mode", "affine")
+            if want.get("bits") not in _VALID_BITS.get(mode, ()):
+                unsupported = f" (MLX has no {want.get('bits')}-bit {mode} quantization)"
+            raise CheckpointError(
+                f"checkpoint tensor '{prefix}.weight' is packed at {got} bits, group size {group} "
+                f"(shape {tuple(weight.shape)}, scales {tuple(weights[name].shape)}, {in_dims} inputs), "
+                f"but config.json {source} declares {want.get('bits')} bits, group size "
+                f"{want.get('group_size')}{unsupported}; lily loads only tensors that match config.json"
             )

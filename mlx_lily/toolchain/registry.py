@@ -33,6 +33,8 @@ from typing import Callable, Dict, Optional, Protocol
 
 import mlx.core as mx
 
+from .._notice import notice_once
+
 
 class KernelLike(Protocol):
     """What an op needs from a built kernel (see ``toolchain/build.py``)."""
@@ -80,7 +82,9 @@ def kernel_backend() -> tuple[Optional[str], str]:
         return None, "MLX_LILY_KERNELS=0"
     wanted = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
     if wanted not in BACKEND_CHOICES:
-        return None, f"{BACKEND_ENV}={wanted!r} is not one of {', '.join(BACKEND_CHOICES)}"
+        why = f"{BACKEND_ENV}={wanted!r} is not one of {', '.join(BACKEND_CHOICES)}"
+        notice_once(f"backend-env:{wanted}", f"{why}; lily's ops run their references")
+        return None, why
     if wanted == "reference":
         return None, f"{BACKEND_ENV}=reference"
     if wanted == "emulator":

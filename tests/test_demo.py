@@ -1,0 +1,77 @@
+"""The demo's report: which ops ran kernels, and what its agreement line means."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_lily
+from mlx_lily import demo
+from mlx_lily.kernels import OPS
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+
+
+def logits_with_top_two(first: float, second: float, size: int = 64) -> mx.array:
+    values = mx.linspace(-3.0, 1.0, size)
+    return mx.concatenate([mx.array([first, second]), values[2:]])
+
+
+def test_rounding_level_near_tie_passes_with_an_explanation():
+    stock = logits_with_top_two(2.0, 1.999)
+    lily = logits_with_top_two(1.999, 2.0)  # the tie flipped by 1e-3
+    d = demo.judge(5, stock, lily, stock_token=0, lily_token=1)
+    assert d.rounding_level and d.max_difference == pytest.approx(1e-3, rel=1e-2)
+    lines, ok = demo.explain(False, ["router_topk"], d)
+    assert ok
+    text = "\n".join(lines)
+    assert "rounding-level near-tie" in text and "generated token 5" in text and "not an error" in text
+
+
+def test_a_difference_beyond_rounding_fails_and_says_so():
+    stock = logits_with_top_two(2.0, 1.0)
+    lily = logits_with_top_two(1.0, 2.0)  # a whole logit: a wrong kernel
+    d = demo.judge(0, stock, lily, stock_token=0, lily_token=1)
+    assert not d.rounding_level
+    lines, ok = demo.explain(False, ["router_topk"], d)
+    assert not ok
+    assert "more than rounding" in "\n".join(lines) and "doctor" in "\n".join(lines)
+
+
+def test_agreement_without_kernels_is_explained():
+    lines, ok = demo.explain(True, [], None)
+    assert ok and "same computation" in "\n".join(lines)
+    lines, ok = demo.explain(False, [], None)
+    assert not ok and "a bug in lily" in "\n".join(lines)
+
+
+def test_first_divergence_measures_real_logits(demo_checkpoint, reference_backend, monkeypatch):
+    model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    prompt = tokenizer.encode("Tell me a story")
+    stock_tokens = [5, 6, 7, 8]
+    lily_tokens = [5, 6, 9, 8]
+    d = demo.first_divergence(model, prompt, stock_tokens, lily_tokens)
+    assert (d.step, d.stock_token, d.lily_token) == (2, 7, 9)
+    # Lily on references computes stock's math exactly.
+    assert d.max_difference == 0.0 and d.rounding_level and d.spread > 0
+    # A wrong op (the MoE output scaled by 1.5) is far beyond rounding.
+    combine = OPS["moe_combine"]
+    monkeypatch.setattr(combine, "reference", lambda *a, _f=combine.reference, **k: _f(*a, **k) * 1.5)
+    d = demo.first_divergence(model, prompt, stock_tokens, lily_tokens)
+    assert not d.rounding_level, d
+
+
+def test_op_paths_are_recorded(demo_checkpoint, reference_backend):
+    with demo.recording_op_paths() as taken:
+        demo.run_engine(str(demo_checkpoint), "lily", "hi", 2)
+    lines = demo.describe_op_paths(taken)
+    assert len(lines) == len(OPS)
+    assert any("router_topk" in line and "MLX_LILY_KERNEL_BACKEND=reference" in line for line in lines)
+    assert demo.kernels_that_ran(taken) == []
+    with demo.recording_op_paths() as taken:
+        demo.run_engine(str(demo_checkpoint), "mlx", "hi", 2)
+    assert not taken  # stock runs no lily op
