@@ -21,7 +21,7 @@ from mlx_lily import paths
 from mlx_lily.kernels.gated_delta import gated_delta_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
-PROMPTS = [[5, 9, 300, 41, 7], [12, 800], [64, 65, 66]]
+PROMPTS = [[5, 9, 300, 41, 7], [12, 500], [64, 65, 66]]
 LAYERS = {"Gated DeltaNet", "full attention", "MoE"}
 
 
@@ -58,7 +58,7 @@ def assert_all_lily(records):
 
 def test_batch_of_two_runs_lily_s_layers(models, reference_backend, recorded, capfd):
     stock, lily, _ = models
-    batch = mx.array([[17, 301, 45, 999, 2, 77], [7, 6, 5, 4, 3, 2]])
+    batch = mx.array([[17, 301, 45, 499, 2, 77], [7, 6, 5, 4, 3, 2]])
     got, want = lily(batch), stock(batch)
     assert mx.array_equal(got, want).item()
     assert_all_lily(recorded())
@@ -117,7 +117,7 @@ def test_prompts_continuing_saved_caches(models, reference_backend, recorded):
     # The server resumes prompts from its prompt cache: caches of different
     # lengths merge into one BatchKVCache (left-padded) and ArraysCache.
     stock, lily, tokenizer = models
-    heads, tails = [[5, 9, 300], [12]], [[41, 7], [800, 3, 4]]
+    heads, tails = [[5, 9, 300], [12]], [[41, 7], [500, 3, 4]]
 
     def continued(model):
         caches = [make_prompt_cache(model) for _ in heads]
@@ -136,13 +136,13 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
     monkeypatch.setenv(BACKEND_ENV, "emulator")
     lily, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
     masked_calls = []
-    run_on = gated_delta_kernel.run_on
+    run_checked = gated_delta_kernel.run_checked
 
     def spy(backend, *args):
         masked_calls.append(len(args) > 8 and args[8] is not None)
-        return run_on(backend, *args)
+        return run_checked(backend, *args)
 
-    monkeypatch.setattr(gated_delta_kernel, "run_on", spy)
+    monkeypatch.setattr(gated_delta_kernel, "run_checked", spy)
     prompts = PROMPTS[:2]
     got = tokens_of(lily, tokenizer, prompts, max_tokens=3)
     assert any(masked_calls) and K.OPS["gated_delta"].last_path == "kernel"
