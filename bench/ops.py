@@ -169,6 +169,24 @@ def _moe_combine(d, T, ctx) -> Inputs:
     return (y, scores, shared, gate), {}
 
 
+# The tile layer's proof: one square bf16 GEMM of this size, in TFLOP/s beside
+# mx.matmul's (the op is not in the model, so it has no decode phase).
+GEMM_SIZE = 4096
+
+
+def _matmul_nt(d, T, ctx) -> Inputs:
+    return (_normal((GEMM_SIZE, GEMM_SIZE), 28), _normal((GEMM_SIZE, GEMM_SIZE), 29)), {}
+
+
+def _gemm_flops(args: tuple) -> float:
+    x, w = args
+    return 2.0 * x.shape[0] * x.shape[1] * w.shape[0]
+
+
+# Ops timed in the prefill phase only, and those whose rows carry TFLOP/s.
+PREFILL_ONLY = {"matmul_nt"}
+FLOPS: Dict[str, Callable[[tuple], float]] = {"matmul_nt": _gemm_flops}
+
 # name -> (builder, depends on the context length?)
 BUILDERS: Dict[str, Tuple[Callable[..., Inputs], bool]] = {
     "qk_norm_rope": (_qk_norm_rope, True),
@@ -180,6 +198,7 @@ BUILDERS: Dict[str, Tuple[Callable[..., Inputs], bool]] = {
     "router_topk": (_router_topk, False),
     "moe_experts": (_moe_experts, False),
     "moe_combine": (_moe_combine, False),
+    "matmul_nt": (_matmul_nt, False),
 }
 
 
@@ -194,7 +213,7 @@ def cases(chunk: int, contexts: List[int]) -> List[Tuple[str, str, int, Optional
             out.append((name, "sample", 0, None))
             continue
         _, by_context = BUILDERS[name]
-        for phase in ("prefill", "decode"):
+        for phase in ("prefill",) if name in PREFILL_ONLY else ("prefill", "decode"):
             if by_context:
                 for ctx in contexts:
                     T = min(chunk, ctx) if phase == "prefill" else 1
@@ -253,6 +272,14 @@ def run_case(name: str, phase: str, T: int, ctx: Optional[int], dims: Dict[str, 
                    speedup=stock["ms"] / lily["ms"])
     else:
         row.update(lily_ms=None, speedup=None)
+    if name in FLOPS:
+        x, w = args
+        row["tokens"] = "-"
+        row["shape"] = f"bf16 [{x.shape[0]}, {x.shape[1]}] @ [{w.shape[0]}, {w.shape[1]}].T"
+        flops = FLOPS[name](args)
+        row["stock_tflops"] = flops / stock["ms"] / 1e9
+        if row.get("lily_ms"):
+            row["lily_tflops"] = flops / row["lily_ms"] / 1e9
     return row
 
 

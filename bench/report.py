@@ -312,6 +312,14 @@ def ops_markdown(doc: Dict[str, Any]) -> str:
         *ops_table(doc["rows"]),
         "",
     ]
+    gemm = [r for r in doc["rows"] if "stock_tflops" in r]
+    for r in gemm:
+        lily = f"{r['lily_tflops']:.1f}" if r.get("lily_tflops") else "- (reference only)"
+        lines += [
+            f"{r['op']} ({r.get('shape', 'bf16 GEMM')}): "
+            f"lily {lily} TFLOP/s, mx.matmul {r['stock_tflops']:.1f} TFLOP/s.",
+            "",
+        ]
     notes = [f"- {r['op']} ({r['phase']}): {r['note']}" for r in doc["rows"] if r.get("note")]
     if notes:
         lines += ["Notes:", "", *sorted(set(notes)), ""]

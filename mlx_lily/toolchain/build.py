@@ -51,6 +51,9 @@ from .registry import kernel_backend
 KERNELS_DIR = Path(__file__).resolve().parent.parent / "kernels"
 TOOLCHAIN_DIR = Path(__file__).resolve().parent
 CUDA_PRELUDE = TOOLCHAIN_DIR / "prelude_cuda.h"
+# The matrix-tile API (lily_tile_*): one implementation per backend.
+TILES_METAL = TOOLCHAIN_DIR / "tiles_metal.h"
+TILES_CUDA = TOOLCHAIN_DIR / "tiles_cuda.h"
 
 # Apple GPUs and NVIDIA GPUs both run 32-lane SIMD groups (warps).
 SIMD_WIDTH = 32
@@ -60,7 +63,7 @@ MAX_THREADGROUP = 1024
 BACKENDS = ("metal", "cuda", "emulator")
 
 # Names whose presence in a body means it runs SIMD-group collectives.
-_SIMD_USE = re.compile(r"\bsimd_\w+|\bsimdgroup_\w+|\bthread_index_in_simdgroup\b")
+_SIMD_USE = re.compile(r"\bsimd_\w+|\bsimdgroup_\w+|\bthread_index_in_simdgroup\b|\blily_tile_\w+")
 
 Dim3 = tuple[int, int, int]
 
@@ -117,6 +120,12 @@ def cuda_prelude() -> str:
     return CUDA_PRELUDE.read_text()
 
 
+@functools.lru_cache(maxsize=None)
+def tiles_source(backend: str) -> str:
+    """The matrix-tile API's implementation for ``backend``."""
+    return (TILES_CUDA if backend == "cuda" else TILES_METAL).read_text()
+
+
 @dataclass(eq=False)
 class Kernel:
     """A lily kernel: a portable Metal-subset body plus its launcher.
@@ -143,6 +152,9 @@ class Kernel:
     atomic_outputs: bool = False
     # Dynamic shared memory (bytes) to request on CUDA.
     shared_memory: int = 0
+    # The body multiplies matrix tiles (lily_tile_*): the toolchain puts the
+    # backend's implementation of the tile API before the header.
+    tiles: bool = False
     _text: Optional[str] = field(default=None, init=False, repr=False)
     _built: Dict[str, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
@@ -222,11 +234,18 @@ class Kernel:
         under the same name would load a stale binary; the digest makes every
         distinct source a distinct name.
         """
-        text = self.header + self.body_text()
-        if backend == "cuda":
-            text = cuda_prelude() + text
+        text = self.full_header(backend) + self.body_text()
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         return f"{self.name}_{digest}"
+
+    def full_header(self, backend: str) -> str:
+        """Everything compiled before the kernel on ``backend``."""
+        text = self.header
+        if self.tiles:
+            text = tiles_source(backend) + text
+        if backend == "cuda":
+            text = cuda_prelude() + text
+        return text
 
     def body_text(self) -> str:
         """The body's source (read from its file once: launches ask on every call)."""
@@ -268,8 +287,7 @@ class Kernel:
             [
                 '#include "mlx/backend/cuda/device/utils.cuh"\n\n',
                 "#include <cooperative_groups.h>\n\n",
-                cuda_prelude(),
-                self.header,
+                self.full_header("cuda"),
                 "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
                 f"__global__ void custom_kernel_{self.backend_name('cuda')}{suffix}(\n",
                 ",\n".join(params),
@@ -300,19 +318,20 @@ class Kernel:
             source=self.body_text(),
             ensure_row_contiguous=True,
         )
+        header = self.full_header(backend)
         if backend == "metal":
             return mx.fast.metal_kernel(
-                header=self.header, atomic_outputs=self.atomic_outputs, **common
+                header=header, atomic_outputs=self.atomic_outputs, **common
             )
         if backend == "cuda":
             return mx.fast.cuda_kernel(
-                header=cuda_prelude() + self.header, shared_memory=self.shared_memory, **common
+                header=header, shared_memory=self.shared_memory, **common
             )
         if backend == "emulator":
             from ..emulator import metal_kernel as emulated_metal_kernel
 
             return emulated_metal_kernel(
-                header=self.header, atomic_outputs=self.atomic_outputs, **common
+                header=header, atomic_outputs=self.atomic_outputs, **common
             )
         raise ValueError(f"unknown kernel backend {backend!r} (one of {', '.join(BACKENDS)})")
 

@@ -146,3 +146,25 @@ def test_gated_delta_at_real_shapes(backend, T, with_state):
     assert gated_delta_agree(got, want, *args) is None
     good, err = gated_delta_compare(got, want)
     assert good and err < 2e-2, err
+
+
+# -- the tile layer: the dense tiled GEMM ------------------------------------------
+
+
+@pytest.mark.parametrize("M, N, K", [(4096, 4096, 4096), (2048, 1024, 2048), (333, 517, 200)])
+def test_tiled_gemm_on_the_gpu_matches_float64(backend, M, N, K):
+    from mlx_lily.kernels.matmul import matmul_nt
+
+    keys = mx.random.split(mx.random.key(M + N + K), 2)
+    x = mx.random.normal((M, K), key=keys[0]).astype(mx.bfloat16)
+    w = mx.random.normal((N, K), key=keys[1]).astype(mx.bfloat16)
+    fn, path, why = matmul_nt.choose(x, w)
+    assert path == "kernel", why
+    got = np.array(fn(x, w).astype(mx.float32)).astype(np.float64)
+    exact = np.array(x.astype(mx.float32)).astype(np.float64) @ np.array(
+        w.astype(mx.float32)
+    ).astype(np.float64).T
+    # One bf16 rounding of an fp32 sum: one bf16 step of the value (or of a
+    # floor for sums that cancel).
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-8
+    assert (np.abs(got - exact) <= step).all()

@@ -1,0 +1,84 @@
+// Lily's matrix tiles for CUDA: tensor-core mma.sync m16n8k16, bf16 operands,
+// fp32 accumulators (sm_80 and later). Same names and meaning as tiles_metal.h;
+// a 16x16 output tile is two m16n8 products. Operands sit in shared memory as
+// bf16 and are read in 32-bit pairs straight into the fragment layout PTX
+// documents for m16n8k16 (lane = 4 * group + thread_in_group).
+
+#define LILY_TILE 16
+#define LILY_TILE_ACC_ELEMS 8
+
+// The prelude defines Metal's `device` address space away, which would also
+// empty CUDA's __device__ (an attribute spelled with `device`); restored below.
+#pragma push_macro("device")
+#undef device
+
+struct lily_tile_a {
+  uint32_t r[4];  // rows g and g+8, k pairs 2t and 2t+8
+};
+struct lily_tile_b {
+  uint32_t r[2][2];  // [column half][k pair 2t, 2t+8]
+};
+struct lily_tile_acc {
+  float v[8];  // [column half][row g / g+8][column pair]
+};
+
+__device__ __forceinline__ uint32_t lily_tile_pair(const bfloat16_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+__device__ __forceinline__ void lily_tile_acc_zero(lily_tile_acc& c) {
+#pragma unroll
+  for (int i = 0; i < LILY_TILE_ACC_ELEMS; ++i) c.v[i] = 0.0f;
+}
+
+// A[m][k] = p[m * ld + k], m and k in [0, 16).
+__device__ __forceinline__ void lily_tile_load_a(lily_tile_a& a, const bfloat16_t* p, int ld,
+                                                 uint lane) {
+  const int g = int(lane >> 2), t = int(lane & 3u);
+  a.r[0] = lily_tile_pair(p + g * ld + 2 * t);
+  a.r[1] = lily_tile_pair(p + (g + 8) * ld + 2 * t);
+  a.r[2] = lily_tile_pair(p + g * ld + 2 * t + 8);
+  a.r[3] = lily_tile_pair(p + (g + 8) * ld + 2 * t + 8);
+}
+
+// B[k][n] = p[n * ld + k]: n-major, the layout of a weight matrix [out][in].
+__device__ __forceinline__ void lily_tile_load_b(lily_tile_b& b, const bfloat16_t* p, int ld,
+                                                 uint lane) {
+  const int g = int(lane >> 2), t = int(lane & 3u);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const bfloat16_t* row = p + (h * 8 + g) * ld + 2 * t;
+    b.r[h][0] = lily_tile_pair(row);
+    b.r[h][1] = lily_tile_pair(row + 8);
+  }
+}
+
+// c += a @ b
+__device__ __forceinline__ void lily_tile_mma(lily_tile_acc& c, const lily_tile_a& a,
+                                              const lily_tile_b& b) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float* d = c.v + 4 * h;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[h][0]), "r"(b.r[h][1]));
+  }
+}
+
+// Element e in [0, LILY_TILE_ACC_ELEMS) of this lane's share of the tile.
+__device__ __forceinline__ int lily_tile_acc_row(int e, uint lane) {
+  return int(lane >> 2) + 8 * ((e >> 1) & 1);
+}
+__device__ __forceinline__ int lily_tile_acc_col(int e, uint lane) {
+  return 8 * (e >> 2) + 2 * int(lane & 3u) + (e & 1);
+}
+__device__ __forceinline__ float lily_tile_acc_get(const lily_tile_acc& c, int e) {
+  return c.v[e];
+}
+__device__ __forceinline__ void lily_tile_acc_set(lily_tile_acc& c, int e, float v) {
+  c.v[e] = v;
+}
+
+#pragma pop_macro("device")
