@@ -222,3 +222,48 @@ def test_model_prefill_runs_the_moe_kernels(demo_checkpoint, monkeypatch):
     want = stock(tokens, cache=make_prompt_cache(stock))
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert err <= MOE_LOGIT_ATOL, err
+
+
+# -- CUDA: the bodies compile to tensor-core mma with nvcc ----------------------------
+
+
+def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
+    import re
+    import shutil
+    import subprocess
+
+    from test_toolchain import _mlx_cuda_include
+    from mlx_lily.kernels.moe_experts import moe_down_kernel, moe_gate_up_kernel
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    # The real shapes: hidden 2048, intermediate 512, 256 experts, top-8.
+    glu = quantized_experts(2048, 512, 4)
+    rows, k = 64, 8
+    x = mx.zeros((rows // k, 2048), mx.bfloat16)
+    order = mx.zeros((rows,), mx.uint32)
+    units = {"routing": moe_routing_kernel.cuda_translation_unit(mx.zeros((rows // k, k), mx.uint32), 256, 64)}
+    for tile_m in (16, 64):  # the fewest and the most accumulators
+        tiles = mx.zeros((8, 3), mx.uint32)
+        units[f"gate_up_{tile_m}"] = moe_gate_up_kernel.cuda_translation_unit(
+            x, order, tiles, glu.gate_proj, glu.up_proj, tile_m, k)
+        units[f"down_{tile_m}"] = moe_down_kernel.cuda_translation_unit(
+            mx.zeros((rows, 512), mx.bfloat16), order, tiles, glu.down_proj, None, tile_m, k)
+    units["combine"] = moe_combine_kernel.cuda_translation_unit(
+        mx.zeros((4, 8, 2048), mx.bfloat16), mx.zeros((4, 8), mx.bfloat16),
+        mx.zeros((4, 2048), mx.bfloat16), mx.zeros((4, 1), mx.bfloat16))
+    for name, unit in units.items():
+        source, ptx = tmp_path / f"{name}.cu", tmp_path / f"{name}.ptx"
+        source.write_text(unit)
+        result = subprocess.run(
+            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+            capture_output=True, text=True,
+        )
+        assert result.returncode == 0, f"{name}, nvcc with {which}:\n{result.stderr[-6000:]}"
+        text = ptx.read_text()
+        if name.startswith(("gate_up", "down")):
+            assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text), name
+            # Accumulators and operand fragments stay in registers.
+            assert "ld.local" not in text and "st.local" not in text, name
