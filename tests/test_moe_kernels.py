@@ -3,7 +3,7 @@
 Routing is exact: order, offsets and tile map equal the numpy reference's.
 The expert GEMMs are held to ``moe_experts_precise`` (stock's math with fp32
 accumulation, as stock's GPU kernels compute it) within RELATIVE_TOLERANCE
-(see moe_experts.py: they round the same bf16 values at the same points and
+(see moe_gemm.py: they round the same bf16 values at the same points and
 differ only in fp32 summation order). Shapes are small and odd: expert counts
 and row counts off the tile, experts with no rows, all rows on one expert,
 top-k 1, 3 and 8, ids out of range, several column blocks and K steps.
@@ -18,7 +18,7 @@ import pytest
 import mlx_lily
 from mlx_lily import kernels as K
 from mlx_lily.kernels.moe import moe_combine_agree, moe_combine_kernel, moe_combine_reference
-from mlx_lily.kernels.moe_experts import (
+from mlx_lily.kernels.moe_gemm import (
     MIN_TOKENS,
     RELATIVE_TOLERANCE,
     moe_experts_agree,
@@ -233,7 +233,7 @@ def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
     import subprocess
 
     from test_toolchain import _mlx_cuda_include
-    from mlx_lily.kernels.moe_experts import moe_down_kernel, moe_gate_up_kernel
+    from mlx_lily.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel
 
     nvcc = shutil.which("nvcc")
     if nvcc is None:

@@ -1,7 +1,7 @@
 """Sparse MoE: the routed experts (gate+up, SwiGLU, down) and the combine step.
 
 ``moe_experts`` runs, for prefill-sized calls with 4-bit group-64 experts, the
-grouped expert GEMM path of ``moe_experts.py`` (on-GPU routing, then two
+grouped expert GEMM path of ``moe_gemm.py`` (on-GPU routing, then two
 fused-dequantization GEMMs on matrix tiles); otherwise stock's SwitchGLU.
 ``moe_combine`` weights each slot's output by its routing score, sums the
 slots in order and adds the sigmoid-gated shared expert (``moe_combine.metal``).
@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..toolchain.build import Kernel, Launch
 from ..toolchain.registry import LilyOp, register
-from .moe_experts import (
+from .moe_gemm import (
     moe_experts_compare,
     moe_experts_kernel,
     moe_experts_reference,

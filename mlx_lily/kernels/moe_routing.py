@@ -1,7 +1,7 @@
 """MoE routing on the GPU: expert-contiguous row order and the tile map.
 
 The router gives each of N tokens K expert ids. The grouped expert GEMMs
-(``moe_experts.py``) want the N * K (token, slot) rows grouped by expert, and,
+(``moe_gemm.py``) want the N * K (token, slot) rows grouped by expert, and,
 since MLX has no indirect dispatch, a grid sized for the worst case plus a map
 saying which tile of rows belongs to which expert. ``moe_routing.metal``
 computes both in one dispatch, with no round trip to the host:

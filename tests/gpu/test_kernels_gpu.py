@@ -177,7 +177,7 @@ MOE_HIDDEN, MOE_INTER = 2048, 512
 
 @pytest.fixture(scope="module")
 def real_experts():
-    from mlx_lily.kernels.moe_experts import quantized_experts
+    from mlx_lily.kernels.moe_gemm import quantized_experts
 
     return quantized_experts(MOE_HIDDEN, MOE_INTER, EXPERTS, seed=7)
 
@@ -206,7 +206,7 @@ def test_moe_routing_at_real_shapes(backend, tokens):
 def test_moe_experts_at_real_shapes_match_stock(backend, real_experts, tokens):
     # On a GPU stock's gather_qmm accumulates in fp32 like the kernel.
     from mlx_lily.kernels.moe import moe_experts
-    from mlx_lily.kernels.moe_experts import RELATIVE_TOLERANCE, relative_error
+    from mlx_lily.kernels.moe_gemm import RELATIVE_TOLERANCE, relative_error
 
     x, inds = moe_inputs(tokens, tokens)
     got = moe_experts(x, inds, real_experts)
@@ -218,7 +218,7 @@ def test_moe_experts_at_real_shapes_match_stock(backend, real_experts, tokens):
 
 
 def test_moe_experts_match_the_precise_reference(backend, real_experts):
-    from mlx_lily.kernels.moe_experts import moe_experts_agree, moe_experts_precise, run_moe_experts
+    from mlx_lily.kernels.moe_gemm import moe_experts_agree, moe_experts_precise, run_moe_experts
 
     x, inds = moe_inputs(256, 3)
     inds[0, 7, 2] = 0xFFFFFFFF  # out of range: that slot's output is zero
@@ -228,7 +228,7 @@ def test_moe_experts_match_the_precise_reference(backend, real_experts):
 
 
 def test_moe_experts_is_deterministic(backend, real_experts):
-    from mlx_lily.kernels.moe_experts import run_moe_experts
+    from mlx_lily.kernels.moe_gemm import run_moe_experts
 
     x, inds = moe_inputs(2048, 11)
     first = run_moe_experts(backend, x, inds, real_experts)

@@ -1,7 +1,7 @@
 // Grouped expert GEMM on matrix tiles, with 4-bit affine (group 64) weights
 // dequantized inside the tile loop: the routed experts of an MoE layer.
 //
-// Launcher: mlx_lily/kernels/moe_experts.py. The rows are the N * K (token,
+// Launcher: mlx_lily/kernels/moe_gemm.py. The rows are the N * K (token,
 // slot) assignments in expert order (``order``, from moe_routing.metal); a
 // threadgroup takes one tile of at most TILE_M rows of one expert (``tiles``)
 // and COLS output columns, and walks the input dimension in steps of one

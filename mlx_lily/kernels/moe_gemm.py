@@ -6,7 +6,7 @@ kernel path does the same math in three dispatches, with no host round trip:
 
 1. ``moe_routing`` (``moe_routing.py``): expert-contiguous row order and the
    tile map, sized for the worst case;
-2. gate + up (``moe_experts.metal``, GATED): both projections of a tile in one
+2. gate + up (``moe_gemm.metal``, GATED): both projections of a tile in one
    pass over ``x``, 4-bit weights dequantized to bf16 in threadgroup memory,
    fp32 accumulation, SwiGLU epilogue -> ``h [N * K, I]`` in expert order;
 3. down (the same body): ``h`` times the down weights -> ``y`` at each row's
@@ -121,7 +121,7 @@ def _launch_grouped(act, order, tiles, first, second, tile_m: int, top_k: int) -
 _GEMM = dict(
     input_names=("act", "order", "tiles", "w0", "scales0", "biases0", "w1", "scales1", "biases1"),
     output_names=("out",),
-    body="moe_experts.metal",
+    body="moe_gemm.metal",
     launch=_launch_grouped,
     tiles=True,
 )
