@@ -123,15 +123,29 @@ def test_rotating_kv_cache_takes_stock_attention(engines, op_calls):
 
 def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "emulator")
+    for op in K.OPS.values():
+        monkeypatch.setattr(op, "last_path", None)
+    # The MoE kernels accumulate in fp32 as stock's GPU kernels do, but stock's
+    # CPU quantized matmul accumulates bf16 products in bf16 (~4% of the scale
+    # at these widths) and its bf16 sigmoid can land a step off: far above this
+    # test's tolerance. They are held to a precise reference per layer, and the
+    # model with them to stock, in test_moe_kernels.py.
+    for name in ("moe_experts", "moe_combine"):
+        monkeypatch.setattr(K.OPS[name], "kernel", None)
     stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
     lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     cs, cl = make_prompt_cache(stock), make_prompt_cache(lily)
     assert close(lily(TOKENS[:, :10], cache=cl), stock(TOKENS[:, :10], cache=cs)) <= LOGIT_ATOL
+    prefill = {name: op.last_path for name, op in K.OPS.items() if op.kernel is not None}
     for t in range(10, 16):
         step = TOKENS[:, t : t + 1]
         assert close(lily(step, cache=cl), stock(step, cache=cs)) <= LOGIT_ATOL
-    kernel_ops = [name for name, op in K.OPS.items() if op.kernel is not None]
-    assert kernel_ops and all(K.OPS[name].last_path == "kernel" for name in kernel_ops)
+    decode = {name: op.last_path for name, op in K.OPS.items() if op.kernel is not None}
+    # Every kernel op the model ran took its kernel, in prefill and in decode.
+    model_ops = [name for name, path in prefill.items() if path is not None]
+    assert "router_topk" in model_ops and "gated_delta" in model_ops
+    assert all(prefill[name] == "kernel" for name in model_ops), prefill
+    assert all(decode[name] == "kernel" for name in model_ops), decode
 
 
 def test_saved_prompt_cache_continues_like_stock(engines, tmp_path):

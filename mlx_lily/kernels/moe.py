@@ -1,17 +1,31 @@
-"""Sparse MoE: the routed experts (gate+up, SwiGLU, down) and the combine step."""
+"""Sparse MoE: the routed experts (gate+up, SwiGLU, down) and the combine step.
+
+``moe_experts`` runs, for prefill-sized calls with 4-bit group-64 experts, the
+grouped expert GEMM path of ``moe_gemm.py`` (on-GPU routing, then two
+fused-dequantization GEMMs on matrix tiles); otherwise stock's SwitchGLU.
+``moe_combine`` weights each slot's output by its routing score, sums the
+slots in order and adds the sigmoid-gated shared expert (``moe_combine.metal``).
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
+from ..toolchain.build import Kernel, Launch
 from ..toolchain.registry import LilyOp, register
+from .moe_gemm import (
+    moe_experts_compare,
+    moe_experts_kernel,
+    moe_experts_reference,
+    moe_experts_supports,
+    sample_moe_experts,
+)
 
-
-def moe_experts_reference(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx.array:
-    """x [..., D], inds [..., k] -> each chosen expert's output [..., k, D]."""
-    return experts(x, inds)
+COMBINE_THREADS = 256
+COMBINE_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
 def moe_combine_reference(y, scores, shared_y, shared_gate_logit):
@@ -20,12 +34,46 @@ def moe_combine_reference(y, scores, shared_y, shared_gate_logit):
     return routed + mx.sigmoid(shared_gate_logit) * shared_y
 
 
-def _sample_experts():
-    experts = SwitchGLU(64, 64, 8)
-    nn.quantize(experts, group_size=64, bits=4)
-    x = mx.random.normal((3, 64), key=mx.random.key(9)).astype(mx.bfloat16)
-    inds = mx.array([[0, 3], [7, 1], [2, 2]], dtype=mx.uint32)
-    return (x, inds, experts), {}
+def moe_combine_supports(y, scores, shared_y, shared_gate_logit) -> Optional[str]:
+    if y.ndim < 2 or tuple(scores.shape) != tuple(y.shape[:-1]):
+        return f"y {tuple(y.shape)}, scores {tuple(scores.shape)} (kernel: [..., K, D], [..., K])"
+    lead, D = y.shape[:-2], y.shape[-1]
+    if tuple(shared_y.shape) != (*lead, D) or shared_gate_logit.size != math.prod(lead):
+        return f"shared {tuple(shared_y.shape)}, gate {tuple(shared_gate_logit.shape)} for y {tuple(y.shape)}"
+    dtypes = {a.dtype for a in (y, scores, shared_y, shared_gate_logit)}
+    if len(dtypes) != 1 or y.dtype not in COMBINE_DTYPES:
+        return f"dtypes {sorted(str(d) for d in dtypes)} (kernel: one of bfloat16, float16, float32)"
+    if y.size == 0 or y.size >= 2**31:
+        return f"y {tuple(y.shape)} (kernel: non-empty, 32-bit indexable)"
+    return None
+
+
+def _launch_combine(y, scores, shared_y, shared_gate_logit) -> Launch:
+    lead, (K, D) = y.shape[:-2], y.shape[-2:]
+    tokens = math.prod(lead)
+    return Launch(
+        inputs=[y.reshape(tokens, K, D), scores.reshape(tokens, K), shared_y.reshape(tokens, D),
+                shared_gate_logit.reshape(tokens)],
+        grid=(tokens * D, 1, 1),
+        threadgroup=(COMBINE_THREADS, 1, 1),
+        output_shapes=[(tokens, D)],
+        output_dtypes=[y.dtype],
+        template=[("T", y.dtype), ("K", K), ("D", D)],
+        finish=lambda outputs: outputs[0].reshape(*lead, D),
+    )
+
+
+def moe_combine_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """Both round the same products and sums in the activation dtype; the slot
+    sum's accumulation (fp32 in the kernel) may differ by one step of that
+    dtype, relative to the output's scale: 2^-7 for bf16 (one step at the top
+    of the largest binade, with margin), 2^-10 for float16, 1e-5 for float32."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{tuple(got.shape)} {got.dtype} vs reference {tuple(want.shape)} {want.dtype}"
+    tol = {mx.bfloat16: 2**-7, mx.float16: 2**-10}.get(want.dtype, 1e-5)
+    g, w = got.astype(mx.float32), want.astype(mx.float32)
+    err = (mx.abs(g - w).max() / mx.maximum(mx.abs(w).max(), 1e-30)).item()
+    return None if err <= tol else f"max |kernel - reference| / max |reference| = {err:.3g} (> {tol:g})"
 
 
 def _sample_combine():
@@ -37,12 +85,36 @@ def _sample_combine():
     return (y, s, sy, sg), {}
 
 
-moe_experts = register(
-    LilyOp("moe_experts", moe_experts_reference, description="routed experts: gate+up, SwiGLU, down")
+moe_combine_kernel = Kernel(
+    name="moe_combine",
+    input_names=("y", "scores", "shared", "gate"),
+    output_names=("out",),
+    body="moe_combine.metal",
+    launch=_launch_combine,
+    reference=moe_combine_reference,
+    sample=_sample_combine,
+    agree=moe_combine_agree,
 )
-moe_experts.sample = _sample_experts
+
+moe_experts = register(
+    LilyOp(
+        "moe_experts",
+        moe_experts_reference,
+        kernel=moe_experts_kernel,
+        supports=moe_experts_supports,
+        description="routed experts: on-GPU routing, grouped 4-bit GEMMs (gate+up+SwiGLU, down)",
+        sample=sample_moe_experts,
+        compare=moe_experts_compare,
+    )
+)
 
 moe_combine = register(
-    LilyOp("moe_combine", moe_combine_reference, description="routing weights + shared expert")
+    LilyOp(
+        "moe_combine",
+        moe_combine_reference,
+        kernel=moe_combine_kernel,
+        supports=moe_combine_supports,
+        description="routing weights + shared expert",
+        sample=_sample_combine,
+    )
 )
-moe_combine.sample = _sample_combine

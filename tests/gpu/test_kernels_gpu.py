@@ -261,3 +261,82 @@ def test_lily_model_is_deterministic(backend, dtype):
     assert all(OPS[n].last_path == "kernel" for n in kernel_ops()), {n: OPS[n].last_reason for n in kernel_ops()}
     diff = mx.abs(runs[0].astype(mx.float32) - runs[1].astype(mx.float32)).max().item()
     assert _bits_equal(runs[0], runs[1]), f"two runs differ by up to {diff}"
+
+
+# -- MoE prefill: routing, grouped expert GEMMs, combine at the real shapes -------------
+
+MOE_HIDDEN, MOE_INTER = 2048, 512
+
+
+@pytest.fixture(scope="module")
+def real_experts():
+    from mlx_lily.kernels.moe_gemm import quantized_experts
+
+    return quantized_experts(MOE_HIDDEN, MOE_INTER, EXPERTS, seed=7)
+
+
+def moe_inputs(tokens, seed):
+    x = mx.random.normal((1, tokens, MOE_HIDDEN), key=mx.random.key(seed)).astype(mx.bfloat16)
+    logits = mx.random.normal((1, tokens, EXPERTS), key=mx.random.key(seed + 1))
+    inds = mx.argpartition(logits, kth=-TOP_K, axis=-1)[..., -TOP_K:].astype(mx.uint32)
+    return x, inds
+
+
+@pytest.mark.parametrize("tokens", [256, 1024, 2048])  # tiles of 16, 32 and 64 rows
+def test_moe_routing_at_real_shapes(backend, tokens):
+    from mlx_lily.kernels.moe_routing import (
+        moe_routing_agree, moe_routing_kernel, moe_routing_reference, tile_rows_for)
+
+    _, inds = moe_inputs(tokens, tokens)
+    ids = inds.reshape(tokens, TOP_K)
+    ids[5, 3] = 0xFFFFFFFF  # a NaN router row's id
+    args = (ids, EXPERTS, tile_rows_for(tokens * TOP_K, EXPERTS))
+    got = moe_routing_kernel.run_on(backend, *args)
+    assert moe_routing_agree(got, moe_routing_reference(*args)) is None
+
+
+@pytest.mark.parametrize("tokens", [256, 1024, 2048])
+def test_moe_experts_at_real_shapes_match_stock(backend, real_experts, tokens):
+    # On a GPU stock's gather_qmm accumulates in fp32 like the kernel.
+    from mlx_lily.kernels.moe import moe_experts
+    from mlx_lily.kernels.moe_gemm import RELATIVE_TOLERANCE, relative_error
+
+    x, inds = moe_inputs(tokens, tokens)
+    got = moe_experts(x, inds, real_experts)
+    mx.eval(got)
+    assert moe_experts.last_path == "kernel", moe_experts.last_reason
+    want = real_experts(x, inds)
+    err = relative_error(got, want)
+    assert err <= RELATIVE_TOLERANCE, err
+
+
+def test_moe_experts_match_the_precise_reference(backend, real_experts):
+    from mlx_lily.kernels.moe_gemm import moe_experts_agree, moe_experts_precise, run_moe_experts
+
+    x, inds = moe_inputs(256, 3)
+    inds[0, 7, 2] = 0xFFFFFFFF  # out of range: that slot's output is zero
+    got = run_moe_experts(backend, x, inds, real_experts)
+    assert moe_experts_agree(got, moe_experts_precise(x, inds, real_experts)) is None
+    assert mx.all(got[0, 7, 2] == 0).item()
+
+
+def test_moe_experts_is_deterministic(backend, real_experts):
+    from mlx_lily.kernels.moe_gemm import run_moe_experts
+
+    x, inds = moe_inputs(2048, 11)
+    first = run_moe_experts(backend, x, inds, real_experts)
+    second = run_moe_experts(backend, x, inds, real_experts)
+    assert mx.array_equal(first, second).item()
+
+
+def test_moe_combine_at_real_shapes(backend):
+    from mlx_lily.kernels.moe import moe_combine, moe_combine_agree, moe_combine_reference
+
+    keys = mx.random.split(mx.random.key(12), 4)
+    y = mx.random.normal((1, 2048, TOP_K, MOE_HIDDEN), key=keys[0]).astype(mx.bfloat16)
+    s = mx.softmax(mx.random.normal((1, 2048, TOP_K), key=keys[1]), axis=-1).astype(mx.bfloat16)
+    shared = mx.random.normal((1, 2048, MOE_HIDDEN), key=keys[2]).astype(mx.bfloat16)
+    gate = mx.random.normal((1, 2048, 1), key=keys[3]).astype(mx.bfloat16)
+    got = moe_combine(y, s, shared, gate)
+    assert moe_combine.last_path == "kernel", moe_combine.last_reason
+    assert moe_combine_agree(got, moe_combine_reference(y, s, shared, gate)) is None

@@ -1,0 +1,293 @@
+"""Routed experts for prefill: on-GPU routing plus two grouped expert GEMMs.
+
+Stock mlx-lm's ``SwitchGLU`` sorts the (token, slot) rows by expert and runs
+``gather_qmm`` three times (gate, up, down) with a SwiGLU between. Lily's
+kernel path does the same math in three dispatches, with no host round trip:
+
+1. ``moe_routing`` (``moe_routing.py``): expert-contiguous row order and the
+   tile map, sized for the worst case;
+2. gate + up (``moe_gemm.metal``, GATED): both projections of a tile in one
+   pass over ``x``, 4-bit weights dequantized to bf16 in threadgroup memory,
+   fp32 accumulation, SwiGLU epilogue -> ``h [N * K, I]`` in expert order;
+3. down (the same body): ``h`` times the down weights -> ``y`` at each row's
+   (token, slot) place, i.e. the op's result ``[..., K, D]``.
+
+Tile rows (16, 32, 64) follow the average rows per expert (N * K / E). The
+kernel takes 4-bit affine group-64 ``QuantizedSwitchLinear`` weights (mlx-lm's
+layout: uint32 ``[E, out, in / 8]``, bf16 scales and biases ``[E, out, in /
+64]``), bf16 activations, ``D % 128 == 0`` and ``I % 64 == 0``, and calls of at
+least ``MIN_TOKENS`` tokens (prefill; decode keeps stock's ``gather_qmm``).
+Everything else runs the reference, stock's ``SwitchGLU``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
+
+from .._notice import notice_once
+from ..toolchain.build import Kernel, Launch
+from ..toolchain.registry import kernel_backend
+from .moe_routing import moe_routing_kernel, moe_routing_supports, tile_rows_for
+
+# Threads per threadgroup and output columns per threadgroup: must match the body.
+THREADS = 128
+GATED_COLS = 64  # gate+up: 64 columns of each
+DOWN_COLS = 128
+GROUP_SIZE, BITS = 64, 4
+# Below this many tokens a call is decode-like: a handful of rows per expert,
+# where stock's gather_qmm (a matrix-vector product per row) is the right tool.
+MIN_TOKENS = 8
+
+
+def moe_experts_reference(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx.array:
+    """x [..., D], inds [..., k] -> each chosen expert's output [..., k, D]."""
+    return experts(x, inds)
+
+
+def _quantized_as_kernel_takes(layer) -> Optional[str]:
+    if not isinstance(layer, QuantizedSwitchLinear):
+        return f"{type(layer).__name__} (kernel: 4-bit QuantizedSwitchLinear)"
+    if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
+        return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
+    if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
+        return "quantization without biases, or with a linear bias (kernel: affine, no bias)"
+    if layer.scales.dtype != mx.bfloat16 or layer.biases.dtype != mx.bfloat16:
+        return f"scales {layer.scales.dtype} (kernel: bfloat16)"
+    return None
+
+
+def moe_experts_supports(x: mx.array, inds: mx.array, experts) -> Optional[str]:
+    """None when the kernel takes this call, else why not."""
+    if not isinstance(experts, SwitchGLU) or type(experts.activation) is not SwiGLU:
+        return f"{type(experts).__name__} (kernel: SwitchGLU with SwiGLU)"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        why = _quantized_as_kernel_takes(getattr(experts, name))
+        if why is not None:
+            return f"{name}: {why}"
+    if x.dtype != mx.bfloat16:
+        return f"x dtype {x.dtype} (kernel: bfloat16)"
+    tokens = math.prod(x.shape[:-1])
+    if tokens < MIN_TOKENS:
+        return f"{tokens} tokens (kernel: prefill, at least {MIN_TOKENS})"
+    if tuple(inds.shape[:-1]) != tuple(x.shape[:-1]):
+        return f"inds {tuple(inds.shape)} for x {tuple(x.shape)}"
+    D, E = x.shape[-1], experts.gate_proj.num_experts
+    I = experts.gate_proj.output_dims
+    if D % DOWN_COLS or I % GATED_COLS:
+        return f"hidden {D}, intermediate {I} (kernel: multiples of {DOWN_COLS} and {GATED_COLS})"
+    if experts.gate_proj.input_dims != D or experts.down_proj.input_dims != I:
+        return "expert weights do not match x"
+    return moe_routing_supports(inds.reshape(-1, inds.shape[-1]).astype(mx.uint32), E,
+                                tile_rows_for(inds.size, E))
+
+
+def _quantized(layer):
+    return layer.weight, layer.scales, layer.biases
+
+
+def _launch_grouped(act, order, tiles, first, second, tile_m: int, top_k: int) -> Launch:
+    """One grouped GEMM: gate+up (``second`` given) or down (``second`` None)."""
+    gated = second is not None
+    w0, s0, b0 = _quantized(first)
+    w1, s1, b1 = _quantized(second) if gated else (w0, s0, b0)  # down: not read
+    E, d_out = w0.shape[0], w0.shape[1]
+    cols = GATED_COLS if gated else DOWN_COLS
+    rows = order.shape[0]
+    return Launch(
+        inputs=[act, order, tiles, w0, s0, b0, w1, s1, b1],
+        grid=((d_out // cols) * THREADS, tiles.shape[0], 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows, d_out)],
+        output_dtypes=[mx.bfloat16],
+        template=[
+            ("GATED", gated),
+            ("TILE_M", tile_m),
+            ("D_IN", act.shape[-1]),
+            ("D_OUT", d_out),
+            ("E", E),
+            ("TOPK", top_k),
+        ],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+_GEMM = dict(
+    input_names=("act", "order", "tiles", "w0", "scales0", "biases0", "w1", "scales1", "biases1"),
+    output_names=("out",),
+    body="moe_gemm.metal",
+    launch=_launch_grouped,
+    tiles=True,
+)
+# Two kernels of one body (the GATED constant differs): their names keep
+# their self-check results and builds apart.
+moe_gate_up_kernel = Kernel(name="moe_gate_up", **_GEMM)
+moe_down_kernel = Kernel(name="moe_down", **_GEMM)
+
+
+def run_moe_experts(backend: str, x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx.array:
+    """The kernel path on ``backend``: routing, gate+up+SwiGLU, down."""
+    lead, D = x.shape[:-1], x.shape[-1]
+    k = inds.shape[-1]
+    tokens = math.prod(lead)
+    E = experts.gate_proj.num_experts
+    ids = inds.reshape(tokens, k).astype(mx.uint32)
+    tile_m = tile_rows_for(tokens * k, E)
+    order, _, tiles = moe_routing_kernel.run_on(backend, ids, E, tile_m)
+    h = moe_gate_up_kernel.run_on(
+        backend, x.reshape(tokens, D), order, tiles, experts.gate_proj, experts.up_proj, tile_m, k
+    )
+    y = moe_down_kernel.run_on(backend, h, order, tiles, experts.down_proj, None, tile_m, k)
+    return y.reshape(*lead, k, D)
+
+
+def _dequantized(layer) -> mx.array:
+    """[E, out, in] weights as the kernel stages them: scale * q + bias rounded to bf16."""
+    w = mx.dequantize(layer.weight, layer.scales.astype(mx.float32), layer.biases.astype(mx.float32),
+                      group_size=layer.group_size, bits=layer.bits)
+    return w.astype(mx.bfloat16).astype(mx.float32)
+
+
+def moe_experts_precise(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx.array:
+    """Stock's math with fp32 accumulation (what stock's GPU kernels compute),
+    the ground truth of the kernel's tests and self-check: bf16 operands, fp32
+    sums, gate, up, each SwiGLU step and y rounded to bf16. Loops over experts
+    (small shapes only: it holds every expert's weights in fp32)."""
+    bf16 = lambda a: a.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
+    lead, D = x.shape[:-1], x.shape[-1]
+    k = inds.shape[-1]
+    xs = x.reshape(-1, D).astype(mx.float32)
+    ids = inds.reshape(-1, k)
+    wg, wu, wd = (_dequantized(getattr(experts, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+    y = mx.zeros((xs.shape[0], k, D), mx.float32)
+    for e in range(wg.shape[0]):
+        gate, up = bf16(xs @ wg[e].T), bf16(xs @ wu[e].T)
+        h = bf16(bf16(gate * bf16(mx.sigmoid(gate))) * up)
+        y_e = bf16(h @ wd[e].T)
+        y = mx.where((ids == e)[..., None], y_e[:, None, :], y)
+    return y.reshape(*lead, k, D).astype(mx.bfloat16)
+
+
+# How far the kernel may be from moe_experts_precise, as max |kernel -
+# precise| / max |precise|: both round the same bf16 values at the same
+# points and differ only in fp32 summation order, so an element of gate, up or
+# h now and then lands one bf16 step (2^-8 relative) apart and the down
+# projection carries that into y. (In the emulator, whose fp32 sums run in
+# the reference's order, the two agree to the bit at the test shapes.)
+RELATIVE_TOLERANCE = 2e-2
+# Against stock on the same machine (doctor): on a GPU stock accumulates in
+# fp32 like the kernel, but on a CPU its bf16 quantized matmul accumulates in
+# bf16, ~4e-2 of the output's scale at the sample's 128-wide rows.
+STOCK_TOLERANCE = 6e-2
+
+
+def relative_error(got: mx.array, want: mx.array) -> float:
+    g = np.array(got.astype(mx.float32)).astype(np.float64)
+    w = np.array(want.astype(mx.float32)).astype(np.float64)
+    if g.shape != w.shape or not np.isfinite(g).all():
+        return math.inf
+    return float(np.abs(g - w).max(initial=0.0)) / max(float(np.abs(w).max(initial=0.0)), 1e-30)
+
+
+def moe_experts_agree(got, want, *args, tolerance: float = RELATIVE_TOLERANCE, **kwargs) -> Optional[str]:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{tuple(got.shape)} {got.dtype} vs reference {tuple(want.shape)} {want.dtype}"
+    err = relative_error(got, want)
+    if not err <= tolerance:
+        return f"max |kernel - reference| / max |reference| = {err:.3g} (> {tolerance:g})"
+    return None
+
+
+def moe_experts_compare(got, want) -> tuple[bool, float]:
+    """(acceptable, relative error) against stock, for doctor."""
+    err = relative_error(got, want)
+    return err <= STOCK_TOLERANCE, err
+
+
+def quantized_experts(hidden: int, inter: int, experts: int, seed: int = 0) -> SwitchGLU:
+    """A 4-bit group-64 SwitchGLU in bf16, as the model's checkpoints have it."""
+    mx.random.seed(seed)
+    glu = SwitchGLU(hidden, inter, experts)
+    glu.set_dtype(mx.bfloat16)
+    nn.quantize(glu, group_size=GROUP_SIZE, bits=BITS)
+    mx.eval(glu.parameters())
+    return glu
+
+
+def sample_moe_experts():
+    """Small but every case of the kernel: 24 experts top-3 over 20 tokens (an
+    uneven load, empty experts, tiles of 16 rows, a row count off the tile)."""
+    experts = quantized_experts(128, 64, 24, seed=9)
+    x = mx.random.normal((1, 20, 128), key=mx.random.key(9)).astype(mx.bfloat16)
+    logits = mx.random.normal((1, 20, 24), key=mx.random.key(10))
+    inds = mx.argpartition(logits, kth=-3, axis=-1)[..., -3:].astype(mx.uint32)
+    return (x, inds, experts), {}
+
+
+class MoeExpertsKernel:
+    """The kernel path as one KernelLike: the three kernels, self-checked
+    together once per backend against ``moe_experts_precise`` on the sample."""
+
+    name = "moe_experts"
+    parts = (moe_routing_kernel, moe_gate_up_kernel, moe_down_kernel)
+
+    def __init__(self):
+        self._checked: dict = {}
+        self._lock = threading.Lock()
+
+    def ready(self) -> tuple[bool, str]:
+        backend, why = kernel_backend()
+        if backend is None:
+            return False, why
+        return self.ready_on(backend)
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._checked.get(backend)
+        if known is not None:
+            return known
+        with self._lock:
+            if backend not in self._checked:
+                result = self._self_check(backend)
+                self._checked[backend] = result
+                if not result[0]:
+                    notice_once(f"kernel-off:{self.name}:{backend}",
+                                f"kernel {self.name} is off on {backend} ({result[1]}); "
+                                "its op runs the pure-MLX reference")
+            return self._checked[backend]
+
+    def _self_check(self, backend: str) -> tuple[bool, str]:
+        for part in self.parts:
+            ok, why = part.ready_on(backend)
+            if not ok:
+                return False, why
+        args, kwargs = sample_moe_experts()
+        try:
+            got = self.run_on(backend, *args, **kwargs)
+            mx.eval(got)
+        except Exception as exc:  # compile errors surface at the first eval
+            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
+        mismatch = moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
+        if mismatch is not None:
+            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} kernels (routing, gate+up+SwiGLU, down), self-check passed"
+
+    def run_on(self, backend: str, *args, **kwargs):
+        return run_moe_experts(backend, *args, **kwargs)
+
+    def emulate(self, *args, **kwargs):
+        return run_moe_experts("emulator", *args, **kwargs)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._checked.clear()
+            for part in self.parts:
+                part.forget()
+
+
+moe_experts_kernel = MoeExpertsKernel()
