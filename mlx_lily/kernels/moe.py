@@ -13,6 +13,7 @@ import math
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..toolchain.build import Kernel, Launch
 from ..toolchain.registry import LilyOp, register
@@ -22,6 +23,7 @@ from .moe_gemm import (
     moe_experts_reference,
     moe_experts_supports,
     sample_moe_experts,
+    fuzz_moe_experts,
 )
 
 COMBINE_THREADS = 256
@@ -85,6 +87,18 @@ def _sample_combine():
     return (y, s, sy, sg), {}
 
 
+def _fuzz_combine(rng):
+    """A random combine: tokens, slots, width, dtype, with or without a lead batch dim."""
+    T = int(rng.choice([1, int(rng.integers(2, 40))]))
+    K, D = int(rng.integers(1, 9)), int(rng.choice([16, 64, 96, int(rng.integers(1, 200))]))
+    dtype = (mx.bfloat16, mx.float16, mx.float32)[int(rng.integers(3))]
+    lead = (1, T) if rng.random() < 0.5 else (T,)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    scores = mx.softmax(normal(*lead, K), axis=-1)
+    args = (normal(*lead, K, D), scores, normal(*lead, D), normal(*lead, 1))
+    return tuple(a.astype(dtype) for a in args), {}
+
+
 moe_combine_kernel = Kernel(
     name="moe_combine",
     input_names=("y", "scores", "shared", "gate"),
@@ -105,6 +119,7 @@ moe_experts = register(
         description="routed experts: on-GPU routing, grouped 4-bit GEMMs (gate+up+SwiGLU, down)",
         sample=sample_moe_experts,
         compare=moe_experts_compare,
+        fuzz=fuzz_moe_experts,
     )
 )
 
@@ -116,5 +131,6 @@ moe_combine = register(
         supports=moe_combine_supports,
         description="routing weights + shared expert",
         sample=_sample_combine,
+        fuzz=_fuzz_combine,
     )
 )

@@ -230,6 +230,21 @@ def sample_moe_experts():
     return (x, inds, experts), {}
 
 
+def fuzz_moe_experts(rng):
+    """A random prefill call the kernels take: widths, experts, top-k, tokens,
+    and routings from uniform to all-on-one-expert."""
+    hidden, inter = int(rng.choice([128, 256])), int(rng.choice([64, 128, 192]))
+    experts = int(rng.choice([int(rng.integers(1, 9)), int(rng.integers(9, 41))]))
+    k = int(rng.integers(1, min(experts, 8) + 1))
+    tokens = int(rng.integers(MIN_TOKENS, 48))
+    glu = quantized_experts(hidden, inter, experts, seed=int(rng.integers(1 << 30)))
+    x = mx.array(rng.standard_normal((1, tokens, hidden)).astype(np.float32)).astype(mx.bfloat16)
+    skew = float(rng.choice([0.0, 1.0, 8.0]))  # 8: nearly every row on the same few experts
+    logits = rng.standard_normal((tokens, experts)) + skew * np.linspace(0.0, 1.0, experts)
+    inds = np.argsort(-logits, axis=-1, kind="stable")[:, :k].astype(np.uint32)
+    return (x, mx.array(inds)[None], glu), {}
+
+
 class MoeExpertsKernel:
     """The kernel path as one KernelLike: the three kernels, self-checked
     together once per backend against ``moe_experts_precise`` on the sample."""
@@ -279,6 +294,12 @@ class MoeExpertsKernel:
 
     def run_on(self, backend: str, *args, **kwargs):
         return run_moe_experts(backend, *args, **kwargs)
+
+    def agree(self, got, want, *args, **kwargs) -> Optional[str]:
+        """The kernels' contract is with ``moe_experts_precise`` (stock's math
+        accumulated in fp32), not with ``want`` (stock, which on a CPU
+        accumulates its bf16 matmuls in bf16)."""
+        return moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
 
     def emulate(self, *args, **kwargs):
         return run_moe_experts("emulator", *args, **kwargs)
