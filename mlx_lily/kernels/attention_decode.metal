@@ -179,10 +179,19 @@ for (int g = 0; g < G; ++g) {
     const float m = group_max[i * G + g];
     total_sum += m == -INFINITY ? 0.0f : group_sum[i * G + g] * exp2(m - total_max);
   }
-  const float mine = run_max[g] == -INFINITY ? 0.0f : exp2(run_max[g] - total_max);
+  // Head g's registers are always the first: they shift down one head per
+  // round (below), since a loop with barriers may stay rolled and indexing
+  // registers with its counter would move them to memory.
+  const float mine = run_max[0] == -INFINITY ? 0.0f : exp2(run_max[0] - total_max);
   if (sub == 0) {
     for (int e = 0; e < CHUNK; ++e) {
-      group_acc[sg * D + col + e] = acc[g][e] * mine;
+      group_acc[sg * D + col + e] = acc[0][e] * mine;
+    }
+  }
+  for (int h = 0; h + 1 < G; ++h) {
+    run_max[h] = run_max[h + 1];
+    for (int e = 0; e < CHUNK; ++e) {
+      acc[h][e] = acc[h + 1][e];
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
