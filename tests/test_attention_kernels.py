@@ -85,6 +85,7 @@ class Spy:
         (37, 6, 2, 64),    # ratio 3; keys not a multiple of a pass (4 rows x 8 SIMD groups)
         (21, 8, 1, 256),   # ratio 8 at the model's head dim
         (5, 3, 1, 128),    # fewer keys than SIMD groups: most of them see none
+        (50, 2, 1, 32),    # 8 rows per pass (the demo checkpoint's head dim)
     ],
 )
 def test_decode_single_pass_matches_exact_attention(S, Hq, Hkv, D):
@@ -188,7 +189,7 @@ def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
         (lambda q, k, v: (q, k, v, mx.zeros((1, 1, 1, k.shape[2]), mx.bfloat16)), "explicit mask"),
         (lambda q, k, v: (mx.concatenate([q, q], 0), mx.concatenate([k, k], 0),
                           mx.concatenate([v, v], 0), None), "batch"),
-        (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32], None), "head dims"),
+        (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48], None), "head dims"),
         (lambda q, k, v: (mx.concatenate([q, q], 1), k[:, :1], v[:, :1], None), "at most 8"),
     ],
 )

@@ -60,7 +60,7 @@ SPLIT_SIMD_GROUPS = 4
 # Query heads per KV head: each lane keeps 8 query values and 8 accumulators
 # per query head in registers; 8 heads (the model's 16 / 2) bound that at 128.
 MAX_GROUP = 8
-DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
 
 
 def decode_supports(q, k, v, scale, mask) -> Optional[str]:
