@@ -163,6 +163,88 @@ def run_decode(backend: str, q, k, v, scale, mask, split_from: Optional[int] = N
     return out.reshape(q.shape)
 
 
+# -- prefill -----------------------------------------------------------------
+
+# Threadgroups of 8 SIMD groups own 64 query rows (packed GQA) and step
+# through the keys PREFILL_KEY_STEP at a time (the body's own constants). Threadgroup memory at D = 256: K (or V^T) 18 KB, scores 8 KB,
+# P 5 KB: within Metal's 32 KB (and CUDA's 48 KB of static shared memory).
+PREFILL_SIMD_GROUPS = 8
+PREFILL_ROWS = 64
+PREFILL_KEY_STEP = 32
+PREFILL_HEAD_DIMS = (32, 64, 128, 256)
+PREFILL_MAX_GROUP = PREFILL_ROWS  # at least one query position per threadgroup
+
+
+def prefill_supports(q, k, v, scale, mask) -> Optional[str]:
+    """None when the prefill kernel takes this call, else why not."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
+    B, Hq, L, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+        return f"batch {B} (prefill kernel: 1)"
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return "an explicit mask (prefill kernel: none, or causal)"
+    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (prefill kernel: bfloat16)"
+    if D not in PREFILL_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
+        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (prefill kernel: one of {PREFILL_HEAD_DIMS})"
+    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1 or L < 1:
+        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    if mask == "causal" and S < L:
+        return f"causal with fewer keys ({S}) than queries ({L})"
+    if Hq % Hkv or Hq // Hkv > PREFILL_MAX_GROUP:
+        return f"{Hq} query heads on {Hkv} KV heads"
+    return None
+
+
+def _launch_prefill(q, k, v, scale, mask) -> Launch:
+    _, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    positions = PREFILL_ROWS // G
+    threads = PREFILL_SIMD_GROUPS * SIMD_WIDTH
+    return Launch(
+        inputs=[mx.contiguous(q), k, v, mx.array([scale], dtype=mx.float32)],
+        grid=(threads * math.ceil(L / positions), Hkv, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[mx.bfloat16],
+        template=[
+            ("D", D),
+            ("G", G),
+            ("BK", PREFILL_KEY_STEP),
+            ("CAUSAL", mask is not None),
+        ],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+attention_prefill_kernel = Kernel(
+    name="attention_prefill",
+    input_names=("queries", "keys", "values", "scale"),
+    output_names=("out",),
+    body="attention_prefill.metal",
+    launch=_launch_prefill,
+    tiles=True,
+    row_contiguous=False,
+)
+
+
+def run_prefill(backend: str, q, k, v, scale, mask) -> mx.array:
+    """The prefill kernel on ``backend``: [1, Hq, L, D]."""
+    return attention_prefill_kernel.run_on(backend, q, k, v, scale, mask)
+
+
+def _prefill_check_inputs(L, S, Hq=4, Hkv=2, D=64, seed=10):
+    """L queries against the first S rows of a longer cache."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, Hq, L, D), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, Hkv, S + 3, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
+    v = mx.random.normal((1, Hkv, S + 3, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
+    return q, k, v, D**-0.5, "causal"
+
+
 # -- the op's kernels ----------------------------------------------------------
 
 
@@ -190,6 +272,13 @@ def _decode_check_inputs(S, Hq=4, Hkv=2, D=64, seed=9):
     k = mx.random.normal((1, Hkv, S + 5, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
     v = mx.random.normal((1, Hkv, S + 5, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
     return q, k, v, D**-0.5, None
+
+
+KERNELS = (
+    attention_decode_kernel,
+    attention_combine_kernel,
+    attention_prefill_kernel,
+)
 
 
 class AttentionKernels:
@@ -220,6 +309,7 @@ class AttentionKernels:
         return [
             ("decode", single, _decode_check_inputs(19)),
             ("decode", split, _decode_check_inputs(19)),
+            ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
         ]
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
@@ -233,7 +323,7 @@ class AttentionKernels:
 
     def _self_check(self, backend: str):
         paths: dict = {}
-        for kernel in (attention_decode_kernel, attention_combine_kernel):
+        for kernel in KERNELS:
             ok, why = kernel.ready_on(backend)
             if not ok:
                 return (False, why), {}
@@ -264,23 +354,31 @@ class AttentionKernels:
         """Drop self-check results and built kernels (tests)."""
         with self._lock:
             self._checked.clear()
-            for kernel in (attention_decode_kernel, attention_combine_kernel):
+            for kernel in KERNELS:
                 kernel.forget()
 
     def path_for(self, *args, **kwargs) -> Optional[str]:
-        return "decode" if decode_supports(*args, **kwargs) is None else None
+        if decode_supports(*args, **kwargs) is None:
+            return "decode"
+        if prefill_supports(*args, **kwargs) is None:
+            return "prefill"
+        return None
 
     def run_on(self, backend: str, q, k, v, scale, mask):
         path = self.path_for(q, k, v, scale, mask)
         failed = self._checked.get(backend, (None, {}))[1].get(path)
         if path == "decode" and failed is None:
             return run_decode(backend, q, k, v, scale, mask)
+        if path == "prefill" and failed is None:
+            return run_prefill(backend, q, k, v, scale, mask)
         return attention_reference(q, k, v, scale, mask)
 
 
 def attention_supports(q, k, v, scale, mask) -> Optional[str]:
     """None when one of the attention kernels takes this call, else why not."""
-    return decode_supports(q, k, v, scale, mask)
+    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask) is None:
+        return None
+    return prefill_supports(q, k, v, scale, mask)
 
 
 def _sample_norm_rope():
