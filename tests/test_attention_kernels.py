@@ -165,6 +165,47 @@ def test_causal_mask_with_one_query_sees_every_key():
     assert_within_one_bf16_step(got, attention_exact(q, k, v, scale, "causal"))
 
 
+# -- prefill ------------------------------------------------------------------------
+
+
+def assert_prefill_close(got, exact, v):
+    # One bf16 step, plus P's rounding to bf16 before P V: each weight moves
+    # by at most 2^-9 of itself, so the output by at most 2^-9 max|v| (2^-8 kept).
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-7
+    slack = 2.0**-8 * np.abs(np.array(v.astype(mx.float32))).max()
+    bad = np.abs(got - exact) > step + slack
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size}; max error {np.abs(got - exact).max()}"
+
+
+@pytest.mark.parametrize(
+    "L, S, Hq, Hkv, D, mask",
+    [
+        (11, 45, 4, 2, 64, "causal"),   # a chunk after 34 cached keys; keys not a multiple of 32
+        (5, 5, 8, 1, 64, None),         # GQA 8, no mask
+        (40, 70, 6, 2, 64, "causal"),   # GQA 3: 21 positions per threadgroup, 2 threadgroups
+        (3, 20, 2, 1, 256, "causal"),   # the model's head dim
+        (70, 70, 1, 1, 32, "causal"),   # GQA 1: 64 positions per threadgroup; a whole causal prompt
+    ],
+)
+def test_prefill_matches_exact_attention(L, S, Hq, Hkv, D, mask):
+    emulator_or_skip()
+    q, k, v, scale, _ = A._prefill_check_inputs(L, S, Hq, Hkv, D, seed=L + S)
+    got = A.run_prefill("emulator", q, k, v, scale, mask)
+    assert got.shape == (1, Hq, L, D) and got.dtype == mx.bfloat16
+    assert_prefill_close(got, attention_exact(q, k, v, scale, mask), v)
+
+
+def test_prefill_reads_a_transposed_cache_element_by_element():
+    emulator_or_skip()
+    keys = mx.random.split(mx.random.key(6), 3)
+    q = mx.random.normal((1, 4, 6, 64), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, 2, 64, 37), key=keys[1]).astype(mx.bfloat16).swapaxes(2, 3)
+    v = mx.random.normal((1, 2, 64, 37), key=keys[2]).astype(mx.bfloat16).swapaxes(2, 3)
+    got = A.run_prefill("emulator", q, k, v, 0.125, "causal")
+    assert_prefill_close(got, attention_exact(q, k, v, 0.125, "causal"), v)
+
+
 # -- the op --------------------------------------------------------------------------
 
 
@@ -180,6 +221,12 @@ def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
     assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
     # The kernel agrees with the reference too (its self-check's contract).
     assert A.attention_agree(got, A.attention_reference(q, k, v, scale, None)) is None
+    # A prefill chunk takes the prefill kernel.
+    q, k, v, scale, mask = A._prefill_check_inputs(7, 30, 8, 2, 64)
+    assert "prefill" in why and A.attention_supports(q, k, v, scale, mask) is None
+    got = A.attention(q, k, v, scale, mask)
+    assert A.attention.last_path == "kernel"
+    assert_prefill_close(got, attention_exact(q, k, v, scale, mask), v)
 
 
 @pytest.mark.parametrize(
@@ -190,7 +237,8 @@ def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
         (lambda q, k, v: (mx.concatenate([q, q], 0), mx.concatenate([k, k], 0),
                           mx.concatenate([v, v], 0), None), "batch"),
         (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48], None), "head dims"),
-        (lambda q, k, v: (mx.concatenate([q, q], 1), k[:, :1], v[:, :1], None), "at most 8"),
+        (lambda q, k, v: (mx.concatenate([q] * 9, 1), k[:, :1], v[:, :1], None), "query heads"),
+        (lambda q, k, v: (mx.concatenate([q, q], 2), k[:, :, :1], v[:, :, :1], "causal"), "fewer keys"),
     ],
 )
 def test_the_op_declines_what_its_kernels_do_not_take(emulator_backend, change, reason):
@@ -212,7 +260,8 @@ def test_a_failing_path_turns_off_with_the_reference_kept(monkeypatch, fresh_not
 
     monkeypatch.setattr(A, "run_decode", broken)
     ok, why = kernels.ready_on("emulator")
-    assert not ok and "decode" in why
+    # The prefill path still passes; decode is off with one notice.
+    assert ok and "prefill" in why and "decode" not in why
     assert "kernel attention (decode) is off" in capsys.readouterr().err
     q, k, v, scale = decode_inputs(12, 8, 2, 64, seed=1)
     got = kernels.run_on("emulator", q, k, v, scale, None)
@@ -223,7 +272,8 @@ def test_a_failing_path_turns_off_with_the_reference_kept(monkeypatch, fresh_not
 
 
 def test_the_attention_bodies_are_in_the_portable_subset():
-    bodies = [build.body_path(n) for n in ("attention_decode.metal", "attention_combine.metal")]
+    bodies = [build.body_path(n) for n in (
+        "attention_decode.metal", "attention_combine.metal", "attention_prefill.metal")]
     assert lint.lint_paths(bodies) == []
 
 
@@ -245,6 +295,11 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
             suffix = "".join(build._template_suffix(v) for _, v in launch.template)
             threads[f"attention_decode_{suffix}"] = launch.threadgroup[0]
             units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
+        prefill_q = mx.zeros((1, Hq, 2048, D), mx.bfloat16)
+        launch = A._launch_prefill(prefill_q, k, k, 0.1, "causal")
+        suffix = "".join(build._template_suffix(v) for _, v in launch.template)
+        threads[f"attention_prefill_{suffix}"] = launch.threadgroup[0]
+        units.append(A.attention_prefill_kernel.cuda_translation_unit(prefill_q, k, k, 0.1, "causal"))
         combine = A.attention_combine_kernel.cuda_translation_unit(mx.zeros((Hq, 3, D)), mx.zeros((Hq, 3)))
         if combine not in units:  # one per head dim
             units.append(combine)
@@ -267,7 +322,8 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
         assert stack == "0", (entry, result.stderr)
         for name, count in threads.items():
             # The digest sits between the kernel's name and its template suffix.
-            if re.search(name.replace("attention_decode_", r"attention_decode_[0-9a-f]+") + "E", entry):
+            pattern = re.sub(r"^(attention_(?:decode|prefill))_", r"\1_[0-9a-f]+", name)
+            if re.search(pattern + "E", entry):
                 assert (int(registers) + 7) // 8 * 8 * count <= 65536, (entry, registers, count)
                 checked += 1
     assert checked == len(threads)

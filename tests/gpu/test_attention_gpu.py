@@ -88,3 +88,22 @@ def test_decode_both_paths_at_any_context(backend, S, options):
     q, k, v, scale = cache_view(S, seed=S + 1)
     got = A.run_decode(backend, q, k, v, scale, None, **options)
     assert_within_one_bf16_step(got, exact(q, k, v, scale))
+
+
+def assert_prefill_close(got, want, v):
+    # As in the emulator tests: one bf16 step plus P's bf16 rounding (2^-8 max|v|).
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    step = np.maximum(np.abs(want), 1e-2 * np.abs(want).max()) * 2.0**-7
+    slack = 2.0**-8 * np.abs(np.array(v.astype(mx.float32))).max()
+    bad = np.abs(got - want) > step + slack
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size}; max error {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("L, S", [(2048, 2048), (2048, 8192 + 5), (37, 4096), (512, 32768)])
+def test_prefill_at_real_shapes(backend, L, S):
+    q, k, v, scale = cache_view(S, L=L, seed=L + S)
+    fn, path, why = A.attention.choose(q, k, v, scale, "causal")
+    assert path == "kernel", why
+    got = A.attention(q, k, v, scale, "causal")
+    assert A.attention.last_path == "kernel"
+    assert_prefill_close(got, exact(q, k, v, scale, "causal"), v)
