@@ -86,11 +86,17 @@ def _qk_norm_rope(d, T, ctx) -> Inputs:
     return (q, k, w, w, d["eps"], rope, ctx - T), {}
 
 
+# mlx-lm's KVCache grows its buffers in steps of 256 rows and hands attention
+# the filled rows, a strided view.
+KV_CACHE_STEP = 256
+
+
 def _attention(d, T, ctx) -> Inputs:
     D = d["head_dim"]
     q = _normal((1, d["hq"], T, D), 3)
-    k = _normal((1, d["hkv"], ctx, D), 4)
-    v = _normal((1, d["hkv"], ctx, D), 5)
+    rows = (ctx // KV_CACHE_STEP + 1) * KV_CACHE_STEP  # a cache that just grew past ctx
+    k = _normal((1, d["hkv"], rows, D), 4)[:, :, :ctx, :]
+    v = _normal((1, d["hkv"], rows, D), 5)[:, :, :ctx, :]
     # mlx-lm passes "causal" for multi-token calls and no mask for one token.
     return (q, k, v, D**-0.5, "causal" if T > 1 else None), {}
 

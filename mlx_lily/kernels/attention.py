@@ -1,10 +1,34 @@
-"""Full attention: q/k RMSNorm + partial RoPE, and GQA scaled dot-product attention."""
+"""Full attention: q/k RMSNorm + partial RoPE, and GQA scaled dot-product attention.
+
+The attention op's reference is MLX's ``scaled_dot_product_attention`` (what
+stock mlx-lm calls). Its kernels (:class:`AttentionKernels`):
+
+* **decode** (one query token, batch 1; ``attention_decode.metal``): packed
+  GQA, one threadgroup per KV head (all of its query heads read each K/V row
+  once), 16-byte row reads straight from the KV cache through its strides,
+  online softmax in fp32. From ``SPLIT_FROM`` keys the keys are split into
+  fixed blocks of ``KEY_BLOCK``, one threadgroup each, whose partial results a
+  second small kernel (``attention_combine.metal``) merges by their
+  log-sum-exp.
+
+The kernels' contract with the exact attention of their bf16 inputs: fp32
+scores, softmax and accumulation, one rounding of the output to bf16 (tests
+hold them to one bf16 step of the float64 result). Against the reference,
+which on some backends rounds scores and probabilities to bf16 on the way,
+``attention_agree`` allows that rounding.
+"""
 
 from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .._notice import notice_once
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
 
 
@@ -20,6 +44,343 @@ def attention_reference(q, k, v, scale, mask):
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+# -- decode ------------------------------------------------------------------
+
+# Contexts from which decode splits the keys into fixed blocks (one
+# threadgroup each, plus the combine pass); below it one threadgroup per KV
+# head reads all keys. A first guess: it must be tuned from H200 measurements
+# (bench/diagnostics/attention_split.py times both sides of it).
+SPLIT_FROM = 32 * 1024
+# Keys per threadgroup when split: 128 blocks per KV head at 32K context.
+KEY_BLOCK = 256
+# SIMD groups per threadgroup: more for the single pass (one threadgroup per
+# KV head must keep many rows in flight), fewer when split (many threadgroups).
+SINGLE_PASS_SIMD_GROUPS = 8
+SPLIT_SIMD_GROUPS = 4
+# Query heads per KV head: each lane keeps 8 query values and 8 accumulators
+# per query head in registers; 8 heads (the model's 16 / 2) bound that at 128.
+MAX_GROUP = 8
+DECODE_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def decode_supports(q, k, v, scale, mask) -> Optional[str]:
+    """None when the decode kernel takes this call, else why not."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
+    B, Hq, L, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if L != 1:
+        return f"{L} query tokens (decode kernel: 1)"
+    if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+        return f"batch {B} (decode kernel: 1)"
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return "an explicit mask (decode kernel: none, or causal)"
+    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (decode kernel: bfloat16)"
+    if D not in DECODE_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
+        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (decode kernel: one of {DECODE_HEAD_DIMS})"
+    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1:
+        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    if Hq % Hkv or Hq // Hkv > MAX_GROUP:
+        return f"{Hq} query heads on {Hkv} KV heads (decode kernel: at most {MAX_GROUP} per KV head)"
+    return None
+
+
+def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
+    _, Hq, _, D = q.shape
+    _, Hkv, S, _ = k.shape
+    groups = SPLIT_SIMD_GROUPS if split else SINGLE_PASS_SIMD_GROUPS
+    blocks = math.ceil(S / key_block) if split else 1
+    threads = groups * SIMD_WIDTH
+    if split:
+        shapes = [(1,), (Hq, blocks, D), (Hq, blocks)]
+    else:
+        shapes = [(Hq, D), (1,), (1,)]
+    return Launch(
+        # The queries are tiny: made contiguous here, so the body indexes them
+        # directly; K and V stay as they are (strided views of the cache).
+        inputs=[mx.contiguous(q.reshape(Hq, D)), k, v, mx.array([scale], dtype=mx.float32)],
+        grid=(threads * blocks, Hkv, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=shapes,
+        output_dtypes=[mx.bfloat16, mx.float32, mx.float32],
+        template=[
+            ("D", D),
+            ("G", Hq // Hkv),
+            ("NSG", groups),
+            ("SPLIT", bool(split)),
+            ("BLOCK", key_block if split else 0),
+        ],
+    )
+
+
+def _launch_combine(part_o, part_lse) -> Launch:
+    Hq, _, D = part_o.shape
+    return Launch(
+        inputs=[part_o, part_lse],
+        grid=(D, Hq, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(Hq, D)],
+        output_dtypes=[mx.bfloat16],
+        template=[("D", D)],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+attention_decode_kernel = Kernel(
+    name="attention_decode",
+    input_names=("queries", "keys", "values", "scale"),
+    output_names=("out", "part_o", "part_lse"),
+    body="attention_decode.metal",
+    launch=_launch_decode,
+    # For lily_tile_load16 / lily_tile_unpack (16-byte row reads); no tile products.
+    tiles=True,
+    # The KV cache slice is read in place, through its strides.
+    row_contiguous=False,
+)
+
+attention_combine_kernel = Kernel(
+    name="attention_combine",
+    input_names=("part_o", "part_lse"),
+    output_names=("out",),
+    body="attention_combine.metal",
+    launch=_launch_combine,
+)
+
+
+def run_decode(backend: str, q, k, v, scale, mask, split_from: Optional[int] = None,
+               key_block: Optional[int] = None) -> mx.array:
+    """The decode kernels on ``backend``: [1, Hq, 1, D] (the split and its
+    block size default to the module's ``SPLIT_FROM`` and ``KEY_BLOCK``)."""
+    split_from = SPLIT_FROM if split_from is None else split_from
+    key_block = KEY_BLOCK if key_block is None else key_block
+    split = k.shape[2] >= split_from
+    out, part_o, part_lse = attention_decode_kernel.run_on(
+        backend, q, k, v, scale, mask, split=split, key_block=key_block
+    )
+    if split:
+        out = attention_combine_kernel.run_on(backend, part_o, part_lse)
+    return out.reshape(q.shape)
+
+
+# -- prefill -----------------------------------------------------------------
+
+# Threadgroups of 8 SIMD groups own 64 query rows (packed GQA) and step
+# through the keys PREFILL_KEY_STEP at a time (the body's own constants). Threadgroup memory at D = 256: K (or V^T) 18 KB, scores 8 KB,
+# P 5 KB: within Metal's 32 KB (and CUDA's 48 KB of static shared memory).
+PREFILL_SIMD_GROUPS = 8
+PREFILL_ROWS = 64
+PREFILL_KEY_STEP = 32
+PREFILL_HEAD_DIMS = (32, 64, 128, 256)
+PREFILL_MAX_GROUP = PREFILL_ROWS  # at least one query position per threadgroup
+
+
+def prefill_supports(q, k, v, scale, mask) -> Optional[str]:
+    """None when the prefill kernel takes this call, else why not."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
+    B, Hq, L, D = q.shape
+    _, Hkv, S, _ = k.shape
+    if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
+        return f"batch {B} (prefill kernel: 1)"
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return "an explicit mask (prefill kernel: none, or causal)"
+    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (prefill kernel: bfloat16)"
+    if D not in PREFILL_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
+        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (prefill kernel: one of {PREFILL_HEAD_DIMS})"
+    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1 or L < 1:
+        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    if mask == "causal" and S < L:
+        return f"causal with fewer keys ({S}) than queries ({L})"
+    if Hq % Hkv or Hq // Hkv > PREFILL_MAX_GROUP:
+        return f"{Hq} query heads on {Hkv} KV heads"
+    return None
+
+
+def _launch_prefill(q, k, v, scale, mask) -> Launch:
+    _, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    positions = PREFILL_ROWS // G
+    threads = PREFILL_SIMD_GROUPS * SIMD_WIDTH
+    return Launch(
+        inputs=[mx.contiguous(q), k, v, mx.array([scale], dtype=mx.float32)],
+        grid=(threads * math.ceil(L / positions), Hkv, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[mx.bfloat16],
+        template=[
+            ("D", D),
+            ("G", G),
+            ("BK", PREFILL_KEY_STEP),
+            ("CAUSAL", mask is not None),
+        ],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+attention_prefill_kernel = Kernel(
+    name="attention_prefill",
+    input_names=("queries", "keys", "values", "scale"),
+    output_names=("out",),
+    body="attention_prefill.metal",
+    launch=_launch_prefill,
+    tiles=True,
+    row_contiguous=False,
+)
+
+
+def run_prefill(backend: str, q, k, v, scale, mask) -> mx.array:
+    """The prefill kernel on ``backend``: [1, Hq, L, D]."""
+    return attention_prefill_kernel.run_on(backend, q, k, v, scale, mask)
+
+
+def _prefill_check_inputs(L, S, Hq=4, Hkv=2, D=64, seed=10):
+    """L queries against the first S rows of a longer cache."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, Hq, L, D), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, Hkv, S + 3, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
+    v = mx.random.normal((1, Hkv, S + 3, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
+    return q, k, v, D**-0.5, "causal"
+
+
+# -- the op's kernels ----------------------------------------------------------
+
+
+def attention_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """None when the kernel's output is within the reference's own rounding.
+
+    The kernel is exact up to fp32 and one bf16 rounding; the reference may
+    round scores and probabilities to bf16 before the products (MLX's unfused
+    path), which moves each weight by up to ~2^-8 relative: allow 2^-5 of the
+    output's largest magnitude (outputs are averages of values, so the largest
+    magnitude is their scale).
+    """
+    got, want = got.astype(mx.float32), want.astype(mx.float32)
+    if got.shape != want.shape:
+        return f"shape {got.shape} != reference {want.shape}"
+    scale = max(mx.abs(want).max().item(), 1e-3)
+    err = mx.abs(got - want).max().item() / scale
+    return None if err <= 2.0**-5 else f"max |kernel - reference| / max |reference| = {err:.3g}"
+
+
+def _decode_check_inputs(S, Hq=4, Hkv=2, D=64, seed=9):
+    """A decode call on a strided view: the first S rows of a longer cache."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, Hq, 1, D), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, Hkv, S + 5, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
+    v = mx.random.normal((1, Hkv, S + 5, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
+    return q, k, v, D**-0.5, None
+
+
+KERNELS = (
+    attention_decode_kernel,
+    attention_combine_kernel,
+    attention_prefill_kernel,
+)
+
+
+class AttentionKernels:
+    """The attention op's kernels behind one ``KernelLike`` (see registry.py).
+
+    ``run_on`` routes each call by shape: decode (``decode_supports``) to the
+    decode kernels, anything else to the reference. ``ready_on`` builds the
+    kernels and self-checks each path once per backend and process on small
+    inputs that exercise it (the single pass and the split with three key
+    blocks, on strided K/V views); a path that fails is turned off with one
+    notice and its calls run the reference.
+    """
+
+    name = "attention"
+
+    def __init__(self):
+        self._checked: dict = {}
+        self._lock = threading.RLock()
+
+    def checks(self):
+        """(path, run(backend, *args), args) for each self-check."""
+        def single(backend, *args):
+            return run_decode(backend, *args, split_from=1 << 30)
+
+        def split(backend, *args):
+            return run_decode(backend, *args, split_from=1, key_block=8)
+
+        return [
+            ("decode", single, _decode_check_inputs(19)),
+            ("decode", split, _decode_check_inputs(19)),
+            ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
+        ]
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._checked.get(backend)
+        if known is not None:
+            return known[0]
+        with self._lock:
+            if backend not in self._checked:
+                self._checked[backend] = self._self_check(backend)
+            return self._checked[backend][0]
+
+    def _self_check(self, backend: str):
+        paths: dict = {}
+        for kernel in KERNELS:
+            ok, why = kernel.ready_on(backend)
+            if not ok:
+                return (False, why), {}
+        for path, run, args in self.checks():
+            if paths.get(path) is not None:
+                continue  # this path already failed
+            try:
+                got = run(backend, *args)
+                mx.eval(got)
+                want = attention_reference(*args)
+                why = attention_agree(got, want)
+            except Exception as exc:  # compile errors surface at the first eval
+                why = f"failed to run: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            paths[path] = why
+            if why is not None:
+                notice_once(
+                    f"kernel-off:attention-{path}:{backend}",
+                    f"kernel attention ({path}) is off on {backend} ({why}); "
+                    "those calls run the pure-MLX reference",
+                )
+        working = sorted(p for p, why in paths.items() if why is None)
+        if not working:
+            return (False, f"{backend} self-check failed: " + "; ".join(
+                f"{p}: {why}" for p, why in paths.items())), paths
+        return (True, f"{backend} kernel ({', '.join(working)}), self-check passed"), paths
+
+    def forget(self) -> None:
+        """Drop self-check results and built kernels (tests)."""
+        with self._lock:
+            self._checked.clear()
+            for kernel in KERNELS:
+                kernel.forget()
+
+    def path_for(self, *args, **kwargs) -> Optional[str]:
+        if decode_supports(*args, **kwargs) is None:
+            return "decode"
+        if prefill_supports(*args, **kwargs) is None:
+            return "prefill"
+        return None
+
+    def run_on(self, backend: str, q, k, v, scale, mask):
+        path = self.path_for(q, k, v, scale, mask)
+        failed = self._checked.get(backend, (None, {}))[1].get(path)
+        if path == "decode" and failed is None:
+            return run_decode(backend, q, k, v, scale, mask)
+        if path == "prefill" and failed is None:
+            return run_prefill(backend, q, k, v, scale, mask)
+        return attention_reference(q, k, v, scale, mask)
+
+
+def attention_supports(q, k, v, scale, mask) -> Optional[str]:
+    """None when one of the attention kernels takes this call, else why not."""
+    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask) is None:
+        return None
+    return prefill_supports(q, k, v, scale, mask)
+
+
 def _sample_norm_rope():
     keys = mx.random.split(mx.random.key(7), 2)
     q = mx.random.normal((1, 3, 4, 32), key=keys[0]).astype(mx.bfloat16)
@@ -28,11 +389,9 @@ def _sample_norm_rope():
 
 
 def _sample_attention():
-    keys = mx.random.split(mx.random.key(8), 3)
-    q = mx.random.normal((1, 4, 1, 32), key=keys[0]).astype(mx.bfloat16)
-    k = mx.random.normal((1, 2, 9, 32), key=keys[1]).astype(mx.bfloat16)
-    v = mx.random.normal((1, 2, 9, 32), key=keys[2]).astype(mx.bfloat16)
-    return (q, k, v, 32**-0.5, None), {}
+    # A decode step on a strided KV view (the first 9 rows of a 14-row cache),
+    # as mlx-lm's KVCache passes it: the decode kernel's single pass.
+    return _decode_check_inputs(9, Hq=4, Hkv=2, D=64, seed=8), {}
 
 
 qk_norm_rope = register(
@@ -40,7 +399,15 @@ qk_norm_rope = register(
 )
 qk_norm_rope.sample = _sample_norm_rope
 
+attention_kernels = AttentionKernels()
+
 attention = register(
-    LilyOp("attention", attention_reference, description="GQA scaled dot-product attention")
+    LilyOp(
+        "attention",
+        attention_reference,
+        kernel=attention_kernels,
+        supports=attention_supports,
+        description="GQA scaled dot-product attention",
+        sample=_sample_attention,
+    )
 )
-attention.sample = _sample_attention

@@ -159,6 +159,10 @@ class Kernel:
     # The body multiplies matrix tiles (lily_tile_*): the toolchain puts the
     # backend's implementation of the tile API before the header.
     tiles: bool = False
+    # False: inputs reach the body as they are, strided views included (the
+    # body indexes them through ``<name>_strides``); True: MLX copies any input
+    # that is not row-contiguous first.
+    row_contiguous: bool = True
     _text: Optional[str] = field(default=None, init=False, repr=False)
     _built: Dict[str, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
@@ -391,7 +395,7 @@ class Kernel:
             input_names=list(self.input_names),
             output_names=list(self.output_names),
             source=self.body_text(),
-            ensure_row_contiguous=True,
+            ensure_row_contiguous=self.row_contiguous,
         )
         header = self.full_header(backend)
         if backend == "metal":

@@ -88,6 +88,10 @@ function:
 * ``LILY_TILE_ACC_ELEMS`` elements per lane: ``lily_tile_acc_get(c, e)``,
   ``lily_tile_acc_set(c, e, v)`` at row ``lily_tile_acc_row(e, lane)`` and
   column ``lily_tile_acc_col(e, lane)``.
+* staging: ``uint4 v = lily_tile_load16(&x[i])`` (eight bf16 from device
+  memory, 16-byte aligned), ``lily_tile_store16(&tg[j], v)``,
+  ``lily_tile_pack2(lo, hi)`` (two floats to bf16 in one word) and
+  ``lily_tile_unpack(v, i)`` (element ``i`` of the eight, as a float).
 
 Rules the lint checks:
 

@@ -96,4 +96,11 @@ __device__ __forceinline__ uint lily_tile_pack2(float lo, float hi) {
   return *reinterpret_cast<uint*>(&pair);
 }
 
+// Element i in [0, 8) of eight bf16 values moved as a uint4 (the inverse of
+// lily_tile_pack2's packing: element 2j in the low half of word j), as a float.
+__device__ __forceinline__ float lily_tile_unpack(uint4 w, int i) {
+  const uint word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
+  return __uint_as_float((i & 1) ? (word & 0xffff0000u) : (word << 16));
+}
+
 #pragma pop_macro("device")

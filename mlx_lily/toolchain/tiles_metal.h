@@ -107,3 +107,10 @@ inline uint lily_tile_bf16_bits(float x) {
 inline uint lily_tile_pack2(float lo, float hi) {
   return lily_tile_bf16_bits(lo) | (lily_tile_bf16_bits(hi) << 16);
 }
+
+// Element i in [0, 8) of eight bf16 values moved as a uint4 (the inverse of
+// lily_tile_pack2's packing: element 2j in the low half of word j), as a float.
+inline float lily_tile_unpack(uint4 w, int i) {
+  const uint word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
+  return as_type<float>((i & 1) ? (word & 0xffff0000u) : (word << 16));
+}

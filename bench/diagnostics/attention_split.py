@@ -1,0 +1,88 @@
+"""Decode attention on both sides of the split: the data to tune SPLIT_FROM and KEY_BLOCK.
+
+For each context, at the model's shapes (16 query / 2 KV heads, dim 256, a
+strided bf16 KV cache view as mlx-lm's KVCache passes it), times stock's
+attention, lily's single-pass decode kernel (one threadgroup per KV head) and
+lily's split kernel at several key blocks, and checks each kernel result
+against the reference. SPLIT_FROM should be the smallest context from which
+the split (at the chosen KEY_BLOCK) is faster than the single pass.
+
+    python3 -m bench.diagnostics.attention_split --out DIR [--lengths 256,...,128K]
+
+Writes DIR/attention-split.json and DIR/attention-split.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_lily.kernels  # noqa: F401  (registers the ops)
+from bench.common import length_label, log, machine_info, now_iso, parse_lengths, software_info
+from bench.ops import KV_CACHE_STEP, time_call
+from mlx_lily.toolchain.registry import gpu_backend
+
+A = sys.modules["mlx_lily.kernels.attention"]
+
+LENGTHS = "256,1K,2K,4K,8K,16K,32K,64K,128K"
+KEY_BLOCKS = (128, 256, 512, 1024)
+NEVER = 1 << 40
+
+
+def inputs(ctx: int, hq=16, hkv=2, D=256):
+    keys = mx.random.split(mx.random.key(ctx), 3)
+    rows = (ctx // KV_CACHE_STEP + 1) * KV_CACHE_STEP
+    q = mx.random.normal((1, hq, 1, D), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, hkv, rows, D), key=keys[1]).astype(mx.bfloat16)[:, :, :ctx, :]
+    v = mx.random.normal((1, hkv, rows, D), key=keys[2]).astype(mx.bfloat16)[:, :, :ctx, :]
+    mx.eval(q, k, v)
+    return q, k, v, D**-0.5, None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for attention-split.json/.md")
+    parser.add_argument("--lengths", default=LENGTHS)
+    args = parser.parse_args(argv)
+    backend = gpu_backend()
+    if backend is None:
+        raise SystemExit("needs a GPU (Metal or CUDA)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for ctx in parse_lengths(args.lengths):
+        call = inputs(ctx)
+        want = A.attention_reference(*call)
+        row = {"context": ctx, "stock_ms": time_call(A.attention_reference, call, {})["ms"]}
+        variants = {"single": dict(split_from=NEVER)}
+        variants.update({f"split_{b}": dict(split_from=1, key_block=b) for b in KEY_BLOCKS})
+        for name, options in variants.items():
+            def fn(*a, options=options):
+                return A.run_decode(backend, *a, **options)
+            row[f"{name}_ms"] = time_call(fn, call, {})["ms"]
+            row[f"{name}_agrees"] = A.attention_agree(fn(*call), want) is None
+        log(f"context {length_label(ctx)}: " + ", ".join(
+            f"{k} {v:.4f}" for k, v in row.items() if k.endswith("_ms")))
+        rows.append(row)
+    doc = {"tool": "mlx-lily attention split sweep", "finished": now_iso(), "machine": machine_info(),
+           "software": software_info(), "settings": {"SPLIT_FROM": A.SPLIT_FROM, "KEY_BLOCK": A.KEY_BLOCK,
+           "shape": "16 q / 2 kv heads, dim 256, bf16, strided KV view"}, "rows": rows}
+    (out / "attention-split.json").write_text(json.dumps(doc, indent=1))
+    names = ["stock", "single"] + [f"split_{b}" for b in KEY_BLOCKS]
+    lines = ["| context | " + " | ".join(f"{n} ms" for n in names) + " |",
+             "|---" * (len(names) + 1) + "|"]
+    for row in rows:
+        cells = [f"{row[f'{n}_ms']:.4f}" + ("" if n == "stock" or row[f"{n}_agrees"] else " (DISAGREES)")
+                 for n in names]
+        lines.append(f"| {length_label(row['context'])} | " + " | ".join(cells) + " |")
+    (out / "attention-split.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+// Decode attention, packed GQA: one query token of G query heads that share
+// a KV head, against keys [k_begin, k_end) of that head's cache, online
+// softmax in fp32.
+//
+// Launcher: mlx_lily/kernels/attention.py. A threadgroup serves one KV head
+// and all G query heads on it, so each K/V row is read once for all of them.
+// A SIMD group reads whole rows: lane l holds eight dims ([col, col + 8)) of
+// one row in a 16-byte load, LANES_PER_ROW = D / 8 lanes cover a row and a
+// SIMD group reads ROWS_PER_PASS rows at once (1, 2 or 4 for D = 256, 128,
+// 64). The SIMD groups take passes in turn and keep their own running max,
+// sum and accumulator per query head; at the end they are merged through
+// threadgroup memory.
+//
+// Without SPLIT one threadgroup covers all keys and writes the output. With
+// SPLIT threadgroup b covers keys [b * BLOCK, (b + 1) * BLOCK) and writes its
+// normalised partial output and log2-sum-exp2 (part_o, part_lse), which
+// attention_combine.metal merges.
+//
+// K and V are read in place through their strides (a slice of a larger KV
+// cache, as mlx-lm's KVCache hands it over), 16 bytes at a time where the
+// strides allow; the view itself must start 16-byte aligned, as MLX's buffers
+// and slices along the sequence or head axes do.
+//
+// Template: D (head dim), G (query heads per KV head), NSG (SIMD groups per
+//           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT).
+// Inputs:   queries [Hq, D] bf16 (contiguous), keys, values [1, Hkv, S, D] bf16
+//           (strided), scale [1] float (the softmax scale).
+// Outputs:  out [Hq, D] bf16 (without SPLIT), part_o [Hq, NB, D] float and
+//           part_lse [Hq, NB] float (with SPLIT); the unused ones have one element.
+// Grid: (NSG * 32 * NB, Hkv, 1), threadgroup (NSG * 32, 1, 1).
+
+constexpr int SIMD_WIDTH = 32;
+constexpr int CHUNK = 8;                               // bf16 per 16-byte load
+constexpr int LANES_PER_ROW = D / CHUNK;
+constexpr int ROWS_PER_PASS = SIMD_WIDTH / LANES_PER_ROW;
+constexpr int THREADS = NSG * SIMD_WIDTH;
+
+threadgroup float group_max[NSG * G];
+threadgroup float group_sum[NSG * G];
+threadgroup float group_acc[NSG * D];
+
+const uint lane = thread_index_in_simdgroup;
+const int sg = int(simdgroup_index_in_threadgroup);
+const int tid = int(thread_index_in_threadgroup);
+const int kv_head = int(threadgroup_position_in_grid.y);
+const int block = int(threadgroup_position_in_grid.x);
+const int n_blocks = int(threadgroups_per_grid.x);
+const int S = int(keys_shape[2]);
+const int k_begin = SPLIT ? block * BLOCK : 0;
+const int k_end = SPLIT ? min(S, k_begin + BLOCK) : S;
+const int sub = int(lane) / LANES_PER_ROW;             // this lane's row in a pass
+const int col = (int(lane) % LANES_PER_ROW) * CHUNK;   // this lane's first dim
+const uint4 nothing = {0u, 0u, 0u, 0u};
+
+const int64_t k_row_stride = keys_strides[2];
+const int64_t v_row_stride = values_strides[2];
+const int64_t k_dim_stride = keys_strides[3];
+const int64_t v_dim_stride = values_strides[3];
+const device bfloat16_t* k_head = keys + int64_t(kv_head) * keys_strides[1] + col * k_dim_stride;
+const device bfloat16_t* v_head = values + int64_t(kv_head) * values_strides[1] + col * v_dim_stride;
+// 16-byte row loads need dims contiguous and every row start a multiple of 8
+// elements from the (aligned) start of the view; other layouts (a transposed
+// view, say) are read element by element.
+const bool rows_aligned = k_dim_stride == 1 && v_dim_stride == 1 && k_row_stride % CHUNK == 0 &&
+                          v_row_stride % CHUNK == 0 && keys_strides[1] % CHUNK == 0 &&
+                          values_strides[1] % CHUNK == 0;
+
+// Queries pre-scaled into the log2 domain: softmax(s) = exp2(s * log2(e) - m).
+const float q_scale = scale[0] * M_LOG2E_F;
+float q[G][CHUNK];
+for (int g = 0; g < G; ++g) {
+  const uint4 w = lily_tile_load16(&queries[(kv_head * G + g) * D + col]);
+  for (int e = 0; e < CHUNK; ++e) {
+    q[g][e] = lily_tile_unpack(w, e) * q_scale;
+  }
+}
+
+float run_max[G];
+float run_sum[G];
+float acc[G][CHUNK];
+for (int g = 0; g < G; ++g) {
+  run_max[g] = -INFINITY;
+  run_sum[g] = 0.0f;
+  for (int e = 0; e < CHUNK; ++e) {
+    acc[g][e] = 0.0f;
+  }
+}
+
+// Every lane of a SIMD group runs the same passes (the shuffles need all 32);
+// lanes past k_end load nothing and skip the update.
+for (int base = k_begin + sg * ROWS_PER_PASS; base < k_end; base += NSG * ROWS_PER_PASS) {
+  const int row = base + sub;
+  const bool live = row < k_end;
+  const device bfloat16_t* k_row = k_head + int64_t(row) * k_row_stride;
+  const device bfloat16_t* v_row = v_head + int64_t(row) * v_row_stride;
+  uint4 kw = nothing;
+  uint4 vw = nothing;
+  if (live && rows_aligned) {
+    kw = lily_tile_load16(k_row);
+    vw = lily_tile_load16(v_row);
+  } else if (live) {
+    kw.x = lily_tile_pack2(static_cast<float>(k_row[0]), static_cast<float>(k_row[k_dim_stride]));
+    kw.y = lily_tile_pack2(static_cast<float>(k_row[2 * k_dim_stride]), static_cast<float>(k_row[3 * k_dim_stride]));
+    kw.z = lily_tile_pack2(static_cast<float>(k_row[4 * k_dim_stride]), static_cast<float>(k_row[5 * k_dim_stride]));
+    kw.w = lily_tile_pack2(static_cast<float>(k_row[6 * k_dim_stride]), static_cast<float>(k_row[7 * k_dim_stride]));
+    vw.x = lily_tile_pack2(static_cast<float>(v_row[0]), static_cast<float>(v_row[v_dim_stride]));
+    vw.y = lily_tile_pack2(static_cast<float>(v_row[2 * v_dim_stride]), static_cast<float>(v_row[3 * v_dim_stride]));
+    vw.z = lily_tile_pack2(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
+    vw.w = lily_tile_pack2(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
+  }
+  float k[CHUNK];
+  for (int e = 0; e < CHUNK; ++e) {
+    k[e] = lily_tile_unpack(kw, e);
+  }
+  float s[G];
+  for (int g = 0; g < G; ++g) {
+    float dot = 0.0f;
+    for (int e = 0; e < CHUNK; ++e) {
+      dot = fma(q[g][e], k[e], dot);
+    }
+    for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2) {
+      dot += simd_shuffle_xor(dot, ushort(offset));
+    }
+    s[g] = dot;
+  }
+  if (live) {
+    float v[CHUNK];
+    for (int e = 0; e < CHUNK; ++e) {
+      v[e] = lily_tile_unpack(vw, e);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float new_max = max(run_max[g], s[g]);
+      const float keep = exp2(run_max[g] - new_max);  // 0 while run_max is -inf
+      const float p = exp2(s[g] - new_max);
+      run_sum[g] = run_sum[g] * keep + p;
+      for (int e = 0; e < CHUNK; ++e) {
+        acc[g][e] = fma(p, v[e], acc[g][e] * keep);
+      }
+      run_max[g] = new_max;
+    }
+  }
+}
+
+// Merge the rows of a pass: lanes holding the same dims, LANES_PER_ROW apart.
+// A side that saw no key has max -inf and sum 0, and weighs 0.
+for (int offset = LANES_PER_ROW; offset < SIMD_WIDTH; offset *= 2) {
+  for (int g = 0; g < G; ++g) {
+    const float other_max = simd_shuffle_xor(run_max[g], ushort(offset));
+    const float other_sum = simd_shuffle_xor(run_sum[g], ushort(offset));
+    const float new_max = max(run_max[g], other_max);
+    const float mine = run_max[g] == -INFINITY ? 0.0f : exp2(run_max[g] - new_max);
+    const float theirs = other_max == -INFINITY ? 0.0f : exp2(other_max - new_max);
+    run_sum[g] = run_sum[g] * mine + other_sum * theirs;
+    for (int e = 0; e < CHUNK; ++e) {
+      const float other_acc = simd_shuffle_xor(acc[g][e], ushort(offset));
+      acc[g][e] = acc[g][e] * mine + other_acc * theirs;
+    }
+    run_max[g] = new_max;
+  }
+}
+
+// Merge the SIMD groups: the threadgroup's max and sum per query head, then
+// each head's accumulator, summed over SIMD groups one head at a time.
+if (lane == 0) {
+  for (int g = 0; g < G; ++g) {
+    group_max[sg * G + g] = run_max[g];
+    group_sum[sg * G + g] = run_sum[g];
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+for (int g = 0; g < G; ++g) {
+  float total_max = -INFINITY;
+  for (int i = 0; i < NSG; ++i) {
+    total_max = max(total_max, group_max[i * G + g]);
+  }
+  float total_sum = 0.0f;
+  for (int i = 0; i < NSG; ++i) {
+    const float m = group_max[i * G + g];
+    total_sum += m == -INFINITY ? 0.0f : group_sum[i * G + g] * exp2(m - total_max);
+  }
+  // Head g's registers are always the first: they shift down one head per
+  // round (below), since a loop with barriers may stay rolled and indexing
+  // registers with its counter would move them to memory.
+  const float mine = run_max[0] == -INFINITY ? 0.0f : exp2(run_max[0] - total_max);
+  if (sub == 0) {
+    for (int e = 0; e < CHUNK; ++e) {
+      group_acc[sg * D + col + e] = acc[0][e] * mine;
+    }
+  }
+  for (int h = 0; h + 1 < G; ++h) {
+    run_max[h] = run_max[h + 1];
+    for (int e = 0; e < CHUNK; ++e) {
+      acc[h][e] = acc[h + 1][e];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int head = kv_head * G + g;
+  for (int d = tid; d < D; d += THREADS) {
+    float total = 0.0f;
+    for (int i = 0; i < NSG; ++i) {
+      total += group_acc[i * D + d];
+    }
+    if (SPLIT) {
+      part_o[(head * n_blocks + block) * D + d] = total / total_sum;
+    } else {
+      out[head * D + d] = static_cast<bfloat16_t>(total / total_sum);
+    }
+  }
+  if (SPLIT && tid == 0) {
+    part_lse[head * n_blocks + block] = total_max + log2(total_sum);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}

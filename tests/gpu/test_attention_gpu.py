@@ -1,0 +1,109 @@
+"""The attention kernels on the GPU at the model's shapes, against float64.
+
+Run with ``python3 -m pytest tests/gpu -m gpu -q``; without a GPU every test
+skips. Shapes: 16 query / 2 KV heads of dim 256, a bf16 KV cache read as the
+strided view mlx-lm's KVCache hands over. Tolerance: one bf16 step of the
+exact result (the kernels round once, from fp32), as in the emulator tests.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lily.kernels  # noqa: F401
+from mlx_lily.toolchain.registry import BACKEND_ENV, gpu_backend
+
+A = sys.modules["mlx_lily.kernels.attention"]
+
+pytestmark = pytest.mark.gpu
+
+HQ, HKV, D = 16, 2, 256
+CACHE_STEP = 256
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+    name = gpu_backend()
+    if name is None:
+        pytest.skip("no GPU: the default device is not a Metal or CUDA GPU")
+    return name
+
+
+def cache_view(S, L=1, seed=0):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    rows = (S // CACHE_STEP + 1) * CACHE_STEP
+    q = mx.random.normal((1, HQ, L, D), key=keys[0]).astype(mx.bfloat16)
+    k = (2 * mx.random.normal((1, HKV, rows, D), key=keys[1])).astype(mx.bfloat16)[:, :, :S, :]
+    v = mx.random.normal((1, HKV, rows, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
+    return q, k, v, D**-0.5
+
+
+def exact(q, k, v, scale, mask=None) -> np.ndarray:
+    """float64 attention of the bf16 values, one KV head's query group at a time."""
+    q, k, v = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    B, Hq, L, _ = q.shape
+    S, G = k.shape[2], Hq // k.shape[1]
+    out = np.empty(q.shape)
+    for h in range(k.shape[1]):
+        qs = q[0, h * G:(h + 1) * G].reshape(G * L, -1)
+        s = (qs @ k[0, h].T * scale).reshape(G, L, S)
+        if mask == "causal":
+            visible = np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+            s = np.where(visible[None], s, -np.inf)
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[0, h * G:(h + 1) * G] = p @ v[0, h]
+    return out
+
+
+def assert_within_one_bf16_step(got, want):
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    step = np.maximum(np.abs(want), 1e-2 * np.abs(want).max()) * 2.0**-7
+    bad = np.abs(got - want) > step
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size}; max error {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("S", [1, 255, 4096, A.SPLIT_FROM - 1, A.SPLIT_FROM, 131072 + 77])
+def test_decode_at_real_shapes(backend, S):
+    q, k, v, scale = cache_view(S, seed=S)
+    fn, path, why = A.attention.choose(q, k, v, scale, None)
+    assert path == "kernel", why
+    got = A.attention(q, k, v, scale, None)
+    assert A.attention.last_path == "kernel"
+    assert_within_one_bf16_step(got, exact(q, k, v, scale))
+
+
+@pytest.mark.parametrize("S, options", [
+    (4096, dict(split_from=1)),                   # split well below the threshold
+    (4096 + 3, dict(split_from=1, key_block=1000)),  # a block not a multiple of a pass
+    (40000, dict(split_from=1 << 40)),           # single pass above it
+])
+def test_decode_both_paths_at_any_context(backend, S, options):
+    q, k, v, scale = cache_view(S, seed=S + 1)
+    got = A.run_decode(backend, q, k, v, scale, None, **options)
+    assert_within_one_bf16_step(got, exact(q, k, v, scale))
+
+
+def assert_prefill_close(got, want, v):
+    # As in the emulator tests: one bf16 step plus P's bf16 rounding (2^-8 max|v|).
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    step = np.maximum(np.abs(want), 1e-2 * np.abs(want).max()) * 2.0**-7
+    slack = 2.0**-8 * np.abs(np.array(v.astype(mx.float32))).max()
+    bad = np.abs(got - want) > step + slack
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size}; max error {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("L, S", [(2048, 2048), (2048, 8192 + 5), (37, 4096), (512, 32768)])
+def test_prefill_at_real_shapes(backend, L, S):
+    q, k, v, scale = cache_view(S, L=L, seed=L + S)
+    fn, path, why = A.attention.choose(q, k, v, scale, "causal")
+    assert path == "kernel", why
+    got = A.attention(q, k, v, scale, "causal")
+    assert A.attention.last_path == "kernel"
+    assert_prefill_close(got, exact(q, k, v, scale, "causal"), v)

@@ -1,0 +1,329 @@
+"""The attention kernels in the CPU emulator against float64 attention of the
+same bf16 inputs, the op's routing, and their CUDA build with nvcc.
+
+Tolerance: the kernels compute scores, softmax and the weighted sum in fp32
+and round the output to bf16 once, so they must be within one bf16 step of the
+exact result (2^-7 of the value's binade; a floor of 1% of the largest output
+for values that cancel), the same bound as the tiled GEMM's tests.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lily.kernels  # noqa: F401  (registers the ops)
+from mlx_lily.toolchain import build, lint
+
+from test_toolchain import _mlx_cuda_include, emulator_or_skip
+
+A = sys.modules["mlx_lily.kernels.attention"]
+
+
+def attention_exact(q, k, v, scale, mask=None) -> np.ndarray:
+    """Softmax attention of the bf16 values in float64; causal aligned at the end."""
+    q, k, v = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = q @ k.swapaxes(-1, -2) * scale
+    if mask == "causal":
+        L, S = s.shape[-2:]
+        visible = np.arange(S)[None, :] <= np.arange(L)[:, None] + (S - L)
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ v
+
+
+def assert_within_one_bf16_step(got, exact):
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    assert got.shape == exact.shape
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-7
+    bad = np.abs(got - exact) > step
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.size} off by more than one bf16 step; first at "
+        f"{np.argwhere(bad)[0].tolist()}: {got[bad][0]} vs {exact[bad][0]}"
+    )
+
+
+def decode_inputs(S, Hq, Hkv, D, seed=0, spare=5):
+    """One query token against the first S rows of a cache of S + spare rows:
+    the strided view mlx-lm's KVCache hands the attention."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((1, Hq, 1, D), key=keys[0]).astype(mx.bfloat16)
+    cache_k = (2 * mx.random.normal((1, Hkv, S + spare, D), key=keys[1])).astype(mx.bfloat16)
+    cache_v = mx.random.normal((1, Hkv, S + spare, D), key=keys[2]).astype(mx.bfloat16)
+    return q, cache_k[:, :, :S, :], cache_v[:, :, :S, :], D**-0.5
+
+
+class Spy:
+    """Counts a kernel's runs (to see which decode path ran)."""
+
+    def __init__(self, monkeypatch, kernel):
+        self.calls = 0
+        run_on = kernel.run_on
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return run_on(*args, **kwargs)
+
+        monkeypatch.setattr(kernel, "run_on", counted)
+
+
+# -- decode ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "S, Hq, Hkv, D",
+    [
+        (1, 2, 2, 64),     # one key; GQA ratio 1
+        (37, 6, 2, 64),    # ratio 3; keys not a multiple of a pass (4 rows x 8 SIMD groups)
+        (21, 8, 1, 256),   # ratio 8 at the model's head dim
+        (5, 3, 1, 128),    # fewer keys than SIMD groups: most of them see none
+        (50, 2, 1, 32),    # 8 rows per pass (the demo checkpoint's head dim)
+    ],
+)
+def test_decode_single_pass_matches_exact_attention(S, Hq, Hkv, D):
+    emulator_or_skip()
+    q, k, v, scale = decode_inputs(S, Hq, Hkv, D, seed=S + D)
+    got = A.run_decode("emulator", q, k, v, scale, None, split_from=1 << 30)
+    assert got.shape == (1, Hq, 1, D) and got.dtype == mx.bfloat16
+    assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
+
+
+@pytest.mark.parametrize(
+    "S, Hq, Hkv, D, blocks",
+    [
+        (8, 8, 1, 256, 1),   # exactly one key block
+        (20, 6, 2, 64, 3),   # three blocks, the last partial
+        (24, 3, 1, 64, 3),   # three whole blocks
+        (17, 8, 2, 64, 3),   # the last block holds a single key
+    ],
+)
+def test_decode_split_matches_exact_attention(monkeypatch, S, Hq, Hkv, D, blocks):
+    emulator_or_skip()
+    combine = Spy(monkeypatch, A.attention_combine_kernel)
+    q, k, v, scale = decode_inputs(S, Hq, Hkv, D, seed=S * 3 + D)
+    launch = A._launch_decode(q, k, v, scale, None, split=True, key_block=8)
+    assert launch.output_shapes[2] == (Hq, blocks)
+    got = A.run_decode("emulator", q, k, v, scale, None, split_from=1, key_block=8)
+    assert combine.calls == 1
+    assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
+
+
+@pytest.mark.parametrize("S, split", [(15, False), (16, True), (17, True)])
+def test_the_split_starts_at_the_threshold(monkeypatch, S, split):
+    # The module's threshold and block, made small so the emulator reaches them.
+    emulator_or_skip()
+    monkeypatch.setattr(A, "SPLIT_FROM", 16)
+    monkeypatch.setattr(A, "KEY_BLOCK", 8)
+    combine = Spy(monkeypatch, A.attention_combine_kernel)
+    q, k, v, scale = decode_inputs(S, 8, 2, 64, seed=S)
+    got = A.run_decode("emulator", q, k, v, scale, None)
+    assert combine.calls == int(split)
+    assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
+
+
+def test_decode_reads_a_transposed_cache_element_by_element():
+    # A layout whose dims are not contiguous takes the body's unaligned path.
+    emulator_or_skip()
+    keys = mx.random.split(mx.random.key(4), 3)
+    q = mx.random.normal((1, 4, 1, 64), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, 2, 64, 11), key=keys[1]).astype(mx.bfloat16).swapaxes(2, 3)
+    v = mx.random.normal((1, 2, 64, 11), key=keys[2]).astype(mx.bfloat16).swapaxes(2, 3)
+    for split_from in (1 << 30, 1):
+        got = A.run_decode("emulator", q, k, v, 0.125, None, split_from=split_from, key_block=4)
+        assert_within_one_bf16_step(got, attention_exact(q, k, v, 0.125))
+
+
+def test_decode_kernel_sees_the_cache_view_in_place():
+    # row_contiguous=False: the emulator passes the view's own strides (as MLX
+    # does), so the body reads rows S_alloc apart per head, not a copy.
+    q, k, v, _ = decode_inputs(6, 2, 2, 64, spare=10)
+    assert A.attention_decode_kernel.row_contiguous is False
+    launch = A._launch_decode(q, k, v, 0.125, None)
+    assert launch.inputs[1] is k and launch.inputs[2] is v
+    probe = build.Kernel(
+        "strides_probe", ("keys",), ("out",),
+        lambda x: build.Launch([x], (32, 1, 1), (32, 1, 1), [(4,)], [mx.int32]),
+        source="uint i = thread_position_in_grid.x;\nif (i < 4) { out[i] = int(keys_strides[i]); }\n",
+        row_contiguous=False,
+    )
+    emulator_or_skip()
+    assert np.array(probe.emulate(k)[0]).tolist() == [2 * 16 * 64, 16 * 64, 64, 1]
+
+
+def test_causal_mask_with_one_query_sees_every_key():
+    emulator_or_skip()
+    q, k, v, scale = decode_inputs(13, 4, 2, 64, seed=2)
+    got = A.run_decode("emulator", q, k, v, scale, "causal")
+    assert_within_one_bf16_step(got, attention_exact(q, k, v, scale, "causal"))
+
+
+# -- prefill ------------------------------------------------------------------------
+
+
+def assert_prefill_close(got, exact, v):
+    # One bf16 step, plus P's rounding to bf16 before P V: each weight moves
+    # by at most 2^-9 of itself, so the output by at most 2^-9 max|v| (2^-8 kept).
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-7
+    slack = 2.0**-8 * np.abs(np.array(v.astype(mx.float32))).max()
+    bad = np.abs(got - exact) > step + slack
+    assert not bad.any(), f"{int(bad.sum())} of {bad.size}; max error {np.abs(got - exact).max()}"
+
+
+@pytest.mark.parametrize(
+    "L, S, Hq, Hkv, D, mask",
+    [
+        (11, 45, 4, 2, 64, "causal"),   # a chunk after 34 cached keys; keys not a multiple of 32
+        (5, 5, 8, 1, 64, None),         # GQA 8, no mask
+        (40, 70, 6, 2, 64, "causal"),   # GQA 3: 21 positions per threadgroup, 2 threadgroups
+        (3, 20, 2, 1, 256, "causal"),   # the model's head dim
+        (70, 70, 1, 1, 32, "causal"),   # GQA 1: 64 positions per threadgroup; a whole causal prompt
+    ],
+)
+def test_prefill_matches_exact_attention(L, S, Hq, Hkv, D, mask):
+    emulator_or_skip()
+    q, k, v, scale, _ = A._prefill_check_inputs(L, S, Hq, Hkv, D, seed=L + S)
+    got = A.run_prefill("emulator", q, k, v, scale, mask)
+    assert got.shape == (1, Hq, L, D) and got.dtype == mx.bfloat16
+    assert_prefill_close(got, attention_exact(q, k, v, scale, mask), v)
+
+
+def test_prefill_reads_a_transposed_cache_element_by_element():
+    emulator_or_skip()
+    keys = mx.random.split(mx.random.key(6), 3)
+    q = mx.random.normal((1, 4, 6, 64), key=keys[0]).astype(mx.bfloat16)
+    k = mx.random.normal((1, 2, 64, 37), key=keys[1]).astype(mx.bfloat16).swapaxes(2, 3)
+    v = mx.random.normal((1, 2, 64, 37), key=keys[2]).astype(mx.bfloat16).swapaxes(2, 3)
+    got = A.run_prefill("emulator", q, k, v, 0.125, "causal")
+    assert_prefill_close(got, attention_exact(q, k, v, 0.125, "causal"), v)
+
+
+# -- the op --------------------------------------------------------------------------
+
+
+def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
+    emulator_or_skip()
+    A.attention_kernels.forget()
+    q, k, v, scale = decode_inputs(12, 8, 2, 64, seed=1)
+    fn, path, why = A.attention.choose(q, k, v, scale, None)
+    assert path == "kernel", why
+    assert "decode" in why and "self-check passed" in why
+    got = A.attention(q, k, v, scale, None)
+    assert A.attention.last_path == "kernel"
+    assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
+    # The kernel agrees with the reference too (its self-check's contract).
+    assert A.attention_agree(got, A.attention_reference(q, k, v, scale, None)) is None
+    # A prefill chunk takes the prefill kernel.
+    q, k, v, scale, mask = A._prefill_check_inputs(7, 30, 8, 2, 64)
+    assert "prefill" in why and A.attention_supports(q, k, v, scale, mask) is None
+    got = A.attention(q, k, v, scale, mask)
+    assert A.attention.last_path == "kernel"
+    assert_prefill_close(got, attention_exact(q, k, v, scale, mask), v)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda q, k, v: (q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), None), "bfloat16"),
+        (lambda q, k, v: (q, k, v, mx.zeros((1, 1, 1, k.shape[2]), mx.bfloat16)), "explicit mask"),
+        (lambda q, k, v: (mx.concatenate([q, q], 0), mx.concatenate([k, k], 0),
+                          mx.concatenate([v, v], 0), None), "batch"),
+        (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48], None), "head dims"),
+        (lambda q, k, v: (mx.concatenate([q] * 9, 1), k[:, :1], v[:, :1], None), "query heads"),
+        (lambda q, k, v: (mx.concatenate([q, q], 2), k[:, :, :1], v[:, :, :1], "causal"), "fewer keys"),
+    ],
+)
+def test_the_op_declines_what_its_kernels_do_not_take(emulator_backend, change, reason):
+    q, k, v, scale = decode_inputs(12, 8, 2, 64, seed=1)
+    q, k, v, mask = change(q, k, v)
+    why = A.attention_supports(q, k, v, scale, mask)
+    assert why is not None and reason in why, why
+    # Unsupported calls run the reference.
+    got = A.attention_kernels.run_on("emulator", q, k, v, scale, mask)
+    assert mx.array_equal(got, A.attention_reference(q, k, v, scale, mask)).item()
+
+
+def test_a_failing_path_turns_off_with_the_reference_kept(monkeypatch, fresh_notices, capsys):
+    emulator_or_skip()
+    kernels = A.AttentionKernels()
+
+    def broken(backend, *args, **kwargs):
+        return A.attention_reference(*args[:3], args[3] * 2, *args[4:])  # a wrong scale
+
+    monkeypatch.setattr(A, "run_decode", broken)
+    ok, why = kernels.ready_on("emulator")
+    # The prefill path still passes; decode is off with one notice.
+    assert ok and "prefill" in why and "decode" not in why
+    assert "kernel attention (decode) is off" in capsys.readouterr().err
+    q, k, v, scale = decode_inputs(12, 8, 2, 64, seed=1)
+    got = kernels.run_on("emulator", q, k, v, scale, None)
+    assert mx.array_equal(got, A.attention_reference(q, k, v, scale, None)).item()
+
+
+# -- portability -------------------------------------------------------------------
+
+
+def test_the_attention_bodies_are_in_the_portable_subset():
+    bodies = [build.body_path(n) for n in (
+        "attention_decode.metal", "attention_combine.metal", "attention_prefill.metal")]
+    assert lint.lint_paths(bodies) == []
+
+
+def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_path):
+    # ptxas must keep everything in registers (no stack frame: queries,
+    # accumulators and row words are register arrays indexed by unrolled
+    # loops), and a threadgroup's registers must fit an SM's 64K, or the
+    # launch fails on the GPU.
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    units, threads = [], {}
+    for D, Hq in ((256, 16), (128, 8), (64, 6), (256, 2)):
+        q = mx.zeros((1, Hq, 1, D), mx.bfloat16)
+        k = mx.zeros((1, 2, 64, D), mx.bfloat16)
+        for split in (False, True):
+            launch = A._launch_decode(q, k, k, 0.1, None, split=split)
+            suffix = "".join(build._template_suffix(v) for _, v in launch.template)
+            threads[f"attention_decode_{suffix}"] = launch.threadgroup[0]
+            units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
+        prefill_q = mx.zeros((1, Hq, 2048, D), mx.bfloat16)
+        launch = A._launch_prefill(prefill_q, k, k, 0.1, "causal")
+        suffix = "".join(build._template_suffix(v) for _, v in launch.template)
+        threads[f"attention_prefill_{suffix}"] = launch.threadgroup[0]
+        units.append(A.attention_prefill_kernel.cuda_translation_unit(prefill_q, k, k, 0.1, "causal"))
+        combine = A.attention_combine_kernel.cuda_translation_unit(mx.zeros((Hq, 3, D)), mx.zeros((Hq, 3)))
+        if combine not in units:  # one per head dim
+            units.append(combine)
+    marker = "namespace mlx::core::cu {\n\nnamespace cg"
+    source = tmp_path / "attention.cu"
+    source.write_text(units[0] + "\n".join(u[u.index(marker):] for u in units[1:]))
+    result = subprocess.run(
+        [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{include}",
+         str(source), "-o", str(tmp_path / "attention.cubin")],
+        capture_output=True, text=True,
+    )
+    assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
+    entries = re.findall(
+        r"Compiling entry function '(\w+)'.*?(\d+) bytes stack frame.*?Used (\d+) registers",
+        result.stderr, re.S,
+    )
+    assert len(entries) == len(units), result.stderr
+    checked = 0
+    for entry, stack, registers in entries:
+        assert stack == "0", (entry, result.stderr)
+        for name, count in threads.items():
+            # The digest sits between the kernel's name and its template suffix.
+            pattern = re.sub(r"^(attention_(?:decode|prefill))_", r"\1_[0-9a-f]+", name)
+            if re.search(pattern + "E", entry):
+                assert (int(registers) + 7) // 8 * 8 * count <= 65536, (entry, registers, count)
+                checked += 1
+    assert checked == len(threads)
