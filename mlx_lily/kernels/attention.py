@@ -25,6 +25,7 @@ import threading
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 
 from .._notice import notice_once
@@ -293,6 +294,7 @@ class AttentionKernels:
     """
 
     name = "attention"
+    agree = staticmethod(attention_agree)
 
     def __init__(self):
         self._checked: dict = {}
@@ -364,6 +366,9 @@ class AttentionKernels:
             return "prefill"
         return None
 
+    def emulate(self, *args, **kwargs):
+        return self.run_on("emulator", *args, **kwargs)
+
     def run_on(self, backend: str, q, k, v, scale, mask):
         path = self.path_for(q, k, v, scale, mask)
         failed = self._checked.get(backend, (None, {}))[1].get(path)
@@ -394,6 +399,26 @@ def _sample_attention():
     return _decode_check_inputs(9, Hq=4, Hkv=2, D=64, seed=8), {}
 
 
+def _fuzz_attention(rng):
+    """A random call a kernel takes: decode or a causal/unmasked prefill chunk,
+    GQA 1/3/8, head dims 32-128, K/V a strided view of a longer cache."""
+    hkv = int(rng.integers(1, 3))
+    hq = hkv * int(rng.choice([1, 3, 8]))
+    D = int(rng.choice([32, 64, 128]))
+    if rng.random() < 0.5:
+        L, S, mask = 1, int(rng.integers(1, 300)), None
+    else:
+        L = int(rng.integers(1, 70))
+        S = L + int(rng.integers(0, 100))
+        mask = "causal" if rng.random() < 0.7 else None
+    spare = int(rng.integers(0, 9))
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    q = normal(1, hq, L, D)
+    k = normal(1, hkv, S + spare, D)[:, :, :S, :]
+    v = normal(1, hkv, S + spare, D)[:, :, :S, :]
+    return (q, k, v, D**-0.5, mask), {}
+
+
 qk_norm_rope = register(
     LilyOp("qk_norm_rope", qk_norm_rope_reference, description="q/k RMSNorm + partial RoPE")
 )
@@ -409,5 +434,6 @@ attention = register(
         supports=attention_supports,
         description="GQA scaled dot-product attention",
         sample=_sample_attention,
+        fuzz=_fuzz_attention,
     )
 )
