@@ -160,3 +160,11 @@ def test_pack2_rounds_to_nearest_even_like_mlx():
     got = np.stack([words & 0xFFFF, words >> 16], axis=1).reshape(-1)
     want = np.array(x.astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32)
     assert (got == want).all()
+
+
+def test_the_cuda_tile_header_uses_no_pragmas_nvrtc_ignores():
+    # MLX builds custom kernels with NVRTC, which ignores push_macro/pop_macro:
+    # a header that relied on them left `device` undefined for the body after it.
+    text = build.TILES_CUDA.read_text()
+    assert "push_macro" not in text and "pop_macro" not in text
+    assert text.rstrip().endswith("#define device")

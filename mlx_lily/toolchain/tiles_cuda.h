@@ -7,9 +7,10 @@
 #define LILY_TILE 16
 #define LILY_TILE_ACC_ELEMS 8
 
-// The prelude defines Metal's `device` address space away, which would also
-// empty CUDA's __device__ (an attribute spelled with `device`); restored below.
-#pragma push_macro("device")
+// The prelude defines Metal's `device` address space away (an empty macro),
+// which would also empty CUDA's __device__ (an attribute spelled with
+// `device`): undefined here, defined again as the prelude has it at the end.
+// (NVRTC, which MLX compiles with, ignores push_macro / pop_macro.)
 #undef device
 
 struct lily_tile_a {
@@ -103,4 +104,4 @@ __device__ __forceinline__ float lily_tile_unpack(uint4 w, int i) {
   return __uint_as_float((i & 1) ? (word & 0xffff0000u) : (word << 16));
 }
 
-#pragma pop_macro("device")
+#define device
