@@ -7,8 +7,11 @@
 // and COLS output columns, and walks the input dimension in steps of one
 // quantization group (64): it stages the tile's activations and the expert's
 // weights for those columns, dequantized to bf16 (w = scale * q + bias), in
-// threadgroup memory, then its four SIMD groups multiply them in 16x16 tiles
-// with fp32 accumulation. Weights are never expanded in device memory.
+// threadgroup memory (16-byte moves; the next step's words and activations
+// are fetched into registers while the current step is multiplied), then its
+// four SIMD groups multiply them in 16x16 tiles with fp32 accumulation.
+// Weights are never expanded in device memory. Activation rows must start
+// 16-byte aligned (the model passes fresh arrays).
 //
 // Two forms of one body:
 // * GATED (gate and up projections, SwiGLU): act = x [N, D_IN] (row = token),
@@ -43,6 +46,9 @@ constexpr uint M_TILES = TILE_M / 16;
 constexpr uint ROW_WORDS = D_IN / PACK;
 constexpr uint ROW_GROUPS = D_IN / GROUP_SIZE;
 constexpr uint NO_ROW = 0xFFFFFFFFu;
+constexpr uint A_ROW_CHUNKS = TILE_K / PACK;             // 16-byte chunks of a staged row
+constexpr uint A_CHUNKS = TILE_M * A_ROW_CHUNKS / THREADS;  // per thread and step
+constexpr uint B_WORDS = B_ROWS * STEP_WORDS / THREADS;     // per thread and step
 
 threadgroup bfloat16_t staged_a[TILE_M * LDS];
 threadgroup bfloat16_t staged_b[B_ROWS * LDS];
@@ -54,7 +60,7 @@ const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint tile = threadgroup_position_in_grid.y;
 const uint col0 = threadgroup_position_in_grid.x * COLS;
-const bfloat16_t zero = static_cast<bfloat16_t>(0.0f);
+const uint4 nothing = {0u, 0u, 0u, 0u};
 
 const uint expert = tiles[3 * tile];
 const uint begin = tiles[3 * tile + 1];
@@ -82,32 +88,72 @@ for (uint m = 0; m < M_TILES; ++m) {
   lily_tile_acc_zero(acc[m][1]);
 }
 
+// Staging, in 16-byte moves: each thread carries A_CHUNKS chunks of eight
+// activations and B_WORDS packed weight words (with their rows' scale and
+// bias) per step, fetched into registers one step ahead so that their
+// global-memory latency hides behind the current step's tensor work.
+uint4 next_a[A_CHUNKS];
+uint next_w[B_WORDS];
+float next_scale[B_WORDS];
+float next_bias[B_WORDS];
 for (uint step = 0; step < k_steps; ++step) {
-  const uint k0 = step * TILE_K;
-  for (uint at = tid; at < TILE_M * TILE_K; at += THREADS) {
-    uint r = at / TILE_K;
-    uint k = at % TILE_K;
-    uint src = src_row[r];
-    staged_a[r * LDS + k] = src != NO_ROW ? act[src * D_IN + k0 + k] : zero;
-  }
-  // One packed word (8 weights) per thread and pass; a row's 8 words of this
-  // step are read by 8 adjacent threads.
-  for (uint at = tid; at < B_ROWS * STEP_WORDS; at += THREADS) {
-    uint n = at / STEP_WORDS;
-    uint word = at % STEP_WORDS;
-    bool second = GATED && n >= COLS;
-    uint w_row = expert * D_OUT + col0 + (second ? n - COLS : n);
-    uint w_at = w_row * ROW_WORDS + step * STEP_WORDS + word;
-    uint s_at = w_row * ROW_GROUPS + step;
-    uint packed = second ? w1[w_at] : w0[w_at];
-    float scale = static_cast<float>(second ? scales1[s_at] : scales0[s_at]);
-    float bias = static_cast<float>(second ? biases1[s_at] : biases0[s_at]);
-    for (uint j = 0; j < PACK; ++j) {
-      float q = static_cast<float>((packed >> (4 * j)) & 0xFu);
-      staged_b[n * LDS + word * PACK + j] = static_cast<bfloat16_t>(scale * q + bias);
+  if (step == 0) {
+    for (uint c = 0; c < A_CHUNKS; ++c) {
+      const uint at = tid + c * THREADS;
+      const uint src = src_row[at / A_ROW_CHUNKS];
+      next_a[c] = src != NO_ROW ? lily_tile_load16(&act[src * D_IN + (at % A_ROW_CHUNKS) * PACK]) : nothing;
+    }
+    for (uint j = 0; j < B_WORDS; ++j) {
+      const uint at = tid + j * THREADS;
+      const uint n = at / STEP_WORDS;
+      const bool second = GATED && n >= COLS;
+      const uint w_row = expert * D_OUT + col0 + (second ? n - COLS : n);
+      next_w[j] = second ? w1[w_row * ROW_WORDS + at % STEP_WORDS] : w0[w_row * ROW_WORDS + at % STEP_WORDS];
+      next_scale[j] = static_cast<float>(second ? scales1[w_row * ROW_GROUPS] : scales0[w_row * ROW_GROUPS]);
+      next_bias[j] = static_cast<float>(second ? biases1[w_row * ROW_GROUPS] : biases0[w_row * ROW_GROUPS]);
     }
   }
+  for (uint c = 0; c < A_CHUNKS; ++c) {
+    const uint at = tid + c * THREADS;
+    lily_tile_store16(&staged_a[(at / A_ROW_CHUNKS) * LDS + (at % A_ROW_CHUNKS) * PACK], next_a[c]);
+  }
+  // A word holds 8 weights of one row: dequantized (w = scale * q + bias,
+  // rounded to bf16) into one 16-byte store.
+  for (uint j = 0; j < B_WORDS; ++j) {
+    const uint at = tid + j * THREADS;
+    const uint packed = next_w[j];
+    float w[PACK];
+    for (uint i = 0; i < PACK; ++i) {
+      w[i] = next_scale[j] * static_cast<float>((packed >> (4 * i)) & 0xFu) + next_bias[j];
+    }
+    const uint4 bf16x8 = {lily_tile_pack2(w[0], w[1]), lily_tile_pack2(w[2], w[3]),
+                          lily_tile_pack2(w[4], w[5]), lily_tile_pack2(w[6], w[7])};
+    lily_tile_store16(&staged_b[(at / STEP_WORDS) * LDS + (at % STEP_WORDS) * PACK], bf16x8);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // The next step's operands, into registers while this one is multiplied.
+  const uint next = step + 1;
+  if (next < k_steps) {
+    for (uint c = 0; c < A_CHUNKS; ++c) {
+      const uint at = tid + c * THREADS;
+      const uint src = src_row[at / A_ROW_CHUNKS];
+      next_a[c] = src != NO_ROW
+          ? lily_tile_load16(&act[src * D_IN + next * TILE_K + (at % A_ROW_CHUNKS) * PACK])
+          : nothing;
+    }
+    for (uint j = 0; j < B_WORDS; ++j) {
+      const uint at = tid + j * THREADS;
+      const uint n = at / STEP_WORDS;
+      const bool second = GATED && n >= COLS;
+      const uint w_row = expert * D_OUT + col0 + (second ? n - COLS : n);
+      const uint w_at = w_row * ROW_WORDS + next * STEP_WORDS + at % STEP_WORDS;
+      const uint s_at = w_row * ROW_GROUPS + next;
+      next_w[j] = second ? w1[w_at] : w0[w_at];
+      next_scale[j] = static_cast<float>(second ? scales1[s_at] : scales0[s_at]);
+      next_bias[j] = static_cast<float>(second ? biases1[s_at] : biases0[s_at]);
+    }
+  }
 
   for (uint kk = 0; kk < TILE_K; kk += 16) {
     lily_tile_b b0;
