@@ -75,3 +75,16 @@ def test_kernel_matches_reference_on_random_calls_on_the_gpu(name, monkeypatch):
     ok, why = OPS[name].kernel.ready_on(backend)
     assert ok, why
     fuzz_op(name, GPU_FUZZ_CASES, lambda op, a, kw: op.kernel.run_on(backend, *a, **kw))
+
+
+@pytest.mark.parametrize("name", KERNEL_OPS)
+def test_path_for_takes_the_backend_then_the_call(name):
+    # bench --ops asks every op's kernels which of them a call runs as
+    # path_for(backend, *args); one kernel object with another signature lost
+    # the attention rows of an H200 run.
+    kernels = OPS[name].kernel
+    if not hasattr(kernels, "path_for"):
+        pytest.skip(f"{name}: one kernel, no path to name")
+    args, kwargs = OPS[name].sample()
+    path = kernels.path_for("emulator", *args, **kwargs)
+    assert path is None or isinstance(path, str)

@@ -173,13 +173,14 @@ def test_uses_chunked_by_length_dtype_and_head_size():
 
     assert uses_chunked(*args(gd.CHUNKED_FROM)) is None
     assert "CHUNKED_FROM" in uses_chunked(*args(gd.CHUNKED_FROM - 1))
-    assert "dtype" in uses_chunked(*args(100, mx.float16))
-    assert "Dk=32" in uses_chunked(*args(100, Dk=32))
-    assert "Dv=16" in uses_chunked(*args(100, Dv=16))
+    assert "dtype" in uses_chunked(*args(gd.CHUNKED_FROM + 8, mx.float16))
+    assert "Dk=32" in uses_chunked(*args(gd.CHUNKED_FROM + 8, Dk=32))
+    assert "Dv=16" in uses_chunked(*args(gd.CHUNKED_FROM + 8, Dv=16))
 
 
-def test_the_op_runs_the_chunked_kernels_for_long_calls(emulator_backend, fresh_notices, capsys):
+def test_the_op_runs_the_chunked_kernels_for_long_calls(emulator_backend, fresh_notices, capsys, monkeypatch):
     emulator_or_skip()
+    monkeypatch.setattr(gd, "CHUNKED_FROM", 64)  # a long call at emulator-friendly size
     kernels = gated_delta.kernel
     kernels.forget()
     long_args = make_inputs(1, 70, 1, 2, 64, 32, mx.bfloat16, True, seed=15)
@@ -195,6 +196,7 @@ def test_the_op_runs_the_chunked_kernels_for_long_calls(emulator_backend, fresh_
 
 def test_a_failing_chunked_self_check_keeps_the_sequential_kernel(monkeypatch, fresh_notices, capsys):
     emulator_or_skip()
+    monkeypatch.setattr(gd, "CHUNKED_FROM", 64)
     kernels = gated_delta.kernel
     kernels.forget()
 

@@ -359,7 +359,13 @@ class AttentionKernels:
             for kernel in KERNELS:
                 kernel.forget()
 
-    def path_for(self, *args, **kwargs) -> Optional[str]:
+    def path_for(self, backend: str, *args, **kwargs) -> Optional[str]:
+        """'decode', 'prefill' or None (the reference) for this call; the
+        backend is part of the kernel objects' common signature (bench asks
+        every op's kernels the same way)."""
+        return self._path(*args, **kwargs)
+
+    def _path(self, *args, **kwargs) -> Optional[str]:
         if decode_supports(*args, **kwargs) is None:
             return "decode"
         if prefill_supports(*args, **kwargs) is None:
@@ -370,7 +376,7 @@ class AttentionKernels:
         return self.run_on("emulator", *args, **kwargs)
 
     def run_on(self, backend: str, q, k, v, scale, mask):
-        path = self.path_for(q, k, v, scale, mask)
+        path = self._path(q, k, v, scale, mask)
         failed = self._checked.get(backend, (None, {}))[1].get(path)
         if path == "decode" and failed is None:
             return run_decode(backend, q, k, v, scale, mask)

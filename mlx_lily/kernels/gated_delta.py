@@ -287,7 +287,7 @@ gated_delta_kernel = Kernel(
 def _sample_chunked():
     """Two chunks (the second partial), GQA, an incoming state: bf16 as the model runs."""
     keys = mx.random.split(mx.random.key(6), 6)
-    B, T, Hk, Hv, Dk, Dv = 1, CHUNKED_FROM + 9, 1, 2, 64, 32
+    B, T, Hk, Hv, Dk, Dv = 1, 64 + 9, 1, 2, 64, 32  # two chunks of 64, the second partial
     q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
     q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
     v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)

@@ -65,17 +65,29 @@ def _launch_combine(y, scores, shared_y, shared_gate_logit) -> Launch:
     )
 
 
-def moe_combine_agree(got, want, *args, **kwargs) -> Optional[str]:
-    """Both round the same products and sums in the activation dtype; the slot
-    sum's accumulation (fp32 in the kernel) may differ by one step of that
-    dtype, relative to the output's scale: 2^-7 for bf16 (one step at the top
-    of the largest binade, with margin), 2^-10 for float16, 1e-5 for float32."""
+def moe_combine_agree(got, want, y, scores, shared_y, shared_gate_logit) -> Optional[str]:
+    """Element by element, within a few roundings of the activation dtype.
+
+    The reference rounds every product s_k * y_k, the gated shared term and
+    each partial sum to the dtype; the kernel sums the same products in fp32
+    and rounds once. So an element may differ by a few steps of its terms'
+    magnitudes, not of its own (the slots can cancel): allow 2^-7 (bf16),
+    2^-10 (float16) or 1e-5 (float32) of sum_k |s_k y_k| + |sigmoid(g) shared|
+    + |reference|. (A bound relative to the output's largest value alone, as
+    first written, failed at the real shapes on an H200: 9.1e-3 > 2^-7.)"""
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"{tuple(got.shape)} {got.dtype} vs reference {tuple(want.shape)} {want.dtype}"
     tol = {mx.bfloat16: 2**-7, mx.float16: 2**-10}.get(want.dtype, 1e-5)
-    g, w = got.astype(mx.float32), want.astype(mx.float32)
-    err = (mx.abs(g - w).max() / mx.maximum(mx.abs(w).max(), 1e-30)).item()
-    return None if err <= tol else f"max |kernel - reference| / max |reference| = {err:.3g} (> {tol:g})"
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    terms = mx.abs(f32(y) * f32(scores)[..., None]).sum(axis=-2)
+    terms = terms + mx.abs(mx.sigmoid(f32(shared_gate_logit)) * f32(shared_y))
+    g, w = f32(got), f32(want)
+    excess = mx.abs(g - w) - tol * (terms + mx.abs(w)) - 1e-30
+    worst = excess.max().item()
+    if worst <= 0 and not mx.isnan(g).any().item():
+        return None
+    ratio = (mx.abs(g - w) / (terms + mx.abs(w) + 1e-30)).max().item()
+    return f"max |kernel - reference| / (sum of |terms| + |reference|) = {ratio:.3g} (> {tol:g})"
 
 
 def _sample_combine():
