@@ -134,6 +134,11 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
     # padded, batched calls itself, mask and all, and each row's tokens are
     # those of its prompt alone.
     monkeypatch.setenv(BACKEND_ENV, "emulator")
+    # Only the per-row kernels: the MoE and attention kernels take a batched
+    # prefill but not the short solo one (or the reverse), and on this chaotic
+    # random model their rounding-level differences change greedy tokens.
+    for name in ("moe_experts", "moe_combine", "attention"):
+        monkeypatch.setattr(K.OPS[name], "kernel", None)
     lily, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
     masked_calls = []
     run_checked = gated_delta_kernel.run_checked
