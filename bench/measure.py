@@ -29,7 +29,7 @@ def _sync() -> None:
     mx.synchronize()
 
 
-def generate(model: Any, prompt: mx.array, decode_steps: int) -> Dict[str, Any]:
+def generate(model: Any, prompt: mx.array, decode_steps: int, cache: Any = None) -> Dict[str, Any]:
     """Greedy generation through mlx-lm's own ``generate_step`` (the loop
     behind ``stream_generate``/``generate``), timed as ``stream_generate``
     times it: prefill = until the first token is available (mlx-lm chunks the
@@ -37,9 +37,11 @@ def generate(model: Any, prompt: mx.array, decode_steps: int) -> Dict[str, Any]:
     ``decode_steps`` tokens (each ``.item()`` waits for its token).
 
     ``stream_generate`` itself is not used because it needs a tokenizer and
-    stops at EOS; a benchmark must run exactly ``decode_steps`` tokens."""
+    stops at EOS; a benchmark must run exactly ``decode_steps`` tokens.
+    ``cache``: the prompt cache to fill (default: a fresh one, mlx-lm's)."""
     gen = generate_step(
-        prompt, model, max_tokens=decode_steps + 1, prefill_step_size=PREFILL_STEP
+        prompt, model, max_tokens=decode_steps + 1, prefill_step_size=PREFILL_STEP,
+        prompt_cache=cache,
     )
     with wired_limit(model, [generation_stream]):
         start = time.perf_counter()
@@ -73,12 +75,17 @@ def warmup(model: Any, length: int, vocab_size: int) -> float:
 
 def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> Dict[str, Any]:
     """One measured prefill of ``length`` tokens then ``decode_steps`` decode
-    steps; throughputs, the tokens (and their digest) and peak memory."""
+    steps; throughputs, the tokens (and their digest), peak memory, and the
+    kernels and bytes of one more decode step on the run's cache
+    (``bench.counts``; counted after the measurement, so it costs it nothing)."""
     prompt = prompt_array(length, vocab_size)
     mx.clear_cache()
     mx.reset_peak_memory()
-    run = generate(model, prompt, decode_steps)
+    cache = make_prompt_cache(model)
+    run = generate(model, prompt, decode_steps, cache)
     peak = mx.get_peak_memory()
+    counts = _counts(model, cache, run["tokens"][-1])
+    del cache
     mx.clear_cache()
     return {
         "prefill_s": run["prefill_s"],
@@ -90,7 +97,19 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> 
         "peak_memory_bytes": int(peak),
         "lily_layers": lily_layer_count(model),
         "op_last_paths": last_op_paths(),
+        "counts": counts,
     }
+
+
+def _counts(model: Any, cache: Any, token: int) -> Dict[str, Any]:
+    """One decode step's counts; a failure is recorded, not raised (the
+    throughput figures stand without it)."""
+    from .counts import decode_step_counts
+
+    try:
+        return decode_step_counts(model, cache, token)
+    except Exception as exc:  # noqa: BLE001 - recorded in the arm's JSON
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 # ---------------------------------------------------------------- numerics

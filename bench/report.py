@@ -28,6 +28,13 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
+def _count(ok: List[Dict[str, Any]], key: str) -> Optional[float]:
+    """A decode-step count (``bench.counts``) of the last round that has one:
+    the graph is the same every round."""
+    values = [a["counts"][key] for a in ok if key in (a.get("counts") or {})]
+    return values[-1] if values else None
+
+
 def summarize_engine(arms: List[Dict[str, Any]]) -> Dict[str, Any]:
     """One engine at one length over its rounds."""
     ok = [a for a in sorted(arms, key=lambda a: a["round"]) if "error" not in a]
@@ -39,6 +46,14 @@ def summarize_engine(arms: List[Dict[str, Any]]) -> Dict[str, Any]:
         "decode_tps": [a["decode_tps"] for a in ok],
         "prefill_tps_median": _median([a["prefill_tps"] for a in ok]),
         "decode_tps_median": _median([a["decode_tps"] for a in ok]),
+        # One decode step's graph (bench/counts.py): kernels it launches, bytes
+        # they read and write, and the bytes the token must read at least.
+        "kernels_per_decode_token": _count(ok, "kernels_per_decode_token"),
+        "bytes_per_decode_token": _count(ok, "bytes_per_decode_token"),
+        "bytes_token_must_read": _count(ok, "bytes_token_must_read"),
+        "bytes_ratio_to_must_read": _count(ok, "ratio_to_must_read"),
+        "counts_context": _count(ok, "context"),
+        "counts_errors": sorted({a["counts"]["error"] for a in ok if "error" in (a.get("counts") or {})}),
         # (max - min) / median over rounds: large values mean a noisy arm
         # (or one that paid for compilation in one round only).
         "prefill_spread": _spread([a["prefill_tps"] for a in ok]),
@@ -111,10 +126,19 @@ def _header(doc: Dict[str, Any], title: str) -> List[str]:
     ]
 
 
+def _count_cell(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def _mb(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 1e6:,.2f}"
+
+
 def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
-        "| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio "
+        "| kernels/token lily | kernels/token stock | MB/token lily | MB/token stock |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mark = " ⚠" if r["flags"] else ""
@@ -122,8 +146,39 @@ def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
             f"| {r['label']}{mark} | {_num(r['lily']['decode_tps_median'])} | "
             f"{_num(r['stock']['decode_tps_median'])} | {_num(r['decode_ratio'], 3)} | "
             f"{_num(r['lily']['prefill_tps_median'], 1)} | {_num(r['stock']['prefill_tps_median'], 1)} | "
-            f"{_num(r['prefill_ratio'], 3)} |"
+            f"{_num(r['prefill_ratio'], 3)} | "
+            f"{_count_cell(r['lily'].get('kernels_per_decode_token'))} | "
+            f"{_count_cell(r['stock'].get('kernels_per_decode_token'))} | "
+            f"{_mb(r['lily'].get('bytes_per_decode_token'))} | "
+            f"{_mb(r['stock'].get('bytes_per_decode_token'))} |"
         )
+    return lines
+
+
+def counts_md(rows: List[Dict[str, Any]]) -> List[str]:
+    """Per length: each engine's bytes per decode token against the bytes the
+    token must read (bench/counts.py says what each counts)."""
+    lines = [
+        "## Decode step: kernels and bytes",
+        "",
+        "One decode step's graph (bench/counts.py): kernels = primitive nodes that are not views; "
+        "bytes = each kernel's inputs + outputs, summed over kernels; must read = the weights one "
+        "token touches (top-k experts) + the cache state; counted on the run's cache after the "
+        "measured tokens (context = length + decode steps + 1).",
+        "",
+        "| length | context | must read MB | lily MB | lily / must | stock MB | stock / must |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lily, stock = r["lily"], r["stock"]
+        lines.append(
+            f"| {r['label']} | {_count_cell(lily.get('counts_context') or stock.get('counts_context'))} | "
+            f"{_mb(lily.get('bytes_token_must_read') or stock.get('bytes_token_must_read'))} | "
+            f"{_mb(lily.get('bytes_per_decode_token'))} | {_num(lily.get('bytes_ratio_to_must_read'), 2) if lily.get('bytes_ratio_to_must_read') else '-'} | "
+            f"{_mb(stock.get('bytes_per_decode_token'))} | {_num(stock.get('bytes_ratio_to_must_read'), 2) if stock.get('bytes_ratio_to_must_read') else '-'} |"
+        )
+    errors = sorted({e for r in rows for k in ENGINES for e in r[k].get("counts_errors", [])})
+    lines += [""] + [f"Counting failed: {e}" for e in errors] + ([""] if errors else [])
     return lines
 
 
@@ -146,6 +201,7 @@ def ab_markdown(doc: Dict[str, Any]) -> str:
     flags = [f"- {r['label']}: {f}" for r in doc["summary"] for f in r["flags"]]
     if flags:
         lines += ["Flags (⚠):", "", *flags, ""]
+    lines += counts_md(doc["summary"])
     lines += _numerics_md(doc.get("numerics"))
     lines += [
         "## Greedy tokens and memory per length",

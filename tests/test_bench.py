@@ -104,16 +104,22 @@ def test_ab_summary_and_table(ab_run):
         assert len(lily["digests"]) == ROUNDS and lily["digests_consistent"]
         assert len(stock["digests"]) == ROUNDS and stock["digests_consistent"]
 
-    header = "| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio |"
+    header = ("| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio "
+              "| kernels/token lily | kernels/token stock | MB/token lily | MB/token stock |")
     assert header in md and header in proc.stdout
     table = [line for line in md.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
     table = table[: len(LENGTHS)]
     assert [line.split("|")[1].strip() for line in table] == [str(n) for n in LENGTHS]
     for line, row in zip(table, doc["summary"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 7
+        assert len(cells) == 11
         assert float(cells[3]) == pytest.approx(row["decode_ratio"], abs=6e-4)
         assert float(cells[6]) == pytest.approx(row["prefill_ratio"], abs=6e-4)
+        # One decode step's counts, in the summary beside the throughput and in the table.
+        for engine, cell in (("lily", 7), ("stock", 8)):
+            kernels = row[engine]["kernels_per_decode_token"]
+            assert kernels > 0 and int(cells[cell].replace(",", "")) == kernels
+            assert row[engine]["bytes_per_decode_token"] > row[engine]["bytes_token_must_read"] > 0
 
 
 def _reference_only(doc) -> bool:

@@ -1,0 +1,99 @@
+"""bench/counts.py: kernels and bytes of a graph, exact on small graphs, and
+one decode step of the demo checkpoint for both engines."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.counts import count_fn, decode_step_counts, weights_touched
+from bench.engines import lily_layer_count, load_shared, switch
+
+F32 = 4
+
+
+def _evaluated(*arrays):
+    mx.eval(*arrays)
+    return arrays
+
+
+def test_matmul_add_exact():
+    # x [4, 8] @ w [8, 3] + c [3]: Matmul and Add are kernels; the broadcast of
+    # c is a view and the Add reads c's 3 elements, not the broadcast [4, 3].
+    x, w, c = _evaluated(mx.ones((4, 8)), mx.ones((8, 3)), mx.ones((3,)))
+    counts = count_fn(lambda x: x @ w + c, x)
+    assert counts["kernels"] == 2
+    assert counts["by_primitive"] == {"Matmul": 1, "Add": 1}
+    matmul = (4 * 8 + 8 * 3) * F32 + 4 * 3 * F32  # reads x and w, writes [4, 3]
+    add = (4 * 3 + 3) * F32 + 4 * 3 * F32  # reads the product and c, writes [4, 3]
+    assert counts["bytes_read"] + counts["bytes_written"] == counts["bytes"] == matmul + add
+
+
+def test_views_are_not_kernels_and_slices_read_the_slice():
+    (big,) = _evaluated(mx.ones((8, 16)))
+    # transpose + reshape are views; the slices' rows are what the add reads.
+    counts = count_fn(lambda x: mx.exp(x.T.reshape(8, 16)[:2] + x[:2]), big)
+    assert counts["by_primitive"] == {"Add": 1, "Exp": 1}
+    add = 2 * 16 * F32 * 2 + 2 * 16 * F32
+    exp = 2 * 16 * F32 * 2
+    assert counts["bytes"] == add + exp
+
+
+def test_gather_qmm_reads_only_the_selected_experts():
+    experts, d_in, d_out, top_k = 6, 64, 32, 2
+    w, scales, biases = mx.quantize(mx.ones((experts, d_out, d_in)), group_size=32, bits=4)
+    inds = mx.array([[1, 4]], dtype=mx.uint32)
+    rows = mx.zeros((1, top_k), dtype=mx.uint32)
+    x = mx.ones((1, 1, 1, d_in))
+    _evaluated(w, scales, biases, inds, rows)
+    counts = count_fn(
+        lambda x: mx.gather_qmm(x, w, scales, biases, lhs_indices=rows, rhs_indices=inds,
+                                transpose=True, group_size=32, bits=4),
+        x,
+    )
+    assert counts["by_primitive"] == {"GatherQMM": 1}
+    one_expert = (w.nbytes + scales.nbytes + biases.nbytes) // experts
+    out = 1 * top_k * 1 * d_out * F32
+    assert counts["bytes"] == x.nbytes + top_k * one_expert + rows.nbytes + inds.nbytes + out
+
+
+def _decode_counts(model, engine):
+    switch(model, engine)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array(list(range(1, 25)))[None], cache=cache))
+    return decode_step_counts(model, cache, token=3)
+
+
+def test_demo_decode_step_counts(demo_checkpoint, monkeypatch):
+    # Every lily op on its reference: lily's graph is then stock's, node for node.
+    monkeypatch.setenv("MLX_LILY_KERNELS", "0")
+    model, _, _, note = load_shared({"model": str(demo_checkpoint)})
+    assert note is None
+    stock = _decode_counts(model, "stock")
+    lily = _decode_counts(model, "lily")
+    assert lily_layer_count(model) > 0  # the lily count really ran lily's classes
+    for c in (stock, lily):
+        assert c["kernels_per_decode_token"] > 0 and c["bytes_per_decode_token"] > 0
+        assert c["context"] == 24
+        # The token reads at least every touched weight and the cache once.
+        assert c["bytes_per_decode_token"] >= c["bytes_token_must_read"] > 0
+    same = ("kernels_per_decode_token", "bytes_per_decode_token", "by_primitive",
+            "bytes_token_must_read")
+    assert {k: lily[k] for k in same} == {k: stock[k] for k in same}
+
+    # The floor: top-k of the experts, the rest whole, one embedding row.
+    parts = weights_touched(model)
+    assert 0 < parts["experts"] < parts["dense"]
+    assert stock["must_read_parts"]["cache"] > 0
+    assert stock["bytes_token_must_read"] == sum(stock["must_read_parts"].values())
+
+
+def test_counting_leaves_the_model_usable(demo_checkpoint):
+    """The trace rebinds the counted cache only: a fresh cache still decodes."""
+    model, _, _, _ = load_shared({"model": str(demo_checkpoint)})
+    _decode_counts(model, "stock")
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[1, 2, 3]]), cache=cache)
+    mx.eval(logits)
+    assert logits.shape[:2] == (1, 3) and bool(mx.isfinite(logits.astype(mx.float32)).all())
