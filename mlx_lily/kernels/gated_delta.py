@@ -82,8 +82,8 @@ def _sample_qk():
     return (q, k, 32**-0.5), {}
 
 
-def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16):
-    keys = mx.random.split(mx.random.key(5), 6)
+def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16, seed=5):
+    keys = mx.random.split(mx.random.key(seed), 6)
     q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
     q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
     v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)
@@ -285,18 +285,8 @@ gated_delta_kernel = Kernel(
 
 
 def _sample_chunked():
-    """Two chunks (the second partial), GQA, an incoming state: bf16 as the model runs."""
-    keys = mx.random.split(mx.random.key(6), 6)
-    B, T, Hk, Hv, Dk, Dv = 1, 64 + 9, 1, 2, 64, 32  # two chunks of 64, the second partial
-    q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
-    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-    v = mx.random.normal((B, T, Hv, Dv), key=keys[1]).astype(mx.bfloat16)
-    a = mx.random.normal((B, T, Hv), key=keys[2]).astype(mx.bfloat16)
-    b = mx.random.normal((B, T, Hv), key=keys[3]).astype(mx.bfloat16)
-    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[4]))
-    dt_bias = mx.ones((Hv,))
-    state = 0.1 * mx.random.normal((B, Hv, Dv, Dk), key=keys[5])
-    return (q, k, v, a, b, A_log, dt_bias, state), {}
+    """Two chunks of 64 (the second partial), GQA, an incoming state: bf16 as the model runs."""
+    return _sample_recurrence(B=1, T=64 + 9, Hk=1, Hv=2, Dk=64, Dv=32, seed=6)
 
 
 def uses_chunked(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
