@@ -15,8 +15,8 @@ engine (lily, stock) is measured against it:
   the layer's output, and of its residual update (output minus input).
 
 The criterion: lily's error against the oracle is no larger than stock's,
-per layer and end to end (within CRITERION_SLACK: two engines of equal
-precision that round in different places land on either side of each other).
+per layer and end to end. CRITERION_SLACK (1.0: none) can loosen it for a
+study; each row also records both errors, so how close a breach is shows.
 
 Memory: the engines' weights exist once (``switch``); the oracle widens one
 layer's scales and biases at a time (tens of MB at the real shapes) and
@@ -39,8 +39,9 @@ from .engines import ENGINES, switch
 # shapes the CPU oracle (fp32, 40 layers and a 248K-way lm_head) stays within
 # minutes.
 DEFAULT_TOKENS = 128
-# lily may exceed stock's error by this factor and still meet the criterion.
-CRITERION_SLACK = 1.05
+# lily may exceed stock's error by this factor and still meet the criterion:
+# none, as the project's numerics rule states it.
+CRITERION_SLACK = 1.0
 
 
 def _widened(module) -> Dict[str, Any]:
