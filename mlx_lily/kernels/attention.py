@@ -29,7 +29,7 @@ import numpy as np
 import mlx.nn as nn
 
 from .._notice import notice_once
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
 
 
@@ -282,7 +282,7 @@ KERNELS = (
 )
 
 
-class AttentionKernels:
+class AttentionKernels(KernelGroup):
     """The attention op's kernels behind one ``KernelLike`` (see registry.py).
 
     ``run_on`` routes each call by shape: decode (``decode_supports``) to the
@@ -371,9 +371,6 @@ class AttentionKernels:
         if prefill_supports(*args, **kwargs) is None:
             return "prefill"
         return None
-
-    def emulate(self, *args, **kwargs):
-        return self.run_on("emulator", *args, **kwargs)
 
     def run_on(self, backend: str, q, k, v, scale, mask):
         path = self._path(q, k, v, scale, mask)

@@ -42,8 +42,8 @@ import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from .._notice import notice_once
-from ..toolchain.registry import LilyOp, kernel_backend, register
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.registry import LilyOp, register
+from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch
 from .gated_delta_chunked import (
     CHUNKED_KERNELS,
     chunked_supports,
@@ -298,7 +298,7 @@ def uses_chunked(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]:
     return chunked_supports(q, k, v, a, b, A_log, dt_bias, state)
 
 
-class GatedDeltaKernels:
+class GatedDeltaKernels(KernelGroup):
     """The op's kernels: the sequential scan (``gated_delta_kernel``, also the
     oracle) and, for calls from CHUNKED_FROM tokens, the chunked passes on
     matrix tiles. The op is ready when the sequential kernel passed its
@@ -313,12 +313,6 @@ class GatedDeltaKernels:
         self.sample = sequential.sample
         self.agree = sequential.agree
         self._chunked_checked: dict = {}
-
-    def ready(self) -> tuple[bool, str]:
-        backend, why = kernel_backend()
-        if backend is None:
-            return False, why
-        return self.ready_on(backend)
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
         return self.sequential.ready_on(backend)
@@ -372,9 +366,6 @@ class GatedDeltaKernels:
         if self.path_for(backend, *args, **kwargs) == "chunked":
             return self.run_on(backend, *args, **kwargs), None
         return self.sequential.run_checked(backend, *args, **kwargs)
-
-    def emulate(self, *args, **kwargs):
-        return self.run_on("emulator", *args, **kwargs)
 
     def forget(self) -> None:
         self.sequential.forget()

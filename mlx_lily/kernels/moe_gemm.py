@@ -32,8 +32,7 @@ import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
 from .._notice import notice_once
-from ..toolchain.build import Kernel, Launch
-from ..toolchain.registry import kernel_backend
+from ..toolchain.build import KernelGroup, Kernel, Launch
 from .moe_routing import moe_routing_kernel, moe_routing_supports, tile_rows_for
 
 # Threads per threadgroup and output columns per threadgroup: must match the body.
@@ -245,7 +244,7 @@ def fuzz_moe_experts(rng):
     return (x, mx.array(inds)[None], glu), {}
 
 
-class MoeExpertsKernel:
+class MoeExpertsKernel(KernelGroup):
     """The kernel path as one KernelLike: the three kernels, self-checked
     together once per backend against ``moe_experts_precise`` on the sample."""
 
@@ -255,12 +254,6 @@ class MoeExpertsKernel:
     def __init__(self):
         self._checked: dict = {}
         self._lock = threading.Lock()
-
-    def ready(self) -> tuple[bool, str]:
-        backend, why = kernel_backend()
-        if backend is None:
-            return False, why
-        return self.ready_on(backend)
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
         known = self._checked.get(backend)
@@ -300,9 +293,6 @@ class MoeExpertsKernel:
         accumulated in fp32), not with ``want`` (stock, which on a CPU
         accumulates its bf16 matmuls in bf16)."""
         return moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
-
-    def emulate(self, *args, **kwargs):
-        return run_moe_experts("emulator", *args, **kwargs)
 
     def forget(self) -> None:
         with self._lock:

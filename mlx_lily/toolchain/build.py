@@ -130,6 +130,22 @@ def tiles_source(backend: str) -> str:
     return (TILES_CUDA if backend == "cuda" else TILES_METAL).read_text()
 
 
+class KernelGroup:
+    """Several kernels behind one ``KernelLike`` (an op whose math takes more
+    than one dispatch, or that routes calls between kernels by shape).
+    Subclasses define ``ready_on(backend)`` and ``run_on(backend, ...)``."""
+
+    def ready(self) -> tuple[bool, str]:
+        backend, why = kernel_backend()
+        if backend is None:
+            return False, why
+        return self.ready_on(backend)
+
+    def emulate(self, *args, **kwargs):
+        """Run in the CPU emulator, whatever the active backend."""
+        return self.run_on("emulator", *args, **kwargs)
+
+
 @dataclass(eq=False)
 class Kernel:
     """A lily kernel: a portable Metal-subset body plus its launcher.
