@@ -1147,3 +1147,31 @@ def test_mlx_lm_rwkv7_kernel():
         ys.append(yt)
     np.testing.assert_allclose(npa(y), npa(mx.stack(ys, 1).squeeze(-1)), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(npa(s), npa(st), rtol=1e-4, atol=1e-4)
+
+
+def test_a_large_launch_gives_its_fiber_stacks_back():
+    # Each kernel library links its own runtime and stack pool, and each stack's
+    # guard page is a mapping of its own: pools kept at 1024 stacks in hundreds
+    # of loaded kernels exhausted vm.max_map_count ("failed to map segment").
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps")
+    from mlx_lily.emulator import metal_kernel
+
+    kernel = metal_kernel(
+        name="stack_pool_probe", input_names=["x"], output_names=["y"],
+        source="uint i = thread_position_in_grid.x; y[i] = x[i] + 1.0f;",
+    )
+    x = mx.zeros((4096,))
+
+    def mappings() -> int:
+        return len(Path("/proc/self/maps").read_text().splitlines())
+
+    before = mappings()
+    (y,) = kernel(inputs=[x], grid=(4096, 1, 1), threadgroup=(1024, 1, 1),
+                  output_shapes=[(4096,)], output_dtypes=[mx.float32])
+    assert mx.array_equal(y, x + 1).item()
+    # The library's own segments, not 2 x 1024 stack mappings.
+    assert mappings() - before < 200, sys.platform

@@ -590,6 +590,11 @@ ThreadIds make_ids(const Launch& L, const U3& tg_pos, const U3& tg_size,
 
 // Fiber stacks are kept from launch to launch (grown when a launch needs
 // more), so a launch does not pay for mapping and faulting them in again.
+// Every kernel library links its own runtime, hence its own pool, and each
+// stack's guard page splits the mapping: a process that loads hundreds of
+// kernels would run out of memory mappings (vm.max_map_count) if every pool
+// stayed large, so pools above kKeptStacks are given back after the launch.
+constexpr size_t kKeptStacks = 64;
 struct StackPool {
   char* base = nullptr;
   size_t count = 0;
@@ -612,6 +617,12 @@ bool reserve_stacks(size_t n) {
     mprotect(g_stacks.base + kStackSize * i, g_stacks.page, PROT_NONE);
   }
   return true;
+}
+
+void trim_stacks() {
+  if (g_stacks.count <= kKeptStacks) return;
+  munmap(g_stacks.base, kStackSize * g_stacks.count);
+  g_stacks = StackPool{};
 }
 
 int run_grid(Run& r, const Launch& L) {
@@ -678,6 +689,7 @@ int run(const Launch& L, char* err, int errlen) {
     install_fault_handlers();
     status = run_grid(*r, L);
     remove_fault_handlers();
+    trim_stacks();
   }
   if (status != kOk && err && errlen > 0) {
     snprintf(err, (size_t)errlen, "%s", r->error.c_str());
