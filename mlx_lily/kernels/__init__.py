@@ -4,6 +4,7 @@ chooses between its custom kernel and its pure-MLX reference."""
 from .attention import attention, qk_norm_rope
 from .conv import conv1d_silu
 from .gated_delta import gated_delta, l2norm_qk
+from .gated_delta_decode import gated_delta_decode
 from .matmul import matmul_nt
 from .moe import moe_combine, moe_experts
 from .norms import gated_rms_norm
@@ -12,6 +13,6 @@ from .router import router_topk
 
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
-    "attention", "qk_norm_rope", "conv1d_silu", "gated_delta", "l2norm_qk",
+    "attention", "qk_norm_rope", "conv1d_silu", "gated_delta", "l2norm_qk", "gated_delta_decode",
     "moe_combine", "moe_experts", "gated_rms_norm", "router_topk", "matmul_nt",
 ]

@@ -45,6 +45,11 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         b = self.in_proj_b(inputs)
         a = self.in_proj_a(inputs)
 
+        if mask is None and cache is not None and cache.lengths is None:
+            step = self._decode_step(qkv, z, a, b, cache)
+            if step is not None:
+                return self.out_proj(step.reshape(B, S, -1))
+
         # Padding steps enter the convolution as zeros, as in stock.
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
@@ -74,3 +79,21 @@ class LilyGatedDeltaNet(GatedDeltaNet):
 
         out = K.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(B, S, -1))
+
+    def _decode_step(self, qkv, z, a, b, cache: ArraysCache) -> Optional[mx.array]:
+        """One token of one sequence through ``gated_delta_decode`` (the whole
+        step between the projections in one kernel), updating the cache; None
+        (nothing done) when the op does not take the call."""
+        conv_state = cache[0]
+        if conv_state is None:
+            n_keep = self.conv_kernel_size - 1
+            conv_state = mx.zeros((qkv.shape[0], n_keep, self.conv_dim), dtype=qkv.dtype)
+        args = (
+            qkv, z, a, b, conv_state, self.conv1d.weight, self.A_log, self.dt_bias,
+            cache[1], self.norm.weight, self.norm.eps, self.num_k_heads,
+        )
+        if K.gated_delta_decode.supports(*args) is not None:
+            return None
+        out, cache[0], cache[1] = K.gated_delta_decode(*args)
+        cache.advance(qkv.shape[1])
+        return out

@@ -1,0 +1,179 @@
+// Gated DeltaNet decode step (batch 1, one token) in one dispatch, from the
+// projections' outputs to the gated RMSNorm's:
+//
+//   conv  = silu(causal depthwise conv1d over [conv_state; qkv])   (K rows)
+//   q, k  = L2-normalised q, k (readout scale folded into q), v = conv's v
+//   g     = exp(-exp(A_log) * softplus(a + dt_bias)),  beta = sigmoid(b)
+//   S     = g * S;  d = (v - S k) * beta;  S = S + d k^T;  y = S q
+//   out   = rms_norm(y, norm_weight, eps) * silu(z)
+//
+// and the new conv state (the last K-1 rows of [conv_state; qkv]).
+//
+// Launcher: mlx_lily/kernels/gated_delta_decode.py. One threadgroup per value
+// head, NSG SIMD groups. The threadgroup first computes its channels of the
+// convolution (its key head's q and k, its own v) into threadgroup memory;
+// heads sharing a key head compute q and k again rather than synchronise
+// (2 * Dk multiply-adds of K terms), and the first of them writes those
+// channels' conv state. Each SIMD group then normalises q and k (again, no
+// barrier: Dk / 32 squares a lane), and takes state rows dv = sg, sg + NSG,
+// ...: lane l keeps S[dv, l + 32 i] in registers for the row, as in
+// gated_delta.metal. The rows' y meet in threadgroup memory for the norm.
+//
+// Rounding: every step rounds where the reference's MLX ops round (InT after
+// the convolution, after sigmoid and after SiLU's product; after rms_norm and
+// the readout scale for q and k; the gates in SumT and BetaT as in
+// gated_delta.metal; y in InT; rms_norm with the weight in NormT; the gated
+// product in fp32, then InT). Sums are fp32, in another order than the
+// reference's.
+//
+// Template: InT (bfloat16: qkv, z, conv state and weight, a, b, outputs),
+//           SumT, BetaT (the gates' rounding, see gated_delta.metal), NormT
+//           (rms_norm's output dtype: InT promoted with the norm weight's),
+//           Dk (a multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),
+//           CONV_K (the convolution's width, >= 2), NSG (SIMD groups),
+//           HAS_STATE (false: the recurrent state starts at zero).
+// Inputs:   qkv [1, 1, C] (C = 2 Hk Dk + Hv Dv); z [1, 1, Hv, Dv];
+//           a, b [1, 1, Hv]; conv_state [1, CONV_K - 1, C];
+//           conv_weight [C, CONV_K, 1]; A_log, dt_bias [Hv];
+//           state_in [1, Hv, Dv, Dk] fp32 (one element without HAS_STATE);
+//           norm_weight [Dv]; scalars fp32 [4]: the L2 norm's rms eps, q's
+//           and k's readout scales, the gated norm's eps.
+// Outputs:  out [1, 1, Hv, Dv] InT; conv_state_out [1, CONV_K - 1, C] InT;
+//           state_out [1, Hv, Dv, Dk] fp32.
+// Grid:     (NSG * 32 * Hv, 1, 1), threadgroup (NSG * 32, 1, 1).
+
+constexpr uint SIMD_WIDTH = 32;
+constexpr int KEYS_PER_LANE = Dk / 32;
+constexpr uint VALUE_HEADS_PER_KEY_HEAD = Hv / Hk;
+constexpr uint KEY_DIM = Hk * Dk;
+constexpr uint CONV_DIM = 2 * KEY_DIM + Hv * Dv;
+constexpr uint THREADS = NSG * SIMD_WIDTH;
+constexpr uint HEAD_CHANNELS = 2 * Dk + Dv;
+
+threadgroup float qk_act[2 * Dk];
+threadgroup float v_act[Dv];
+threadgroup float y_head[Dv];
+
+uint tid = thread_index_in_threadgroup;
+uint lane = thread_index_in_simdgroup;
+uint sg = simdgroup_index_in_threadgroup;
+uint head = threadgroup_position_in_grid.x;
+uint key_head = head / VALUE_HEADS_PER_KEY_HEAD;
+bool writes_qk_state = head % VALUE_HEADS_PER_KEY_HEAD == 0;
+
+// -- convolution + SiLU, and the conv state's update ---------------------------
+for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
+  bool is_qk = i < 2 * Dk;
+  uint channel = 2 * KEY_DIM + head * Dv + (i - 2 * Dk);
+  if (i < Dk) {
+    channel = key_head * Dk + i;
+  } else if (is_qk) {
+    channel = KEY_DIM + key_head * Dk + (i - Dk);
+  }
+  bool writes_state = !is_qk || writes_qk_state;
+  float acc = 0.0f;
+  for (int j = 0; j < CONV_K - 1; ++j) {
+    float x = static_cast<float>(conv_state[j * CONV_DIM + channel]);
+    acc += x * static_cast<float>(conv_weight[channel * CONV_K + j]);
+    if (j > 0 && writes_state) {
+      conv_state_out[(j - 1) * CONV_DIM + channel] = conv_state[j * CONV_DIM + channel];
+    }
+  }
+  acc += static_cast<float>(qkv[channel]) * static_cast<float>(conv_weight[channel * CONV_K + CONV_K - 1]);
+  if (writes_state) {
+    conv_state_out[(CONV_K - 2) * CONV_DIM + channel] = qkv[channel];
+  }
+  // silu(x) = x * sigmoid(x), each rounded to InT as MLX's ops round it.
+  float x = static_cast<float>(static_cast<InT>(acc));
+  float exp_x = static_cast<float>(static_cast<InT>(metal::precise::exp(metal::abs(x))));
+  float sigmoid_neg = 1.0f / (1.0f + exp_x);
+  float sig = static_cast<float>(static_cast<InT>(x < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+  float act = static_cast<float>(static_cast<InT>(x * sig));
+  if (is_qk) {
+    qk_act[i] = act;
+  } else {
+    v_act[i - 2 * Dk] = act;
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// -- q, k L2 norm (every SIMD group for itself) -------------------------------
+float l2_eps = scalars[0];
+float q_scale = static_cast<float>(static_cast<InT>(scalars[1]));
+float k_scale = static_cast<float>(static_cast<InT>(scalars[2]));
+float norm_eps = scalars[3];
+
+float q_lane[KEYS_PER_LANE];
+float k_lane[KEYS_PER_LANE];
+float q_squares = 0.0f;
+float k_squares = 0.0f;
+for (int i = 0; i < KEYS_PER_LANE; ++i) {
+  q_lane[i] = qk_act[lane + i * SIMD_WIDTH];
+  k_lane[i] = qk_act[Dk + lane + i * SIMD_WIDTH];
+  q_squares += q_lane[i] * q_lane[i];
+  k_squares += k_lane[i] * k_lane[i];
+}
+float q_inv_rms = metal::precise::rsqrt(simd_sum(q_squares) / float(Dk) + l2_eps);
+float k_inv_rms = metal::precise::rsqrt(simd_sum(k_squares) / float(Dk) + l2_eps);
+for (int i = 0; i < KEYS_PER_LANE; ++i) {
+  float qn = static_cast<float>(static_cast<InT>(q_lane[i] * q_inv_rms));
+  float kn = static_cast<float>(static_cast<InT>(k_lane[i] * k_inv_rms));
+  q_lane[i] = static_cast<float>(static_cast<InT>(qn * q_scale));
+  k_lane[i] = static_cast<float>(static_cast<InT>(kn * k_scale));
+}
+
+// -- gates (as gated_delta.metal computes and rounds them) --------------------
+float decay_rate = metal::precise::exp(static_cast<float>(A_log[head]));
+float gate_x = static_cast<float>(static_cast<SumT>(static_cast<float>(a[head]) + static_cast<float>(dt_bias[head])));
+float gate_e = static_cast<float>(static_cast<SumT>(metal::precise::exp(-metal::abs(gate_x))));
+float gate_w = 1.0f + gate_e;
+float log1p_e = gate_w == 1.0f ? gate_e : metal::precise::log(gate_w) * (gate_e / (gate_w - 1.0f));
+log1p_e = static_cast<float>(static_cast<SumT>(log1p_e));
+float softplus = static_cast<float>(static_cast<SumT>(max(gate_x, 0.0f) + log1p_e));
+float g = metal::precise::exp(-decay_rate * softplus);
+float bx = static_cast<float>(b[head]);
+float exp_b = static_cast<float>(static_cast<BetaT>(metal::precise::exp(metal::abs(bx))));
+float beta_neg = 1.0f / (1.0f + exp_b);
+float beta = static_cast<float>(static_cast<BetaT>(bx < 0.0f ? beta_neg : 1.0f - beta_neg));
+
+// -- the recurrence, one state row per SIMD group at a time --------------------
+for (uint dv = sg; dv < Dv; dv += NSG) {
+  uint state_at = (head * Dv + dv) * Dk + lane;
+  float S[KEYS_PER_LANE];
+  float kv = 0.0f;
+  for (int i = 0; i < KEYS_PER_LANE; ++i) {
+    S[i] = 0.0f;
+    if (HAS_STATE) {
+      S[i] = state_in[state_at + i * SIMD_WIDTH];
+    }
+    S[i] = S[i] * g;
+    kv += S[i] * k_lane[i];
+  }
+  kv = simd_sum(kv);
+  float delta = (v_act[dv] - kv) * beta;
+  float y = 0.0f;
+  for (int i = 0; i < KEYS_PER_LANE; ++i) {
+    S[i] = S[i] + k_lane[i] * delta;
+    y += S[i] * q_lane[i];
+    state_out[state_at + i * SIMD_WIDTH] = S[i];
+  }
+  y = simd_sum(y);
+  if (lane == 0) {
+    y_head[dv] = static_cast<float>(static_cast<InT>(y));
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// -- gated RMSNorm: rms_norm(y, weight) in NormT, times silu(z) in fp32 --------
+float y_squares = 0.0f;
+for (uint i = lane; i < Dv; i += SIMD_WIDTH) {
+  y_squares += y_head[i] * y_head[i];
+}
+float y_inv_rms = metal::precise::rsqrt(simd_sum(y_squares) / float(Dv) + norm_eps);
+for (uint i = tid; i < Dv; i += THREADS) {
+  float normed = static_cast<float>(static_cast<NormT>(y_head[i] * y_inv_rms));
+  normed = static_cast<float>(static_cast<NormT>(normed * static_cast<float>(norm_weight[i])));
+  float zf = static_cast<float>(z[head * Dv + i]);
+  float silu_z = zf / (1.0f + metal::precise::exp(-zf));
+  out[head * Dv + i] = static_cast<InT>(normed * silu_z);
+}

@@ -1,0 +1,160 @@
+"""The Gated DeltaNet decode step in one kernel (gated_delta_decode).
+
+In the CPU emulator against the op's reference (the layer's own op sequence)
+at small odd shapes, over several consecutive steps that carry the conv state
+and the recurrent state; in the model on the demo checkpoint (the decode steps
+take the kernel, greedy tokens are stock's); compiled for CUDA with nvcc.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lily
+from mlx_lily import kernels as K
+from mlx_lily.kernels.gated_delta_decode import (
+    gated_delta_decode_agree,
+    gated_delta_decode_kernel,
+    gated_delta_decode_reference,
+    gated_delta_decode_supports,
+    make_decode_inputs,
+)
+from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
+
+from test_model import TOKENS, greedy
+from test_toolchain import _mlx_cuda_include, emulator_or_skip
+
+# (Hk, value heads per key head, Dk, Dv): odd head counts, ratios 1-3.
+SHAPES = [(1, 1, 32, 32), (1, 3, 64, 32), (2, 2, 32, 64), (3, 1, 64, 64), (3, 3, 32, 32), (2, 3, 64, 64)]
+
+
+def run_steps(Hk, ratio, Dk, Dv, steps, with_state, seed):
+    """`steps` decode steps through the kernel and through the reference,
+    each carrying its own conv and recurrent state; every step's outputs
+    meet the contract, and the conv states are equal throughout."""
+    rng = np.random.default_rng(seed)
+    args, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, with_state=with_state, rng=rng)
+    args = list(args)
+    kernel_conv, kernel_state = args[4], args[8]
+    for step in range(steps):
+        if step:
+            fresh, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, rng=rng)
+            args[:4] = fresh[:4]  # a new token's qkv, z, a, b
+        kernel_args = tuple(args[:4]) + (kernel_conv,) + tuple(args[5:8]) + (kernel_state,) + tuple(args[9:])
+        assert gated_delta_decode_supports(*kernel_args) is None
+        got = gated_delta_decode_kernel.emulate(*kernel_args)
+        want = gated_delta_decode_reference(*args)
+        mx.eval(got, want)
+        mismatch = gated_delta_decode_agree(got, want)
+        assert mismatch is None, f"step {step}: {mismatch}"
+        # Each path goes on from its own state (the kernel's error may grow).
+        kernel_conv, kernel_state = got[1], got[2]
+        args[4], args[8] = want[1], want[2]
+    return got, want
+
+
+@pytest.mark.parametrize("Hk, ratio, Dk, Dv", SHAPES)
+def test_steps_carry_conv_and_recurrent_state(Hk, ratio, Dk, Dv):
+    emulator_or_skip()
+    run_steps(Hk, ratio, Dk, Dv, steps=3, with_state=True, seed=Hk * 10 + ratio + Dk + Dv)
+
+
+def test_from_a_zero_state():
+    emulator_or_skip()
+    # No recurrent state yet (the kernel's HAS_STATE=false) and a zero conv state.
+    args, _ = make_decode_inputs(2, 4, 32, 32, with_state=False, seed=3)
+    args = list(args)
+    args[4] = mx.zeros_like(args[4])
+    got = gated_delta_decode_kernel.emulate(*args)
+    want = gated_delta_decode_reference(*args)
+    assert gated_delta_decode_agree(got, want) is None
+    run_steps(2, 2, 32, 64, steps=3, with_state=False, seed=4)
+
+
+def test_agree_rejects_a_wrong_conv_state_and_a_wrong_output():
+    args, _ = make_decode_inputs(1, 2, 32, 32, seed=5)
+    want = gated_delta_decode_reference(*args)
+    out, conv, state = want
+    assert gated_delta_decode_agree(want, want) is None
+    assert "conv state" in gated_delta_decode_agree((out, conv + 1, state), want)
+    assert "out" in gated_delta_decode_agree((out * 1.1, conv, state), want)
+    assert "state" in gated_delta_decode_agree((out, conv, state * 1.1), want)
+
+
+def test_supports_takes_one_bf16_token_only():
+    args, _ = make_decode_inputs(2, 4, 32, 32, seed=6)
+    assert gated_delta_decode_supports(*args) is None
+    two = list(args)
+    two[0] = mx.concatenate([args[0], args[0]], axis=1)
+    two[1] = mx.concatenate([args[1], args[1]], axis=1)
+    assert "T=2" in gated_delta_decode_supports(*two)
+    half = list(args)
+    half[0] = args[0].astype(mx.float16)
+    assert "bfloat16" in gated_delta_decode_supports(*half)
+    odd_dk, _ = make_decode_inputs(1, 1, 48, 32, seed=6)
+    assert "Dk=48" in gated_delta_decode_supports(*odd_dk)
+
+
+def test_the_model_decodes_through_the_op_with_stock_s_tokens(demo_conditioned_checkpoint, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    stock, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="mlx")
+    lily, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
+    calls = []
+    original = LilyOp.__call__
+
+    def recorded(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append((self.name, args[0].shape[1] if args and hasattr(args[0], "shape") else None, self.last_path))
+        return result
+
+    monkeypatch.setattr(LilyOp, "__call__", recorded)
+    assert greedy(lily, n_tokens=8) == greedy(stock, n_tokens=8)
+    decode_calls = [path for name, _, path in calls if name == "gated_delta_decode"]
+    assert decode_calls and all(path == "kernel" for path in decode_calls), K.gated_delta_decode.last_reason
+    # Decode steps no longer run the recurrence op; the prompt still does.
+    assert all(length > 1 for name, length, _ in calls if name == "gated_delta")
+
+
+def test_the_reference_path_decodes_like_stock_to_the_bit(demo_checkpoint, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
+    lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    cs, cl = make_prompt_cache(stock), make_prompt_cache(lily)
+    mx.eval(stock(TOKENS[:, :8], cache=cs), lily(TOKENS[:, :8], cache=cl))
+    for t in range(8, 12):
+        step = TOKENS[:, t : t + 1]
+        assert mx.array_equal(lily(step, cache=cl), stock(step, cache=cs)).item()
+    assert K.gated_delta_decode.last_path == "reference"
+    # The caches too, conv and recurrent state.
+    for a, b in zip(cl, cs):
+        if hasattr(a, "lengths"):
+            assert mx.array_equal(a[0], b[0]).item() and mx.array_equal(a[1], b[1]).item()
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    # The real shape (Hk 16, Hv 32, Dk = Dv = 128) and a small odd one.
+    for Hk, Hv, Dk, Dv in ((16, 32, 128, 128), (3, 9, 64, 48)):
+        args, _ = make_decode_inputs(Hk, Hv, Dk, Dv, seed=0)
+        source = tmp_path / f"gdd_{Hv}.cu"
+        source.write_text(gated_delta_decode_kernel.cuda_translation_unit(*args))
+        ptx = tmp_path / f"gdd_{Hv}.ptx"
+        result = subprocess.run(
+            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+            capture_output=True, text=True,
+        )
+        assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
+        text = ptx.read_text()
+        # State rows, q and k stay in registers.
+        assert "ld.local" not in text and "st.local" not in text
+        assert re.search(r"\.shared", text)
