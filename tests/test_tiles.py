@@ -166,5 +166,5 @@ def test_the_cuda_tile_header_uses_no_pragmas_nvrtc_ignores():
     # MLX builds custom kernels with NVRTC, which ignores push_macro/pop_macro:
     # a header that relied on them left `device` undefined for the body after it.
     text = build.TILES_CUDA.read_text()
-    assert "#pragma" not in text
+    assert not re.search(r"#\s*pragma\s+(push|pop)_macro", text)
     assert text.rstrip().endswith("#define device")
