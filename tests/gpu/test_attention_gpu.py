@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import mlx_lily.kernels  # noqa: F401
-from mlx_lily.toolchain.registry import BACKEND_ENV, gpu_backend
 
 A = sys.modules["mlx_lily.kernels.attention"]
 
@@ -23,16 +22,6 @@ pytestmark = pytest.mark.gpu
 
 HQ, HKV, D = 16, 2, 256
 CACHE_STEP = 256
-
-
-@pytest.fixture
-def backend(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
-    name = gpu_backend()
-    if name is None:
-        pytest.skip("no GPU: the default device is not a Metal or CUDA GPU")
-    return name
 
 
 def cache_view(S, L=1, seed=0):

@@ -20,7 +20,6 @@ from mlx_lily.kernels.gated_delta import (
     gated_delta_compare,
     gated_delta_reference,
 )
-from mlx_lily.toolchain.registry import BACKEND_ENV, gpu_backend
 from mlx_lily.kernels.router import (
     router_outputs_agree,
     router_topk,
@@ -39,17 +38,6 @@ EXPERTS, TOP_K = 256, 8
 # Dk = Dv = 128; 1 token a decode step, 2048 a prefill chunk.
 GDN_HEADS = (16, 32, 128, 128)
 GDN_STEPS = [1, 2048]
-
-
-@pytest.fixture
-def backend(monkeypatch):
-    """The GPU backend ('metal' or 'cuda'), with kernels on their default settings."""
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
-    name = gpu_backend()
-    if name is None:
-        pytest.skip("no GPU: the default device is not a Metal or CUDA GPU")
-    return name
 
 
 def kernel_ops():
