@@ -27,25 +27,15 @@ gd = importlib.import_module("mlx_lily.kernels.gated_delta")
 gdc = importlib.import_module("mlx_lily.kernels.gated_delta_chunked")
 from mlx_lily.toolchain.registry import gpu_backend  # noqa: E402
 
-HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv
+HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv of the real shapes, for the report
 LENGTHS = [16, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048, 4096]
 
 
-def inputs(T, seed=0):
-    from mlx_lm.models.gated_delta import normalize_qk
+def inputs(T):
+    """The op's arguments at the real shapes, as `bench --ops` builds them."""
+    from bench.ops import _gated_delta, dims_for
 
-    Hk, Hv, Dk, Dv = HEADS
-    keys = mx.random.split(mx.random.key(seed), 8)
-    q = mx.random.normal((1, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
-    k = mx.random.normal((1, T, Hk, Dk), key=keys[1]).astype(mx.bfloat16)
-    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
-    v = mx.random.normal((1, T, Hv, Dv), key=keys[2]).astype(mx.bfloat16)
-    a = mx.random.normal((1, T, Hv), key=keys[3]).astype(mx.bfloat16)
-    b = mx.random.normal((1, T, Hv), key=keys[4]).astype(mx.bfloat16)
-    A_log = mx.log(mx.random.uniform(1, 16, (Hv,), key=keys[5]))
-    dt_bias = mx.ones((Hv,), dtype=mx.bfloat16)
-    state = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=keys[6])
-    args = (q, k, v, a, b, A_log, dt_bias, state)
+    args, _ = _gated_delta(dims_for("qwen3.6-35b-a3b"), T, T)
     mx.eval(args)
     return args
 
@@ -65,8 +55,7 @@ def float64_errors(backend, T=1000):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from test_gated_delta_kernel import ground_truth
 
-    Hk, Hv, Dk, Dv = HEADS
-    args = inputs(T, seed=1)
+    args = inputs(T)
     y, s = gdc.gated_delta_chunked_run(backend, *args)
     with mx.stream(mx.cpu):
         want_y, want_s = ground_truth(*args)
