@@ -40,10 +40,9 @@ def engines(request, demo_checkpoint, alt_checkpoint):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Count the calls each lily op receives, on either path (to prove lily's path ran)."""
-    # matmul_nt is the tile layer's stand-alone GEMM, not a piece of the model;
     # gated_delta_decode serves single-token steps only (a prompt never calls
     # it; test_gated_delta_decode.py holds the model's decode to it).
-    calls = {name: 0 for name in K.OPS if name not in ("matmul_nt", "gated_delta_decode")}
+    calls = {name: 0 for name, op in K.OPS.items() if op.in_model and name != "gated_delta_decode"}
     original = LilyOp.__call__
 
     def counted(self, *args, **kwargs):
@@ -227,8 +226,8 @@ def test_greedy_tokens_match_stock_with_all_kernels_on_conditioned_checkpoints(w
 
     monkeypatch.setattr(LilyOp, "__call__", recorded)
     assert greedy(lily) == greedy(stock)
-    # Every op of the model that has a kernel ran it (matmul_nt is not in the model).
-    kernel_ops = [name for name, op in K.OPS.items() if op.kernel is not None and name != "matmul_nt"]
+    # Every op of the model that has a kernel ran it.
+    kernel_ops = [name for name, op in K.OPS.items() if op.kernel is not None and op.in_model]
     assert kernel_ops and all("kernel" in paths.get(name, ()) for name in kernel_ops), paths
 
 

@@ -114,5 +114,6 @@ matmul_nt = register(
         description="dense bf16 x @ w.T on matrix tiles (the tile layer's proof; not in the model)",
         sample=_sample,
         fuzz=_fuzz,
+        in_model=False,
     )
 )

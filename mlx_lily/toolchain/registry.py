@@ -115,6 +115,9 @@ class LilyOp:
     # fuzz(rng: numpy Generator) -> (args, kwargs): a random call the kernel
     # supports (shapes and dtypes drawn from rng), for tests/test_fuzz_kernels.py.
     fuzz: Optional[Callable[..., tuple]] = None
+    # False for an op the model never calls (a stand-alone proof or benchmark
+    # of a kernel layer), so checks of "every op ran" can leave it out.
+    in_model: bool = True
     last_path: Optional[str] = field(default=None, compare=False)
     last_reason: Optional[str] = field(default=None, compare=False)
 
