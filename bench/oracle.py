@@ -12,7 +12,9 @@ engine (lily, stock) is measured against it:
   oracle's input to that layer (rounded to the activation dtype) and a fresh
   cache, so errors do not compound across layers; its output is compared with
   the oracle layer's: relative error ``||engine - oracle|| / ||oracle||`` of
-  the layer's output, and of its residual update (output minus input).
+  the layer's output, and of its residual update (output minus input); and,
+  to say where an error comes from, of the token mixer's update and the MoE's
+  update, each fed the oracle's own input to it.
 
 The criterion: lily's error against the oracle is no larger than stock's,
 per layer and end to end. CRITERION_SLACK (1.0: none) can loosen it for a
@@ -78,6 +80,18 @@ def _masks(h: mx.array, layer, cache):
     return create_ssm_mask(h, cache) if layer.is_linear else create_attention_mask(h, cache)
 
 
+def _mixer(layer, x: mx.array, mask, cache):
+    """(the token mixer's update, x + update): the first half of a decoder
+    layer (mlx-lm's qwen3_5 DecoderLayer), the MoE being the second."""
+    mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+    update = mixer(layer.input_layernorm(x), mask, cache)
+    return update, x + update
+
+
+def _np32(a: mx.array) -> np.ndarray:
+    return np.array(a[0].astype(mx.float32))
+
+
 def _rel(got: np.ndarray, want: np.ndarray) -> float:
     scale = float(np.linalg.norm(want))
     return float(np.linalg.norm(got - want)) / max(scale, 1e-30)
@@ -132,19 +146,30 @@ def run_oracle_here(model, vocab: int, n_tokens: int, device: str = "cpu") -> Di
     for i, layer in enumerate(layers):
         with _InFp32(layer, oracle_device):
             cache = lm.make_cache()[i]
-            out = layer(h, _masks(h, layer, cache), cache)
+            mixer_update, mid = _mixer(layer, h, _masks(h, layer, cache), cache)
+            moe_update = layer.mlp(layer.post_attention_layernorm(mid))
+            out = mid + moe_update
             mx.eval(out)
-        oracle_in, oracle_out = np.array(h[0]), np.array(out[0])
+        oracle = {name: np.array(a[0]) for name, a in
+                  (("in", h), ("out", out), ("mixer", mixer_update), ("moe", moe_update))}
         row: Dict[str, Any] = {"layer": i, "kind": "linear" if layer.is_linear else "full"}
         x = h.astype(act_dtype)
         x_np = np.array(x[0].astype(mx.float32))
+        mid_x = mid.astype(act_dtype)
         for engine in ENGINES:
             switch(model, engine)
             cache = lm.make_cache()[i]
             got = layer(x, _masks(x, layer, cache), cache)
             got = np.array(got[0].astype(mx.float32))
-            row[f"{engine}_rel_err"] = _rel(got, oracle_out)
-            row[f"{engine}_update_rel_err"] = _rel(got - x_np, oracle_out - oracle_in)
+            row[f"{engine}_rel_err"] = _rel(got, oracle["out"])
+            row[f"{engine}_update_rel_err"] = _rel(got - x_np, oracle["out"] - oracle["in"])
+            # Where the error comes from: the token mixer and the MoE, each
+            # teacher-forced on the oracle's own input to it.
+            cache = lm.make_cache()[i]
+            mixer_got, _ = _mixer(layer, x, _masks(x, layer, cache), cache)
+            row[f"{engine}_mixer_rel_err"] = _rel(_np32(mixer_got), oracle["mixer"])
+            moe_got = layer.mlp(layer.post_attention_layernorm(mid_x))
+            row[f"{engine}_moe_rel_err"] = _rel(_np32(moe_got), oracle["moe"])
         switch(model, "stock")
         row["ratio"] = row["lily_rel_err"] / max(row["stock_rel_err"], 1e-30)
         row["lily_no_worse"] = row["lily_rel_err"] <= CRITERION_SLACK * row["stock_rel_err"]
@@ -152,7 +177,9 @@ def run_oracle_here(model, vocab: int, n_tokens: int, device: str = "cpu") -> Di
         h = out
         log(
             f"oracle: layer {i + 1}/{len(layers)} ({row['kind']}): rel err lily "
-            f"{row['lily_rel_err']:.3e} stock {row['stock_rel_err']:.3e} "
+            f"{row['lily_rel_err']:.3e} stock {row['stock_rel_err']:.3e}; mixer lily "
+            f"{row['lily_mixer_rel_err']:.3e} stock {row['stock_mixer_rel_err']:.3e}; MoE lily "
+            f"{row['lily_moe_rel_err']:.3e} stock {row['stock_moe_rel_err']:.3e} "
             f"({time.perf_counter() - start:.0f}s)"
         )
     with _InFp32(text.norm, oracle_device) as norm, _InFp32(lm.lm_head, oracle_device) as head:
@@ -207,15 +234,19 @@ def markdown(doc: Dict[str, Any]) -> str:
         "## Per layer (teacher-forced: each layer gets the oracle's input)",
         "",
         "Relative error `||engine - oracle|| / ||oracle||` of the layer's output, and of its "
-        "residual update (output - input).",
+        "residual update (output - input); then of the token mixer's and the MoE's updates, each fed "
+        "the oracle's own input to it (where an error comes from).",
         "",
-        "| layer | kind | lily | stock | lily / stock | lily update | stock update | no worse |",
-        "|---:|---|---:|---:|---:|---:|---:|:---:|",
+        "| layer | kind | lily | stock | lily / stock | lily update | stock update | lily mixer | "
+        "stock mixer | lily MoE | stock MoE | no worse |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
     for row in r["layers"]:
         lines.append(
             f"| {row['layer']} | {row['kind']} | {row['lily_rel_err']:.3e} | {row['stock_rel_err']:.3e} | "
             f"{row['ratio']:.3f} | {row['lily_update_rel_err']:.3e} | {row['stock_update_rel_err']:.3e} | "
+            f"{row['lily_mixer_rel_err']:.3e} | {row['stock_mixer_rel_err']:.3e} | "
+            f"{row['lily_moe_rel_err']:.3e} | {row['stock_moe_rel_err']:.3e} | "
             f"{'yes' if row['lily_no_worse'] else '**no**'} |"
         )
     return "\n".join(lines) + "\n"

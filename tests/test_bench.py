@@ -242,5 +242,7 @@ def test_oracle_mode(tmp_path, monkeypatch):
     assert [r["kind"] for r in layers] == ["linear", "full", "linear", "full"]
     for r in layers:
         assert r["lily_rel_err"] == r["stock_rel_err"] > 0 and r["lily_no_worse"]
+        for part in ("mixer", "moe"):
+            assert r[f"lily_{part}_rel_err"] == r[f"stock_{part}_rel_err"] > 0
     assert doc["oracle"]["criterion"]["met"] and doc["settings"]["conditioned"]
     assert files["md"].count("\n| ") >= 2 + 2 + len(layers)
