@@ -177,7 +177,7 @@ def _arm_line(result: Dict[str, Any]) -> str:
         return "FAILED"
     return (
         f"prefill {result['prefill_tps']:.1f} tok/s, decode {result['decode_tps']:.2f} tok/s, "
-        f"tokens {result['digest']}"
+        f"peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB, tokens {result['digest']}"
     )
 
 
