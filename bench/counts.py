@@ -24,6 +24,11 @@ What is counted
   as one primitive. This is the number of launches the graph asks for; at run
   time MLX can add copies (a reshape of a non-contiguous array, a kernel's
   non-contiguous input, one copy per input of a concatenate).
+* Lily's kernels are built for the trace without the row-contiguous copy MLX
+  otherwise puts before each custom kernel's input (``traced_not_run`` in
+  ``mlx_lily/toolchain/build.py``; export cannot serialize that primitive).
+  Where an input is a non-contiguous view, the kernel run copies it first: a
+  launch and bytes this count leaves out.
 * Export traces through ``mx.compile``: a compiled function's element-wise ops
   count one each here, where MLX would fuse them into one kernel at run time.
   The count is an upper bound for code that relies on ``mx.compile``.
@@ -95,13 +100,16 @@ def _nbytes(arr: Arr) -> int:
 def trace(fn, *args: mx.array) -> List[Node]:
     """The primitive nodes of ``fn(*args)``'s graph, in evaluation order:
     dicts with ``name``, ``arguments``, ``inputs`` and ``outputs``."""
+    from mlx_lily.toolchain.build import traced_not_run
+
     nodes: List[Node] = []
 
     def collect(entry: Dict[str, Any]) -> None:
         if entry.get("type") == "primitive":
             nodes.append({k: entry[k] for k in ("name", "arguments", "inputs", "outputs")})
 
-    mx.export_function(collect, fn, *args)
+    with traced_not_run():
+        mx.export_function(collect, fn, *args)
     return nodes
 
 

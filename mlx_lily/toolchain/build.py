@@ -37,6 +37,7 @@ the emulator run the same threads:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -70,6 +71,27 @@ BACKENDS = ("metal", "cuda", "emulator")
 _SIMD_USE = re.compile(r"\bsimd_\w+|\bsimdgroup_\w+|\bthread_index_in_simdgroup\b|\blily_tile_\w+")
 
 Dim3 = tuple[int, int, int]
+
+
+class _Tracing(threading.local):
+    active = False
+
+
+_TRACING = _Tracing()
+
+
+@contextlib.contextmanager
+def traced_not_run():
+    """Build kernels for a graph that is traced (``mx.export_function``), not
+    evaluated: without the row-contiguous copy MLX puts before each input,
+    whose primitive export cannot serialize. The graph then shows each kernel
+    as one node; a copy MLX would make of a non-contiguous input at run time
+    is not in it (bench/counts.py says so)."""
+    before, _TRACING.active = _TRACING.active, True
+    try:
+        yield
+    finally:
+        _TRACING.active = before
 
 
 @dataclass
@@ -180,7 +202,7 @@ class Kernel:
     # that is not row-contiguous first.
     row_contiguous: bool = True
     _text: Optional[str] = field(default=None, init=False, repr=False)
-    _built: Dict[str, Callable] = field(default_factory=dict, init=False, repr=False)
+    _built: Dict[tuple, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
     # (backend, template, input dtypes) -> None (passed) or why it is off.
     _instances: Dict[tuple, Optional[str]] = field(default_factory=dict, init=False, repr=False)
@@ -397,21 +419,22 @@ class Kernel:
     # -- internals -----------------------------------------------------------
 
     def _build(self, backend: str) -> Callable:
-        built = self._built.get(backend)
+        key = (backend, _TRACING.active)
+        built = self._built.get(key)
         if built is not None:
             return built
         with self._lock:
-            if backend not in self._built:
-                self._built[backend] = self._make(backend)
-            return self._built[backend]
+            if key not in self._built:
+                self._built[key] = self._make(backend, row_contiguous=self.row_contiguous and not key[1])
+            return self._built[key]
 
-    def _make(self, backend: str) -> Callable:
+    def _make(self, backend: str, row_contiguous: bool) -> Callable:
         common = dict(
             name=self.backend_name(backend),
             input_names=list(self.input_names),
             output_names=list(self.output_names),
             source=self.body_text(),
-            ensure_row_contiguous=self.row_contiguous,
+            ensure_row_contiguous=row_contiguous,
         )
         header = self.full_header(backend)
         if backend == "metal":
