@@ -242,7 +242,8 @@ def test_oracle_mode(tmp_path, monkeypatch):
     assert [r["kind"] for r in layers] == ["linear", "full", "linear", "full"]
     for r in layers:
         assert r["lily_rel_err"] == r["stock_rel_err"] > 0 and r["lily_no_worse"]
-        for part in ("mixer", "moe"):
+        for part in ("mixer", "moe", "moe_arith"):
             assert r[f"lily_{part}_rel_err"] == r[f"stock_{part}_rel_err"] > 0
+        assert 0 <= r["routing_agreement"] <= 1
     assert doc["oracle"]["criterion"]["met"] and doc["settings"]["conditioned"]
     assert files["md"].count("\n| ") >= 2 + 2 + len(layers)
