@@ -215,13 +215,12 @@ def test_the_op_runs_the_reference_when_kernels_are_off(monkeypatch):
 # -- a broken kernel: the emulator's report and the op's fallback -------------------
 
 BODY = router_topk_kernel.body_text()
-LOAD = "rank[j] = e < E ? static_cast<float>(logits[src + e]) : -INFINITY;"
+TOPK = "LILY_ROUTER_TOPK(T, E, K, VALS, NORMALIZE, logits, src, "
 # Reads one row further than it should: past the end of the buffer on the last row.
-PAST_THE_END = BODY.replace(LOAD, LOAD.replace("logits[src + e]", "logits[src + E + e]"))
+PAST_THE_END = BODY.replace(TOPK, TOPK.replace("logits, src,", "logits, src + E,"))
 # A barrier only the live rows reach: the tail of the last threadgroup never does.
 DIVERGENT_BARRIER = BODY.replace(
-    "float kept = simd_sum(",
-    "if (live) {\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\nfloat kept = simd_sum(",
+    TOPK, "if (live) {\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n" + TOPK
 )
 
 
@@ -235,6 +234,7 @@ def broken_kernel(name: str, body: str) -> Kernel:
         input_names=router_topk_kernel.input_names,
         output_names=router_topk_kernel.output_names,
         source=body,
+        header=router_topk_kernel.header,
         launch=router_topk_kernel.launch,
         reference=router_topk_kernel.reference,
         sample=router_topk_kernel.sample,
@@ -251,7 +251,7 @@ def test_the_emulator_reports_a_read_past_the_end():
     print(message)  # the report, for a human reading the test log (-s)
     assert "router_topk_past_the_end" in message
     assert "thread" in message
-    assert str(line_of(PAST_THE_END, "logits[src + E + e]")) in message
+    assert str(line_of(PAST_THE_END, "logits, src + E,")) in message
 
 
 def test_the_emulator_reports_a_barrier_in_a_divergent_branch():

@@ -339,7 +339,10 @@ def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
     )
     units.append(atomics.cuda_translation_unit(mx.zeros((64,))))
     source = tmp_path / "lily_kernels.cu"
-    source.write_text(units[0] + "\n".join(_kernel_section(u) for u in units[1:]))
+    # One prelude (the first unit's), then every kernel; the router's top-k
+    # header once, at global scope, before the kernels that expand it.
+    sections = "\n".join(_kernel_section(u) for u in units[1:])
+    source.write_text(units[0] + router_topk_kernel.header + sections)
     ptx = tmp_path / "lily_kernels.ptx"
     result = subprocess.run(
         [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],

@@ -7,6 +7,7 @@ from .gated_delta import gated_delta, l2norm_qk
 from .gated_delta_decode import gated_delta_decode
 from .matmul import matmul_nt
 from .moe import moe_combine, moe_experts
+from .moe_decode import moe_decode
 from .norms import gated_rms_norm
 from ..toolchain.registry import OPS, LilyOp, gpu_backend, kernels_enabled
 from .router import router_topk
@@ -14,5 +15,5 @@ from .router import router_topk
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv1d_silu", "gated_delta", "l2norm_qk", "gated_delta_decode",
-    "moe_combine", "moe_experts", "gated_rms_norm", "router_topk", "matmul_nt",
+    "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
 ]

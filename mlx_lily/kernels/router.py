@@ -3,7 +3,7 @@
 The reference is stock mlx-lm's routing, step for step (precise softmax,
 argpartition, gather, renormalise in the activation dtype), so that the
 reference path reproduces stock logits exactly. The kernel
-(``router_topk.metal``) computes the softmax in fp32 and ranks the experts as
+(``router_topk.metal``, with the top-k routine of ``router_topk.metal.h``) computes the softmax in fp32 and ranks the experts as
 stock does: by the probability rounded to the activation dtype (stock takes
 the top k of its softmax output, which is in that dtype), so near-ties resolve
 by that rounding, and among equal rounded probabilities the higher expert
@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..toolchain.registry import LilyOp, register
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.build import KERNELS_DIR, SIMD_WIDTH, Kernel, Launch
 
 
 def router_topk_reference(logits: mx.array, k: int, normalize: bool):
@@ -41,6 +41,10 @@ def router_topk_reference(logits: mx.array, k: int, normalize: bool):
 
 
 # -- the kernel --------------------------------------------------------------
+
+# The top-k routine (a macro of the portable subset), shared with the bodies
+# that route a token themselves (moe_decode).
+TOPK_HEADER = (KERNELS_DIR / "router_topk.metal.h").read_text()
 
 # Rows (tokens) per threadgroup: one SIMD group each. Four keep a 2048-token
 # prefill chunk at 512 threadgroups, enough to fill a large GPU.
@@ -221,6 +225,7 @@ router_topk_kernel = Kernel(
     input_names=("logits",),
     output_names=("indices", "weights"),
     body="router_topk.metal",
+    header=TOPK_HEADER,
     launch=_launch_router_topk,
     reference=router_topk_reference,
     sample=_sample,

@@ -1,0 +1,454 @@
+"""MoE decode chain: the routed experts and the shared expert of one token in
+two launches, from the post-attention residual h to the layer's output.
+
+Stock mlx-lm (``Qwen3NextSparseMoeBlock`` in the decoder layer), for one token::
+
+    xn = rms_norm(h, norm_weight, eps)
+    gates = softmax(gate(xn), precise=True); top-k (optionally renormalised)
+    y = switch_mlp(xn, inds); y = (y * scores[..., None]).sum(-2)
+    out = h + (y + sigmoid(shared_expert_gate(xn)) * shared_expert(xn))
+
+``moe_decode`` takes the two gates' logits from the caller (they come out of
+the same GEMV as the rest of the layer's small projections) and does the rest:
+
+1. ``moe_decode_gate_up`` (``moe_decode_gate_up.metal``): every threadgroup
+   recomputes the router's top-k (``router_topk.metal.h``, the router kernel's
+   own routine) and the RMSNorm, then gate, up and SwiGLU for its rows of one
+   slot (slots 0..k-1 the selected experts, slot k the shared expert) ->
+   activations ``[k + 1, I_max]``, and the selected experts and weights;
+2. ``moe_decode_down`` (``moe_decode_down.metal``): the down projections of
+   every slot, the routing weights, the shared gate and the residual -> out.
+
+Two launches for the whole block after the gates' GEMV. The reference is
+stock's op sequence (it calls the stock modules as stock does, so the
+reference path is stock's to the bit); the kernels take bf16 calls of one
+token with 4-bit affine group-64 experts and shared expert without biases, up
+to ``MAX_EXPERTS`` experts, 1 <= k <= min(E, ``MAX_K``), D a multiple of 64 up
+to ``MAX_D``, I and the shared I multiples of 64 (their down projections are
+group-64 quantized along them).
+
+Contract (``moe_decode_agree``): against ``moe_decode_precise``, stock's math
+with fp32 accumulation (what stock computes on a GPU; on a CPU stock's bf16
+quantized matmuls accumulate in bf16, which is further off): the kernel picks
+the same experts (the router kernel's order, ties included), rounds the same
+values to bf16 at the same points, and sums in fp32 in another order. A
+different summation order moves a bf16 rounding of xn, gate, up, the SwiGLU
+product or a down output by one step (2^-8 relative) now and then, and that
+step travels into the output through the down projection's weights. So each
+element may differ from the precise one by 2^-7 of the magnitudes it is made
+of: |h| + sum_j |s_j| (|W_down_j| . |act_j|) + sigmoid(g) (|W_shared_down| .
+|act_s|) + |out| (its own two roundings). NaN exactly where the precise result
+has NaN (a NaN or infinite logits row: NaN routing weights, as stock's).
+Against stock on the same machine (doctor's ``compare``), the largest
+difference relative to the output's largest value, within ``STOCK_TOLERANCE``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.qwen3_next import Qwen3NextMLP
+from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
+
+from .._notice import notice_once
+from ..toolchain.build import SIMD_WIDTH, Kernel, KernelGroup, Launch
+from ..toolchain.registry import LilyOp, register
+from .moe import moe_combine_reference
+from .moe_gemm import _quantized_as_kernel_takes
+from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
+
+# Must match the bodies: rows per threadgroup and threads per threadgroup.
+GATE_UP_THREADS, GATE_UP_ROWS = 256, 16
+DOWN_THREADS, DOWN_ROWS = 128, 8
+GROUP_SIZE, BITS = 64, 4
+# The top-k keeps ceil(E / 32) probabilities a lane in registers (as the
+# router kernel: at most 32), and lane r holds the r-th pick.
+MAX_EXPERTS = 1024
+MAX_K = SIMD_WIDTH
+# xn lives in threadgroup memory as fp32 (D + D / 32 words): 18 KiB at 4096.
+MAX_D = 4096
+# The bodies index with 32-bit unsigned integers.
+MAX_ELEMENTS = 2**31
+# Per element, relative to the magnitudes it is made of (module docstring).
+RELATIVE_TOLERANCE = 2**-7
+# Against stock on the same machine, relative to the output's largest value
+# (stock's CPU quantized matmuls accumulate in bf16).
+STOCK_TOLERANCE = 6e-2
+
+
+def moe_decode_reference(
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+):
+    """h [1, 1, D] -> h + moe(rms_norm(h)) [1, 1, D], stock's ops in stock's order."""
+    xn = mx.fast.rms_norm(h, norm_weight, eps)
+    inds, scores = router_topk_reference(router_logits, top_k, norm_topk_prob)
+    y = switch_mlp(xn, inds)
+    shared = shared_expert(xn)
+    return h + moe_combine_reference(y, scores, shared, shared_gate_logit)
+
+
+def _linear_as_kernel_takes(layer) -> Optional[str]:
+    if not isinstance(layer, nn.QuantizedLinear):
+        return f"{type(layer).__name__} (kernel: 4-bit QuantizedLinear)"
+    if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
+        return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
+    if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
+        return "quantization without biases, or with a linear bias (kernel: affine, no bias)"
+    if layer.scales.dtype != mx.bfloat16 or layer.biases.dtype != mx.bfloat16:
+        return f"scales {layer.scales.dtype} (kernel: bfloat16)"
+    return None
+
+
+def _dims(layer) -> tuple[int, int]:
+    """(output, input) dimensions of a quantized (switch) linear."""
+    return layer.weight.shape[-2], layer.weight.shape[-1] * 32 // layer.bits
+
+
+def moe_decode_supports(
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+) -> Optional[str]:
+    """None when the kernels take this call, else why not."""
+    if h.ndim != 3 or h.shape[:2] != (1, 1):
+        return f"h {tuple(h.shape)} (kernel: one token of one sequence, [1, 1, D])"
+    D = h.shape[-1]
+    if router_logits.ndim != 3 or router_logits.shape[:2] != (1, 1):
+        return f"router_logits {tuple(router_logits.shape)} (kernel: [1, 1, E])"
+    E = router_logits.shape[-1]
+    if tuple(shared_gate_logit.shape) != (1, 1, 1):
+        return f"shared_gate_logit {tuple(shared_gate_logit.shape)} (kernel: [1, 1, 1])"
+    if tuple(norm_weight.shape) != (D,):
+        return f"norm_weight {tuple(norm_weight.shape)} (kernel: [{D}])"
+    for name, x in (("h", h), ("router_logits", router_logits), ("shared_gate_logit", shared_gate_logit),
+                    ("norm_weight", norm_weight)):
+        if x.dtype != mx.bfloat16:
+            return f"{name} dtype {x.dtype} (kernel: bfloat16)"
+    if D % GROUP_SIZE or D > MAX_D:
+        return f"D={D} (kernel: a multiple of {GROUP_SIZE}, at most {MAX_D})"
+    if not 1 <= E <= MAX_EXPERTS:
+        return f"{E} experts (kernel: 1 to {MAX_EXPERTS})"
+    if not 1 <= top_k <= min(E, MAX_K):
+        return f"top_k={top_k} with {E} experts (kernel: 1 <= k <= min(E, {MAX_K}))"
+    if not isinstance(switch_mlp, SwitchGLU) or type(switch_mlp.activation) is not SwiGLU:
+        return f"{type(switch_mlp).__name__} (kernel: SwitchGLU with SwiGLU)"
+    if not isinstance(shared_expert, Qwen3NextMLP):
+        return f"shared expert {type(shared_expert).__name__} (kernel: Qwen3NextMLP)"
+    for owner, module in (("switch_mlp", switch_mlp), ("shared_expert", shared_expert)):
+        check = _quantized_as_kernel_takes if owner == "switch_mlp" else _linear_as_kernel_takes
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            why = check(getattr(module, name))
+            if why is not None:
+                return f"{owner}.{name}: {why}"
+    (I, Dg), (Iu, Du), (Dd, Id) = (_dims(getattr(switch_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+    (IS, Dsg), (ISu, Dsu), (Dsd, ISd) = (
+        _dims(getattr(shared_expert, n)) for n in ("gate_proj", "up_proj", "down_proj")
+    )
+    if (Dg, Du, Dd, Dsg, Dsu, Dsd) != (D,) * 6 or (Iu, Id) != (I, I) or (ISu, ISd) != (IS, IS):
+        return "expert or shared expert weights do not match h"
+    if switch_mlp.gate_proj.weight.shape[0] != E:
+        return f"{switch_mlp.gate_proj.weight.shape[0]} experts' weights for {E} router logits"
+    if I % GROUP_SIZE or IS % GROUP_SIZE:
+        return f"I={I}, shared I={IS} (kernel: multiples of {GROUP_SIZE})"
+    if E * max(I, D) * max(I, D) // 8 >= MAX_ELEMENTS:
+        return "too large for 32-bit indexing"
+    return None
+
+
+def _parts(module) -> list:
+    out = []
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        layer = getattr(module, name)
+        out.append((layer.weight, layer.scales, layer.biases))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _eps_array(eps: float) -> mx.array:
+    """eps as the kernel's input: one array per model constant, not per call."""
+    return mx.array([eps], dtype=mx.float32)
+
+
+def _shapes(h, router_logits, top_k, switch_mlp, shared_expert):
+    D, E = h.shape[-1], router_logits.shape[-1]
+    I = switch_mlp.gate_proj.weight.shape[-2]
+    IS = shared_expert.gate_proj.weight.shape[-2]
+    return D, E, int(top_k), I, IS, max(I, IS)
+
+
+def _launch_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert) -> Launch:
+    D, E, k, I, IS, IMAX = _shapes(h, router_logits, top_k, switch_mlp, shared_expert)
+    (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
+    (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
+    return Launch(
+        inputs=[h.reshape(D), router_logits.reshape(E), norm_weight, _eps_array(float(eps)),
+                gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
+        grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, k + 1, 1),
+        threadgroup=(GATE_UP_THREADS, 1, 1),
+        output_shapes=[(k + 1, IMAX), (k,), (k,)],
+        output_dtypes=[mx.bfloat16, mx.uint32, mx.bfloat16],
+        template=[("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)), ("NORMALIZE", bool(norm_topk_prob)),
+                  ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX)],
+        finish=tuple,
+    )
+
+
+def _launch_down(h, act, inds, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
+    D = h.shape[-1]
+    k = inds.shape[0]
+    _, _, (dw, ds, db) = _parts(switch_mlp)
+    _, _, (sdw, sds, sdb) = _parts(shared_expert)
+    E = dw.shape[0]
+    I, IS = dw.shape[-1] * 8, sdw.shape[-1] * 8
+    return Launch(
+        inputs=[h.reshape(D), act, inds, scores, shared_gate_logit.reshape(1), dw, ds, db, sdw, sds, sdb],
+        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
+        threadgroup=(DOWN_THREADS, 1, 1),
+        output_shapes=[(1, 1, D)],
+        output_dtypes=[mx.bfloat16],
+        template=[("E", E), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", act.shape[-1])],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+moe_decode_gate_up_kernel = Kernel(
+    name="moe_decode_gate_up",
+    input_names=("h", "logits", "norm_weight", "eps", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
+    output_names=("act", "inds", "scores"),
+    body="moe_decode_gate_up.metal",
+    header=TOPK_HEADER,
+    launch=_launch_gate_up,
+)
+
+moe_decode_down_kernel = Kernel(
+    name="moe_decode_down",
+    input_names=("h", "act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
+                 "sdown_w", "sdown_s", "sdown_b"),
+    output_names=("out",),
+    body="moe_decode_down.metal",
+    launch=_launch_down,
+)
+
+
+def run_moe_decode(
+    backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+):
+    """The kernel path on ``backend``: two launches."""
+    act, inds, scores = moe_decode_gate_up_kernel.run_on(
+        backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    )
+    return moe_decode_down_kernel.run_on(backend, h, act, inds, scores, shared_gate_logit, switch_mlp,
+                                         shared_expert)
+
+
+# -- the contract ----------------------------------------------------------------
+
+
+def _bf16(a: mx.array) -> mx.array:
+    return a.astype(mx.bfloat16).astype(mx.float32)
+
+
+def _dequantized(weight, scales, biases) -> mx.array:
+    """One matrix [out, in] in fp32: scale * q + bias, unrounded (as the kernels use it)."""
+    return mx.dequantize(weight, scales.astype(mx.float32), biases.astype(mx.float32),
+                         group_size=GROUP_SIZE, bits=BITS)
+
+
+def moe_decode_precise(
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+):
+    """(out [1, 1, D] bf16, magnitudes [D] fp32): stock's math with fp32
+    accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
+    and stock's bf16 roundings; magnitudes is what the tolerance scales with
+    (module docstring). Dequantizes the k selected experts only."""
+    D = h.shape[-1]
+    k = int(top_k)
+    hf = h.reshape(D).astype(mx.float32)
+    xn = mx.fast.rms_norm(h, norm_weight, eps).reshape(D).astype(mx.float32)
+    order, weights, _ = router_topk_ground_truth(router_logits.reshape(1, -1), k, bool(norm_topk_prob))
+    scores = _bf16(mx.array(weights[0].astype(np.float32)))
+    gate, up, down = _parts(switch_mlp)
+    sgate, sup, sdown = _parts(shared_expert)
+
+    def activations(g_parts, u_parts):
+        g = _bf16(_dequantized(*g_parts) @ xn)
+        u = _bf16(_dequantized(*u_parts) @ xn)
+        sig = _bf16(1.0 / (1.0 + mx.exp(-g)))
+        return _bf16(_bf16(g * sig) * u)
+
+    routed = mx.zeros((D,), mx.float32)
+    magnitude = mx.abs(hf)
+    for j, e in enumerate(order[0].tolist()):
+        a = activations(*([p[e] for p in part] for part in (gate, up)))
+        wd = _dequantized(*(p[e] for p in down))
+        y = _bf16(wd @ a)
+        routed = routed + _bf16(y * scores[j])
+        magnitude = magnitude + mx.abs(scores[j]) * (mx.abs(wd) @ mx.abs(a))
+    a_s = activations(sgate, sup)
+    wsd = _dequantized(*sdown)
+    open_ = _bf16(mx.sigmoid(shared_gate_logit.reshape(1).astype(mx.float32)))
+    gated = _bf16(open_ * _bf16(wsd @ a_s))
+    magnitude = magnitude + open_ * (mx.abs(wsd) @ mx.abs(a_s))
+    out = _bf16(hf + _bf16(_bf16(routed) + gated))
+    return out.astype(mx.bfloat16).reshape(1, 1, D), magnitude
+
+
+def moe_decode_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """None when the kernels' output meets the contract (module docstring)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{tuple(got.shape)} {got.dtype} vs reference {tuple(want.shape)} {want.dtype}"
+    precise, magnitude = moe_decode_precise(*args, **kwargs)
+    g = np.array(got.astype(mx.float32)).reshape(-1).astype(np.float64)
+    p = np.array(precise.astype(mx.float32)).reshape(-1).astype(np.float64)
+    m = np.array(magnitude).astype(np.float64)
+    if not np.array_equal(np.isnan(g), np.isnan(p)):
+        return f"NaN in {int(np.isnan(g).sum())} elements vs the precise result's {int(np.isnan(p).sum())}"
+    ok = ~np.isnan(p)
+    bound = RELATIVE_TOLERANCE * (np.nan_to_num(m[ok], nan=np.inf) + np.abs(p[ok])) + 1e-30
+    excess = np.abs(g[ok] - p[ok]) / bound
+    if excess.size and not excess.max() <= 1.0:
+        worst = int(np.argmax(excess))
+        return (f"max |kernel - precise| / (2^-7 of its terms' magnitudes) = {excess.max():.3g} "
+                f"(element {worst}: {g[ok][worst]:.6g} vs {p[ok][worst]:.6g})")
+    return None
+
+
+def moe_decode_compare(got, want) -> tuple[bool, float]:
+    """(acceptable, largest difference relative to the output's largest value), for doctor."""
+    g = np.array(got.astype(mx.float32)).astype(np.float64)
+    w = np.array(want.astype(mx.float32)).astype(np.float64)
+    if g.shape != w.shape or not np.isfinite(g).all():
+        return False, math.inf
+    err = float(np.abs(g - w).max(initial=0.0)) / max(float(np.abs(w).max(initial=0.0)), 1e-30)
+    return err <= STOCK_TOLERANCE, err
+
+
+# -- inputs ------------------------------------------------------------------------
+
+
+def quantized_moe(hidden: int, inter: int, shared_inter: int, experts: int, seed: int = 0):
+    """(switch_mlp, shared_expert): 4-bit group-64 bf16 modules, as the checkpoints have them."""
+    mx.random.seed(seed)
+    glu = SwitchGLU(hidden, inter, experts)
+    shared = Qwen3NextMLP(hidden, shared_inter)
+    for module in (glu, shared):
+        module.set_dtype(mx.bfloat16)
+        nn.quantize(module, group_size=GROUP_SIZE, bits=BITS)
+    mx.eval(glu.parameters(), shared.parameters())
+    return glu, shared
+
+
+def make_moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None):
+    """A decode call at these shapes: random bf16 h, norm weight and gate logits."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    glu, shared = quantized_moe(D, I, IS, E, seed=int(rng.integers(1 << 30)))
+    h = (4.0 * normal(1, 1, D)).astype(mx.bfloat16)
+    norm_weight = (1.0 + 0.1 * normal(D)).astype(mx.bfloat16)
+    if logits is None:
+        logits = 2.0 * rng.standard_normal((1, 1, E))
+    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(1, 1, E).astype(mx.bfloat16)
+    shared_gate_logit = normal(1, 1, 1).astype(mx.bfloat16)
+    return (h, router_logits, shared_gate_logit, norm_weight, 1e-6, k, normalize, glu, shared), {}
+
+
+def _sample():
+    """24 experts top-3, D 128, experts' I 64 and the shared expert's 128."""
+    return make_moe_decode_inputs(128, 24, 3, 64, 128, seed=11)
+
+
+def _fuzz(rng):
+    """A random decode call: D, E, k, I and the shared I, renormalised or not,
+    and logits rows with ties, -inf and NaN among the plain ones."""
+    D = int(rng.choice([64, 128, 192]))
+    E = int(rng.choice([int(rng.integers(1, 33)), int(rng.integers(33, 80))]))
+    k = int(rng.integers(1, min(E, 8) + 1))
+    I, IS = int(rng.choice([64, 128])), int(rng.choice([64, 128, 192]))
+    logits = 2.0 * rng.standard_normal(E)
+    kind = rng.choice(["plain", "plain", "ties", "-inf", "nan"])
+    if kind == "ties":  # whole runs of equal logits, across the k-th place
+        logits = np.round(logits)
+    elif kind == "-inf":
+        logits[rng.random(E) < 0.3] = -np.inf
+        logits[int(rng.integers(E))] = 1.0
+    elif kind == "nan":
+        logits[int(rng.integers(E))] = np.nan
+    return make_moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits)
+
+
+class MoeDecodeKernel(KernelGroup):
+    """The two kernels as one KernelLike, self-checked together once per
+    backend against ``moe_decode_precise`` on the sample."""
+
+    name = "moe_decode"
+    parts = (moe_decode_gate_up_kernel, moe_decode_down_kernel)
+
+    def __init__(self):
+        self._checked: dict = {}
+        self._lock = threading.Lock()
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._checked.get(backend)
+        if known is not None:
+            return known
+        with self._lock:
+            if backend not in self._checked:
+                result = self._self_check(backend)
+                self._checked[backend] = result
+                if not result[0]:
+                    notice_once(f"kernel-off:{self.name}:{backend}",
+                                f"kernel {self.name} is off on {backend} ({result[1]}); "
+                                "its op runs the pure-MLX reference")
+            return self._checked[backend]
+
+    def _self_check(self, backend: str) -> tuple[bool, str]:
+        for part in self.parts:
+            ok, why = part.ready_on(backend)
+            if not ok:
+                return False, why
+        args, kwargs = _sample()
+        try:
+            got = self.run_on(backend, *args, **kwargs)
+            mx.eval(got)
+        except Exception as exc:  # compile errors surface at the first eval
+            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
+        mismatch = self.agree(got, got, *args, **kwargs)
+        if mismatch is not None:
+            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} kernels (routing + norm + gate/up + SwiGLU, down + combine), self-check passed"
+
+    def run_on(self, backend: str, *args, **kwargs):
+        return run_moe_decode(backend, *args, **kwargs)
+
+    def agree(self, got, want, *args, **kwargs) -> Optional[str]:
+        """The kernels' contract is with ``moe_decode_precise`` (stock's math
+        accumulated in fp32), not with ``want`` (stock, which on a CPU
+        accumulates its bf16 matmuls in bf16)."""
+        return moe_decode_agree(got, want, *args, **kwargs)
+
+    def forget(self) -> None:
+        with self._lock:
+            self._checked.clear()
+            for part in self.parts:
+                part.forget()
+
+
+moe_decode_kernel = MoeDecodeKernel()
+
+moe_decode = register(
+    LilyOp(
+        "moe_decode",
+        moe_decode_reference,
+        kernel=moe_decode_kernel,
+        supports=moe_decode_supports,
+        description="MoE block of a decode token in two launches: routing + norm + gate/up, down + combine",
+        sample=_sample,
+        compare=moe_decode_compare,
+        fuzz=_fuzz,
+    )
+)

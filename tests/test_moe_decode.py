@@ -1,0 +1,215 @@
+"""The MoE decode chain in two launches (moe_decode).
+
+In the CPU emulator against the op's contract (``moe_decode_precise``: stock's
+math accumulated in fp32) at small odd shapes; the reference against stock's
+own Qwen3NextSparseMoeBlock bit for bit; supports()' refusals; the CUDA
+translation units compiled with nvcc.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mlx_lily import kernels as K
+from mlx_lily.kernels.moe_decode import (
+    make_moe_decode_inputs,
+    moe_decode_agree,
+    moe_decode_down_kernel,
+    moe_decode_gate_up_kernel,
+    moe_decode_kernel,
+    moe_decode_precise,
+    moe_decode_reference,
+    moe_decode_supports,
+    quantized_moe,
+)
+from mlx_lily.kernels.router import router_topk_ground_truth
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+from test_toolchain import _mlx_cuda_include, emulator_or_skip
+
+# (D, E, k, I, shared I, renormalise): 24 experts top-3 at D 192 with a wider
+# and a narrower shared expert, top-1 and top-8, odd expert counts.
+SHAPES = [
+    (192, 24, 3, 64, 128, True),
+    (192, 24, 3, 128, 64, False),
+    (128, 13, 1, 64, 192, True),
+    (64, 40, 8, 64, 64, False),
+]
+
+
+def check(args):
+    assert moe_decode_supports(*args) is None
+    got = moe_decode_kernel.emulate(*args)
+    want = moe_decode_reference(*args)
+    mx.eval(got, want)
+    mismatch = moe_decode_agree(got, want, *args)
+    assert mismatch is None, mismatch
+    return got, want
+
+
+@pytest.mark.parametrize("D, E, k, I, IS, normalize", SHAPES)
+def test_kernels_meet_the_contract_in_the_emulator(D, E, k, I, IS, normalize):
+    emulator_or_skip()
+    args, _ = make_moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k)
+    got, want = check(args)
+    # The reference (stock's CPU ops) stays within the same contract.
+    assert moe_decode_agree(want, want, *args) is None
+
+
+def test_routing_outputs_follow_the_router_with_ties():
+    emulator_or_skip()
+    # Runs of equal logits across the 3rd place: the higher expert index first.
+    logits = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 2.0, 2.0, -1.0] * 3)
+    args, _ = make_moe_decode_inputs(192, 24, 3, 64, 128, seed=5, logits=logits)
+    act, inds, scores = moe_decode_gate_up_kernel.emulate(*args[:2], *args[3:])
+    order, weights, _ = router_topk_ground_truth(args[1].reshape(1, 24), 3, True)
+    assert inds.tolist() == order[0].tolist() == [19, 17, 11]
+    assert np.allclose(np.array(scores.astype(mx.float32)), weights[0], rtol=1e-2)
+    check(args)
+
+
+def test_a_nan_logits_row_reads_in_range_and_gives_nan():
+    emulator_or_skip()
+    logits = np.full(24, -np.inf)
+    logits[5] = np.nan
+    args, _ = make_moe_decode_inputs(64, 24, 8, 64, 64, seed=6, logits=logits)
+    got = moe_decode_kernel.emulate(*args)  # the emulator raises on an out-of-range read
+    assert mx.isnan(got).all().item()
+    precise, _ = moe_decode_precise(*args)
+    assert mx.isnan(precise).all().item()
+
+
+def test_agree_rejects_a_wrong_output():
+    args, _ = make_moe_decode_inputs(64, 8, 2, 64, 64, seed=7)
+    precise, _ = moe_decode_precise(*args)
+    assert moe_decode_agree(precise, precise, *args) is None
+    off = (precise.astype(mx.float32) + 0.5).astype(mx.bfloat16)
+    assert "magnitudes" in moe_decode_agree(off, precise, *args)
+    nan = mx.where(mx.arange(64) == 3, mx.array(float("nan")), precise.astype(mx.float32)).astype(mx.bfloat16)
+    assert "NaN" in moe_decode_agree(nan, precise, *args)
+
+
+def test_supports_refuses_what_the_kernels_do_not_take():
+    args, _ = make_moe_decode_inputs(64, 8, 2, 64, 64, seed=8)
+    assert moe_decode_supports(*args) is None
+
+    def with_(i, value):
+        changed = list(args)
+        changed[i] = value
+        return moe_decode_supports(*changed)
+
+    h = args[0]
+    assert "one token" in with_(0, mx.concatenate([h, h], axis=1))
+    assert "one token" in with_(0, mx.concatenate([h, h], axis=0))
+    assert "bfloat16" in with_(0, h.astype(mx.float16))
+    assert "top_k=9" in with_(5, 9)
+    assert "top_k=0" in with_(5, 0)
+    # I = 96 cannot be group-64 quantized along the down projection's input:
+    # its down projection stays unquantized, as the checkpoints leave it.
+    mx.random.seed(1)
+    glu = SwitchGLU(64, 96, 8)
+    glu.set_dtype(mx.bfloat16)
+    nn.quantize(glu, group_size=64, bits=4, class_predicate=lambda p, m: hasattr(m, "to_quantized") and not p.endswith("down_proj"))
+    assert "down_proj: SwitchLinear" in with_(7, glu)
+    unquantized = Qwen3NextMLP(64, 64)
+    assert "QuantizedLinear" in with_(8, unquantized)
+    shared8 = Qwen3NextMLP(64, 64)
+    shared8.set_dtype(mx.bfloat16)
+    nn.quantize(shared8, group_size=64, bits=8)
+    assert "8-bit" in with_(8, shared8)
+    # D a multiple of 64, at most 4096.
+    odd = list(args)
+    odd[0] = mx.zeros((1, 1, 96), mx.bfloat16)
+    odd[3] = mx.zeros((96,), mx.bfloat16)
+    assert "D=96" in moe_decode_supports(*odd)
+
+
+def _stock_block(D, E, k, I, IS, normalize, seed):
+    args = SimpleNamespace(hidden_size=D, moe_intermediate_size=I, shared_expert_intermediate_size=IS,
+                           norm_topk_prob=normalize, num_experts=E, num_experts_per_tok=k)
+    mx.random.seed(seed)
+    block = Qwen3NextSparseMoeBlock(args)
+    block.set_dtype(mx.bfloat16)
+    # As the real checkpoints: router and shared gate 8-bit, the rest 4-bit, group 64.
+    nn.quantize(block, group_size=64, bits=8,
+                class_predicate=lambda p, m: isinstance(m, nn.Linear) and p.endswith("gate")
+                and not p.endswith("gate_proj"))
+    nn.quantize(block, group_size=64, bits=4,
+                class_predicate=lambda p, m: hasattr(m, "to_quantized") and not isinstance(m, nn.QuantizedLinear)
+                and not p.endswith("gate"))
+    mx.eval(block.parameters())
+    return block
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_the_reference_is_stock_s_block_to_the_bit(normalize, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    D, E, k = 128, 24, 3
+    block = _stock_block(D, E, k, 64, 128, normalize, seed=3)
+    assert isinstance(block.gate, nn.QuantizedLinear) and block.gate.bits == 8
+    assert block.switch_mlp.gate_proj.bits == 4
+    rng = np.random.default_rng(3)
+    h = mx.array(4 * rng.standard_normal((1, 1, D)).astype(np.float32)).astype(mx.bfloat16)
+    w = mx.array(1 + 0.1 * rng.standard_normal(D).astype(np.float32)).astype(mx.bfloat16)
+    eps = 1e-6
+    xn = mx.fast.rms_norm(h, w, eps)
+    stock = h + block(xn)  # the decoder layer: out = h + mlp(post_attention_layernorm(h))
+    ours = moe_decode_reference(h, block.gate(xn), block.shared_expert_gate(xn), w, eps, k, normalize,
+                                block.switch_mlp, block.shared_expert)
+    assert mx.array_equal(stock, ours).item()
+    args = (h, block.gate(xn), block.shared_expert_gate(xn), w, eps, k, normalize, block.switch_mlp,
+            block.shared_expert)
+    assert moe_decode_supports(*args) is None
+    # And the op on the reference path.
+    assert mx.array_equal(K.moe_decode(*args), stock).item()
+    assert K.moe_decode.last_path == "reference"
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    # The real shape (D 2048, 256 experts top-8, I 512) and a small odd one.
+    for D, E, k, I, IS in ((2048, 256, 8, 512, 512), (192, 24, 3, 64, 128)):
+        glu, shared = quantized_moe(D, I, IS, E if E < 64 else 2, seed=0)
+        if E >= 64:  # the real shape's arrays, without the real model's memory
+            glu = SimpleNamespace(**{n: SimpleNamespace(
+                weight=mx.zeros((E, *getattr(glu, n).weight.shape[1:]), mx.uint32),
+                scales=mx.zeros((E, *getattr(glu, n).scales.shape[1:]), mx.bfloat16),
+                biases=mx.zeros((E, *getattr(glu, n).biases.shape[1:]), mx.bfloat16))
+                for n in ("gate_proj", "up_proj", "down_proj")})
+        h = mx.zeros((1, 1, D), mx.bfloat16)
+        logits = mx.zeros((1, 1, E), mx.bfloat16)
+        units = [
+            moe_decode_gate_up_kernel.cuda_translation_unit(h, logits, mx.zeros((D,), mx.bfloat16), 1e-6, k, True,
+                                                            glu, shared),
+            moe_decode_down_kernel.cuda_translation_unit(
+                h, mx.zeros((k + 1, max(I, IS)), mx.bfloat16), mx.zeros((k,), mx.uint32),
+                mx.zeros((k,), mx.bfloat16), mx.zeros((1, 1, 1), mx.bfloat16), glu, shared),
+        ]
+        for name, unit in zip(("gate_up", "down"), units):
+            source = tmp_path / f"moe_decode_{name}_{D}.cu"
+            source.write_text(unit)
+            ptx = tmp_path / f"moe_decode_{name}_{D}.ptx"
+            result = subprocess.run(
+                [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+                capture_output=True, text=True,
+            )
+            assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
+            assert "warning" not in result.stderr, result.stderr[-3000:]
+            text = ptx.read_text()
+            # Top-k ranks, activations and accumulators stay in registers.
+            assert "ld.local" not in text and "st.local" not in text, name
+            if name == "gate_up":
+                assert re.search(r"\.shared", text)
