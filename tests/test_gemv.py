@@ -202,12 +202,11 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
     x2k, x4k = mx.zeros((1, 1, 2048), mx.bfloat16), mx.zeros((1, 1, 4096), mx.bfloat16)
     norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
     calls = {
-        # DeltaNet qkv/z/b/a, attention q/k/v, router + shared gate, lm_head.
+        # DeltaNet qkv/z/b/a (attention's q/k/v and lm_head differ only in
+        # rows, which the kernel reads from its layout input), the router with
+        # the shared gate, out_proj and o_proj with the residual, o_proj's gate.
         "deltanet": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)), norm),
-        "attention": (x2k, _zeros_weights(2048, (8192, 512, 512), (4, 4, 4)), norm),
         "router": (x2k, _zeros_weights(2048, (256, 1), (8, 8)), norm),
-        "lm_head": (x2k, _zeros_weights(2048, (248320,), (4,)), norm),
-        # out_proj with the residual; o_proj with the gate and the residual.
         "out_proj": (x4k, _zeros_weights(4096, (2048,), (4,)), {"residual": mx.zeros((1, 1, 2048), mx.bfloat16)}),
         "o_proj": (
             x4k,
@@ -219,16 +218,19 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         ),
         "fp32_norm": (x2k, _zeros_weights(2048, (64, 7), (8, 4)), {"norm_weight": mx.ones((2048,)), "eps": 1e-6}),
     }
+    runs = {}
     for name, (x, weights, kwargs) in calls.items():
         assert quantized_matvec_supports(x, weights, **kwargs) is None, name
         source = tmp_path / f"gemv_{name}.cu"
         source.write_text(quantized_matvec_kernel.cuda_translation_unit(x, weights, **kwargs))
         ptx = tmp_path / f"gemv_{name}.ptx"
-        result = subprocess.run(
+        runs[name] = (ptx, subprocess.Popen(
             [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"{name}, nvcc with {which}:\n{result.stderr[-6000:]}"
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    for name, (ptx, run) in runs.items():
+        _, stderr = run.communicate()
+        assert run.returncode == 0, f"{name}, nvcc with {which}:\n{stderr[-6000:]}"
         text = ptx.read_text()
         # A lane's values and rows stay in registers; weights move 16 bytes a load.
         assert "ld.local" not in text and "st.local" not in text, name
