@@ -187,6 +187,17 @@ def test_the_op_returns_views_of_one_output_and_is_registered():
     assert b.reshape(-1).tolist() == [5, 6, 7]
 
 
+def test_the_op_takes_the_kernel_through_the_registry(emulator_backend, fresh_notices):
+    args, kwargs = make_call(128, (3, 9), (8, 4), "gate", seed=9)
+    got = K.quantized_matvec(*args, **kwargs)
+    assert K.quantized_matvec.last_path == "kernel", K.quantized_matvec.last_reason
+    assert quantized_matvec_agree(got, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+    # A call the kernel does not take runs the reference, and says why.
+    x, weights = args
+    K.quantized_matvec(mx.concatenate([x, x], axis=1), weights)
+    assert K.quantized_matvec.last_path == "reference" and "one token" in K.quantized_matvec.last_reason
+
+
 def _zeros_weights(Kd, rows, bits):
     return tuple(
         (mx.zeros((n, Kd * b // 32), mx.uint32), mx.zeros((n, Kd // 64), mx.bfloat16), mx.zeros((n, Kd // 64), mx.bfloat16))

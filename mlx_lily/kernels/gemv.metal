@@ -127,117 +127,157 @@ for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
 }
 
 if (bits == 4) {
-  for (uint step = 0; step < STEPS4; ++step) {
-    const uint k0 = step * SIMD_WIDTH * VALUES4 + lane * VALUES4;
-    const bool active = k0 < K;
-    // This lane's 32 values (one run of the swizzle) and their sum.
-    float xv[VALUES4];
-    float xsum = 0.0f;
-    for (uint i = 0; i < VALUES4; ++i) {
-      uint at = k0 + ((((i >> 1) + (k0 >> 6)) & 15u) << 1) + (i & 1u);
-      xv[i] = active ? static_cast<float>(xin[at]) : 0.0f;
-      xsum += xv[i];
+  uint4 words[ROWS_PER_SIMDGROUP];
+  float scale[ROWS_PER_SIMDGROUP];
+  float bias[ROWS_PER_SIMDGROUP];
+  uint4 next_words[ROWS_PER_SIMDGROUP];
+  float next_scale[ROWS_PER_SIMDGROUP];
+  float next_bias[ROWS_PER_SIMDGROUP];
+  for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+    next_words[r] = no_words;
+    next_scale[r] = 0.0f;
+    next_bias[r] = 0.0f;
+  }
+  // Pass t fetches step t's weights and multiplies step t - 1's, fetched by
+  // the pass before: a lane has two steps' loads in flight.
+  for (uint step = 0; step <= STEPS4; ++step) {
+    for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+      words[r] = next_words[r];
+      scale[r] = next_scale[r];
+      bias[r] = next_bias[r];
     }
-    uint4 words[ROWS_PER_SIMDGROUP];
-    float scale[ROWS_PER_SIMDGROUP];
-    float bias[ROWS_PER_SIMDGROUP];
+    const uint k_next = step * SIMD_WIDTH * VALUES4 + lane * VALUES4;
     for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
       const uint row = row0 + r;
-      const uint wi = row * WORDS4 + k0 / 8;
-      const uint gi = row * GROUPS_PER_ROW + k0 / GROUP_SIZE;
-      words[r] = no_words;
-      scale[r] = 0.0f;
-      bias[r] = 0.0f;
-      if (active && row < seg_rows) {
+      const uint wi = row * WORDS4 + k_next / (32 / 4);
+      const uint gi = row * GROUPS_PER_ROW + k_next / GROUP_SIZE;
+      next_words[r] = no_words;
+      next_scale[r] = 0.0f;
+      next_bias[r] = 0.0f;
+      if (step < STEPS4 && k_next < K && row < seg_rows) {
         if (BITS0 == 4 && seg == 0) {
-          words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
-          scale[r] = static_cast<float>(scales0[gi]);
-          bias[r] = static_cast<float>(biases0[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
+          next_scale[r] = static_cast<float>(scales0[gi]);
+          next_bias[r] = static_cast<float>(biases0[gi]);
         } else if (S > 1 && BITS1 == 4 && seg == 1) {
-          words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
-          scale[r] = static_cast<float>(scales1[gi]);
-          bias[r] = static_cast<float>(biases1[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
+          next_scale[r] = static_cast<float>(scales1[gi]);
+          next_bias[r] = static_cast<float>(biases1[gi]);
         } else if (S > 2 && BITS2 == 4 && seg == 2) {
-          words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
-          scale[r] = static_cast<float>(scales2[gi]);
-          bias[r] = static_cast<float>(biases2[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
+          next_scale[r] = static_cast<float>(scales2[gi]);
+          next_bias[r] = static_cast<float>(biases2[gi]);
         } else if (S > 3 && BITS3 == 4 && seg == 3) {
-          words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
-          scale[r] = static_cast<float>(scales3[gi]);
-          bias[r] = static_cast<float>(biases3[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
+          next_scale[r] = static_cast<float>(scales3[gi]);
+          next_bias[r] = static_cast<float>(biases3[gi]);
         }
       }
     }
-    // Values to floats without integer-to-float conversions (a quarter-rate
-    // instruction on NVIDIA GPUs, slower than the memory at 4 bits): nibble q
-    // under the bf16 pattern 0x4300 is the bf16 number 128 + q, and a word
-    // holds two such patterns (values m and m + 4 of its eight), which
-    // lily_tile_unpack turns into floats; subtracting 128 is exact.
-    for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
-      const uint w[4] = {words[r].x, words[r].y, words[r].z, words[r].w};
-      float dot = 0.0f;
-      for (uint j = 0; j < 4; ++j) {
-        const uint4 pairs = {(w[j] & 0x000F000Fu) | 0x43004300u, ((w[j] >> 4) & 0x000F000Fu) | 0x43004300u,
-                             ((w[j] >> 8) & 0x000F000Fu) | 0x43004300u, ((w[j] >> 12) & 0x000F000Fu) | 0x43004300u};
-        for (uint m = 0; m < 4; ++m) {
-          dot += (lily_tile_unpack(pairs, 2 * m) - 128.0f) * xv[8 * j + m];
-          dot += (lily_tile_unpack(pairs, 2 * m + 1) - 128.0f) * xv[8 * j + m + 4];
-        }
+    if (step > 0) {
+      const uint k0 = k_next - SIMD_WIDTH * VALUES4;
+      const bool active = k0 < K;
+      // This lane's VALUES4 values (swizzled as written) and their sum.
+      float xv[VALUES4];
+      float xsum = 0.0f;
+      for (uint i = 0; i < VALUES4; ++i) {
+        const uint k = k0 + i;
+        const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
+        xv[i] = active ? static_cast<float>(xin[at]) : 0.0f;
+        xsum += xv[i];
       }
-      acc[r] += scale[r] * dot + bias[r] * xsum;
+      // Values to floats without integer-to-float conversions (a quarter-rate
+      // instruction on NVIDIA GPUs, slower than the memory at 4 bits): nibble q
+      // under the bf16 pattern 0x4300 is the bf16 number 128 + q, a word holds
+      // two such patterns (values m and m + 4 of its eight), lily_tile_unpack
+      // turns them into floats, and subtracting 128 is exact.
+      for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+        const uint w[4] = {words[r].x, words[r].y, words[r].z, words[r].w};
+        float dot = 0.0f;
+        for (uint j = 0; j < 4; ++j) {
+          const uint4 pairs = {(w[j] & 0x000F000Fu) | 0x43004300u, ((w[j] >> 4) & 0x000F000Fu) | 0x43004300u,
+                               ((w[j] >> 8) & 0x000F000Fu) | 0x43004300u, ((w[j] >> 12) & 0x000F000Fu) | 0x43004300u};
+          for (uint m = 0; m < 4; ++m) {
+            dot += (lily_tile_unpack(pairs, 2 * m) - 128.0f) * xv[8 * j + m];
+            dot += (lily_tile_unpack(pairs, 2 * m + 1) - 128.0f) * xv[8 * j + m + 4];
+          }
+        }
+        acc[r] += scale[r] * dot + bias[r] * xsum;
+      }
     }
   }
 } else {
-  for (uint step = 0; step < STEPS8; ++step) {
-    const uint k0 = step * SIMD_WIDTH * VALUES8 + lane * VALUES8;
-    const bool active = k0 < K;
-    float xv[VALUES8];
-    float xsum = 0.0f;
-    for (uint i = 0; i < VALUES8; ++i) {
-      uint k = k0 + i;
-      uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
-      xv[i] = active ? static_cast<float>(xin[at]) : 0.0f;
-      xsum += xv[i];
+  uint4 words[ROWS_PER_SIMDGROUP];
+  float scale[ROWS_PER_SIMDGROUP];
+  float bias[ROWS_PER_SIMDGROUP];
+  uint4 next_words[ROWS_PER_SIMDGROUP];
+  float next_scale[ROWS_PER_SIMDGROUP];
+  float next_bias[ROWS_PER_SIMDGROUP];
+  for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+    next_words[r] = no_words;
+    next_scale[r] = 0.0f;
+    next_bias[r] = 0.0f;
+  }
+  // Pass t fetches step t's weights and multiplies step t - 1's, fetched by
+  // the pass before: a lane has two steps' loads in flight.
+  for (uint step = 0; step <= STEPS8; ++step) {
+    for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+      words[r] = next_words[r];
+      scale[r] = next_scale[r];
+      bias[r] = next_bias[r];
     }
-    uint4 words[ROWS_PER_SIMDGROUP];
-    float scale[ROWS_PER_SIMDGROUP];
-    float bias[ROWS_PER_SIMDGROUP];
+    const uint k_next = step * SIMD_WIDTH * VALUES8 + lane * VALUES8;
     for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
       const uint row = row0 + r;
-      const uint wi = row * WORDS8 + k0 / 4;
-      const uint gi = row * GROUPS_PER_ROW + k0 / GROUP_SIZE;
-      words[r] = no_words;
-      scale[r] = 0.0f;
-      bias[r] = 0.0f;
-      if (active && row < seg_rows) {
+      const uint wi = row * WORDS8 + k_next / (32 / 8);
+      const uint gi = row * GROUPS_PER_ROW + k_next / GROUP_SIZE;
+      next_words[r] = no_words;
+      next_scale[r] = 0.0f;
+      next_bias[r] = 0.0f;
+      if (step < STEPS8 && k_next < K && row < seg_rows) {
         if (BITS0 == 8 && seg == 0) {
-          words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
-          scale[r] = static_cast<float>(scales0[gi]);
-          bias[r] = static_cast<float>(biases0[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
+          next_scale[r] = static_cast<float>(scales0[gi]);
+          next_bias[r] = static_cast<float>(biases0[gi]);
         } else if (S > 1 && BITS1 == 8 && seg == 1) {
-          words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
-          scale[r] = static_cast<float>(scales1[gi]);
-          bias[r] = static_cast<float>(biases1[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
+          next_scale[r] = static_cast<float>(scales1[gi]);
+          next_bias[r] = static_cast<float>(biases1[gi]);
         } else if (S > 2 && BITS2 == 8 && seg == 2) {
-          words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
-          scale[r] = static_cast<float>(scales2[gi]);
-          bias[r] = static_cast<float>(biases2[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
+          next_scale[r] = static_cast<float>(scales2[gi]);
+          next_bias[r] = static_cast<float>(biases2[gi]);
         } else if (S > 3 && BITS3 == 8 && seg == 3) {
-          words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
-          scale[r] = static_cast<float>(scales3[gi]);
-          bias[r] = static_cast<float>(biases3[gi]);
+          next_words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
+          next_scale[r] = static_cast<float>(scales3[gi]);
+          next_bias[r] = static_cast<float>(biases3[gi]);
         }
       }
     }
-    for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
-      const uint w[4] = {words[r].x, words[r].y, words[r].z, words[r].w};
-      float dot = 0.0f;
-      for (uint j = 0; j < 4; ++j) {
-        for (uint i = 0; i < 4; ++i) {
-          dot += static_cast<float>((w[j] >> (8 * i)) & 0xFFu) * xv[4 * j + i];
-        }
+    if (step > 0) {
+      const uint k0 = k_next - SIMD_WIDTH * VALUES8;
+      const bool active = k0 < K;
+      // This lane's VALUES8 values (swizzled as written) and their sum.
+      float xv[VALUES8];
+      float xsum = 0.0f;
+      for (uint i = 0; i < VALUES8; ++i) {
+        const uint k = k0 + i;
+        const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
+        xv[i] = active ? static_cast<float>(xin[at]) : 0.0f;
+        xsum += xv[i];
       }
-      acc[r] += scale[r] * dot + bias[r] * xsum;
+      // 8 bits do not fit the bf16 pattern; at half the values per byte the
+      // conversions keep up with the memory.
+      for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+        const uint w[4] = {words[r].x, words[r].y, words[r].z, words[r].w};
+        float dot = 0.0f;
+        for (uint j = 0; j < 4; ++j) {
+          for (uint i = 0; i < 4; ++i) {
+            dot += static_cast<float>((w[j] >> (8 * i)) & 0xFFu) * xv[4 * j + i];
+          }
+        }
+        acc[r] += scale[r] * dot + bias[r] * xsum;
+      }
     }
   }
 }

@@ -265,6 +265,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> 
 
     def finish(outputs):
         flat, views, start = outputs[0], [], 0
+        if S == 1:
+            return (flat.reshape(1, 1, total),)
         for n in rows:
             views.append(flat[start : start + n].reshape(1, 1, n))
             start += n
