@@ -5,6 +5,7 @@ from .attention import attention, qk_norm_rope
 from .conv import conv1d_silu
 from .gated_delta import gated_delta, l2norm_qk
 from .gated_delta_decode import gated_delta_decode
+from .gemv import quantized_matvec
 from .matmul import matmul_nt
 from .moe import moe_combine, moe_experts
 from .moe_decode import moe_decode
@@ -16,4 +17,5 @@ __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv1d_silu", "gated_delta", "l2norm_qk", "gated_delta_decode",
     "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
+    "quantized_matvec",
 ]

@@ -1,0 +1,467 @@
+"""Quantized matrix-vector products for decode, with fused prologues and
+merged projections: ``quantized_matvec``.
+
+One decode token's dense projections that read the same input (DeltaNet's
+qkv/z/b/a, attention's q/k/v, the router gate with the shared-expert gate, the
+output projections, lm_head) in ONE dispatch, with the input's RMSNorm or
+attention's sigmoid output gate computed inside the kernel and the residual
+add as its epilogue::
+
+    quantized_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
+        -> tuple of S arrays [1, 1, N_s]
+
+* ``x`` [1, 1, K] bf16; ``weights``: S triples ``(w, scales, biases)`` as
+  ``nn.QuantizedLinear`` stores them (affine, no linear bias).
+* ``norm_weight`` [K]: the input is ``mx.fast.rms_norm(x, norm_weight, eps)``;
+  or ``gate`` [1, 1, G, D] (G * D = K, any strides, e.g. one half of each
+  head's row of a [1, 1, G, 2D] tensor): the input is ``x * mx.sigmoid(gate)``.
+* ``residual`` [1, 1, N] (one segment only): that segment is ``residual + y``.
+
+The reference is stock mlx-lm's op sequence (``mx.fast.rms_norm`` or the
+sigmoid product, ``mx.quantized_matmul`` per projection, ``residual + y``), so
+the reference path is stock's to the bit. The kernel (``gemv.metal``) writes
+one flat output of sum(N_s) values; the op returns views of it.
+
+The kernel takes: batch and tokens 1, bf16 x (and gate, residual), affine
+group-64 quantization at 4 or 8 bits (per segment), bf16 scales and biases,
+1 to 4 segments, K a multiple of 64 up to MAX_K (8192; 4096 with an fp32 norm
+weight, whose output stays fp32 as stock's does), a norm weight in bf16 or
+fp32. Everything else runs the reference.
+
+Contract (``quantized_matvec_agree``), per output row, against
+``precise_reference``: the reference's own prologue output xin (stock's, to
+the bit), the matmul summed in fp32 and rounded as stock rounds it. MLX's GPU
+kernels sum in fp32, so on a GPU that is the reference itself; MLX's CPU
+kernel sums bf16 inputs in bf16 (off by several bf16 steps at K = 320), which
+no fp32 kernel could be held to. With A = sum_k |w_k xin_k| (computed in the
+check) and R the matmul's own rounded row::
+
+    |kernel - expected| <= 2^-7 |expected| + 2^-7 |R| (residual only) + 2^-10 A
+
+Why: the kernel sums in fp32 in another order, so its fp32 row differs by a
+few fp32 steps of A (K <= 8192 terms: far below 2^-10 A); the row is rounded
+to bf16 once, and two fp32 values a hair apart may round to neighbouring bf16
+values (one bf16 step: at most 2^-7 of the value); with a residual the sum
+rounds again, after a possible one-step difference of R. The prologue rounds
+each input to bf16 as stock does, but its fp32 sum of squares in another order
+(and CUDA's rsqrt) can move an element's rounding by one bf16 step (2^-7 of
+that term) in rare cases; 2^-10 A covers such flips unless they carry an
+eighth of A. In the emulator all but about one row in 3000 equal the expected
+ones to the bit. A wrong group's scale or a missing part of K moves a row by
+far more than 2^-10 A.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.registry import LilyOp, register
+
+GROUP_SIZE = 64
+KERNEL_BITS = (4, 8)
+MAX_SEGMENTS = 4
+# The prologue's output lives in threadgroup memory as XT: K bf16 values
+# (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
+MAX_K = 8192
+MAX_K_FLOAT = 4096
+# Must match ROWS_PER_SIMDGROUP in gemv.metal.
+ROWS_PER_SIMDGROUP = 4
+# The body indexes with 32-bit unsigned integers.
+MAX_WORDS = 2**31
+# Occupancy targets for the SIMD groups per threadgroup: big calls (lm_head,
+# DeltaNet's qkv) take 8 (256 threads: the prologue's reads of x and the norm
+# weight are shared by 32 rows), smaller ones fewer, so that their few row
+# blocks still spread over the GPU's SMs.
+NSG_FOR_BLOCKS = ((2048, 8), (512, 4), (0, 2))
+
+_NONE = 0
+_NORM = 1
+_GATE = 2
+
+
+# -- reference -------------------------------------------------------------------
+
+
+def _bits_and_group(x: mx.array, w: mx.array, scales: mx.array) -> tuple[int, int]:
+    K = x.shape[-1]
+    return w.shape[-1] * 32 // K, K // scales.shape[-1]
+
+
+def _input_dtype(norm_weight) -> mx.Dtype:
+    """The matmuls' input (and output) dtype: rms_norm's result is fp32 with
+    an fp32 weight, bf16 otherwise."""
+    return mx.float32 if norm_weight is not None and norm_weight.dtype == mx.float32 else mx.bfloat16
+
+
+def prologue_reference(x, norm_weight=None, eps=0.0, gate=None):
+    """The matmuls' input as stock computes it."""
+    if norm_weight is not None:
+        return mx.fast.rms_norm(x, norm_weight, eps)
+    if gate is not None:
+        return x * mx.sigmoid(gate.reshape(x.shape))
+    return x
+
+
+def quantized_matvec_reference(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
+    """x [1, 1, K], weights: S triples (w, scales, biases) -> S arrays [1, 1, N_s].
+
+    Stock's sequence: the norm (``mx.fast.rms_norm``) or the output gate
+    (``x * mx.sigmoid(gate)``), ``mx.quantized_matmul`` per projection, and
+    ``residual + y`` (segment 0 only).
+    """
+    xin = prologue_reference(x, norm_weight, eps, gate)
+    outs = []
+    for w, scales, biases in weights:
+        bits, group = _bits_and_group(x, w, scales)
+        outs.append(
+            mx.quantized_matmul(
+                xin, w, scales=scales, biases=biases, transpose=True, group_size=group, bits=bits
+            )
+        )
+    if residual is not None:
+        outs[0] = residual + outs[0]
+    return tuple(outs)
+
+
+# -- which calls the kernel takes -------------------------------------------------
+
+
+def quantized_matvec_supports(
+    x, weights, norm_weight=None, eps=0.0, gate=None, residual=None
+) -> Optional[str]:
+    """None when the kernel takes this call, else why not."""
+    if x.ndim != 3 or tuple(x.shape[:2]) != (1, 1):
+        return f"x {tuple(x.shape)} (kernel: [1, 1, K], one token of one sequence)"
+    if x.dtype != mx.bfloat16:
+        return f"x dtype {x.dtype} (kernel: bfloat16)"
+    K = x.shape[-1]
+    if K == 0 or K % GROUP_SIZE:
+        return f"K={K} (kernel: a positive multiple of {GROUP_SIZE})"
+    if not isinstance(weights, (tuple, list)) or not 1 <= len(weights) <= MAX_SEGMENTS:
+        n = len(weights) if isinstance(weights, (tuple, list)) else type(weights).__name__
+        return f"{n} projections (kernel: 1 to {MAX_SEGMENTS} triples (w, scales, biases))"
+    for s, triple in enumerate(weights):
+        if not isinstance(triple, (tuple, list)) or len(triple) != 3 or any(a is None for a in triple):
+            return f"projection {s}: not a triple (w, scales, biases) (kernel: affine, biases given)"
+        w, scales, biases = triple
+        if w.ndim != 2 or w.dtype != mx.uint32:
+            return f"projection {s}: w {tuple(w.shape)} {w.dtype} (kernel: uint32 [N, K * bits / 32])"
+        N = w.shape[0]
+        if N == 0 or (w.shape[1] * 32) % K:
+            return f"projection {s}: w {tuple(w.shape)} for K={K}"
+        bits = w.shape[1] * 32 // K
+        if bits not in KERNEL_BITS:
+            return f"projection {s}: {bits}-bit (kernel: 4 or 8)"
+        for name, a in (("scales", scales), ("biases", biases)):
+            if tuple(a.shape) != (N, K // GROUP_SIZE):
+                return f"projection {s}: {name} {tuple(a.shape)} (kernel: group {GROUP_SIZE}, [{N}, {K // GROUP_SIZE}])"
+            if a.dtype != mx.bfloat16:
+                return f"projection {s}: {name} dtype {a.dtype} (kernel: bfloat16)"
+        if N * w.shape[1] >= MAX_WORDS:
+            return f"projection {s}: too large for 32-bit indexing"
+    if norm_weight is not None and gate is not None:
+        return "both a norm and a gate prologue (kernel: at most one)"
+    limit = MAX_K
+    if norm_weight is not None:
+        if tuple(norm_weight.shape) != (K,):
+            return f"norm_weight {tuple(norm_weight.shape)} (kernel: [{K}])"
+        if norm_weight.dtype not in (mx.bfloat16, mx.float32):
+            return f"norm_weight dtype {norm_weight.dtype} (kernel: bfloat16 or float32)"
+        if norm_weight.dtype == mx.float32:
+            limit = MAX_K_FLOAT
+    if K > limit:
+        return f"K={K} (kernel: at most {limit})"
+    if gate is not None:
+        if gate.dtype != mx.bfloat16:
+            return f"gate dtype {gate.dtype} (kernel: bfloat16)"
+        if gate.ndim == 3:
+            if tuple(gate.shape) != (1, 1, K):
+                return f"gate {tuple(gate.shape)} (kernel: [1, 1, {K}] or [1, 1, G, D], G * D = {K})"
+        elif gate.ndim != 4 or tuple(gate.shape[:2]) != (1, 1) or gate.shape[2] * gate.shape[3] != K:
+            return f"gate {tuple(gate.shape)} (kernel: [1, 1, G, D], G * D = {K})"
+    if residual is not None:
+        if len(weights) != 1:
+            return f"a residual with {len(weights)} projections (kernel: one)"
+        N = weights[0][0].shape[0]
+        if tuple(residual.shape) != (1, 1, N):
+            return f"residual {tuple(residual.shape)} (kernel: [1, 1, {N}])"
+        if residual.dtype != mx.bfloat16:
+            return f"residual dtype {residual.dtype} (kernel: bfloat16)"
+    return None
+
+
+# -- launch -------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _dummies() -> tuple:
+    """Stand-ins for inputs a call does not have. Eight elements at least: on
+    Metal, smaller inputs are ``constant``, which the body's uint4 loads of
+    weights cannot take."""
+    return (
+        mx.zeros((8,), mx.uint32),  # w
+        mx.zeros((8,), mx.bfloat16),  # scales, biases, norm_weight
+        mx.zeros((1, 1, 1, 1), mx.bfloat16),  # gate
+        mx.zeros((1, 1, 1), mx.bfloat16),  # residual
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(rows: tuple) -> mx.array:
+    """Per segment: end in row blocks, rows, first output row (4 each)."""
+    ends, offsets, blocks, offset = [], [], 0, 0
+    for n in rows:
+        blocks += -(-n // ROWS_PER_SIMDGROUP)
+        ends.append(blocks)
+        offsets.append(offset)
+        offset += n
+    pad = MAX_SEGMENTS - len(rows)
+    return mx.array(ends + [blocks] * pad + list(rows) + [0] * pad + offsets + [offset] * pad, dtype=mx.uint32)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalars(eps: float) -> mx.array:
+    return mx.array([eps], dtype=mx.float32)
+
+
+def simdgroups_for(blocks: int) -> int:
+    for at_least, nsg in NSG_FOR_BLOCKS:
+        if blocks >= at_least:
+            return nsg
+    return NSG_FOR_BLOCKS[-1][1]
+
+
+def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Launch:
+    K = x.shape[-1]
+    S = len(weights)
+    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
+    bits = [int(w.shape[1]) * 32 // K for w, _, _ in weights]
+    blocks = sum(-(-n // ROWS_PER_SIMDGROUP) for n in rows)
+    nsg = simdgroups_for(blocks)
+    threadgroups = -(-blocks // nsg)
+    dummy_w, dummy_h, dummy_gate, dummy_res = _dummies()
+    prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
+    XT = _input_dtype(norm_weight)
+    OutT = XT  # residual (bf16) + XT
+    inputs = [x]
+    for s in range(MAX_SEGMENTS):
+        inputs.extend(weights[s] if s < S else (dummy_w, dummy_h, dummy_h))
+    if gate is not None and gate.ndim == 3:
+        gate = gate.reshape(1, 1, 1, K)
+    inputs += [
+        norm_weight if norm_weight is not None else dummy_h,
+        gate if gate is not None else dummy_gate,
+        residual if residual is not None else dummy_res,
+        _layout(rows),
+        _scalars(float(eps)),
+    ]
+    total = sum(rows)
+
+    def finish(outputs):
+        flat, views, start = outputs[0], [], 0
+        if S == 1:
+            return (flat.reshape(1, 1, total),)
+        for n in rows:
+            views.append(flat[start : start + n].reshape(1, 1, n))
+            start += n
+        return tuple(views)
+
+    return Launch(
+        inputs=inputs,
+        grid=(threadgroups * nsg * SIMD_WIDTH, 1, 1),
+        threadgroup=(nsg * SIMD_WIDTH, 1, 1),
+        output_shapes=[(total,)],
+        output_dtypes=[OutT],
+        template=[
+            ("XT", XT),
+            ("OutT", OutT),
+            ("K", K),
+            ("S", S),
+            *((f"BITS{s}", bits[s] if s < S else 0) for s in range(MAX_SEGMENTS)),
+            ("NSG", nsg),
+            ("PROLOGUE", prologue),
+            ("RESIDUAL", residual is not None),
+        ],
+        finish=finish,
+    )
+
+
+# -- contract -----------------------------------------------------------------------
+
+
+def _f64(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+def _abs_sums(xin_abs, w, scales, biases, bits, group, chunk_values=2**24):
+    """sum_k |w_k| |xin_k| per row in fp32, dequantizing a few rows at a time
+    (at most chunk_values weights: lm_head's would take 2 GB at once)."""
+    K = xin_abs.shape[-1]
+    step = max(1, chunk_values // K)
+    parts = []
+    for r in range(0, w.shape[0], step):
+        dense = mx.dequantize(
+            w[r : r + step], scales[r : r + step].astype(mx.float32), biases[r : r + step].astype(mx.float32),
+            group_size=group, bits=bits,
+        )
+        parts.append(mx.abs(dense) @ xin_abs.reshape(K))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)
+
+
+def precise_reference(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
+    """The reference's outputs with its matmuls summed in fp32 (what MLX's GPU
+    kernels compute; its CPU kernel sums bf16 inputs in bf16), and per
+    segment, per row, (the sum_k |w_k xin_k|, the matmul's own rounded rows):
+    for stock's own matmul input xin (the reference's prologue, rounded as
+    stock rounds it)."""
+    xin = prologue_reference(x, norm_weight, eps, gate)
+    xin32 = xin.astype(mx.float32)
+    outs, sizes = [], []
+    for s, (w, scales, biases) in enumerate(weights):
+        bits, group = _bits_and_group(x, w, scales)
+        rows = mx.quantized_matmul(
+            xin32, w, scales=scales.astype(mx.float32), biases=biases.astype(mx.float32),
+            transpose=True, group_size=group, bits=bits,
+        ).astype(xin.dtype)
+        outs.append(residual + rows if s == 0 and residual is not None else rows)
+        sizes.append((_abs_sums(mx.abs(xin32), w, scales, biases, bits, group).reshape(rows.shape), rows))
+    return tuple(outs), sizes
+
+
+def quantized_matvec_agree(got, want, x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
+    """None when the kernel's outputs meet the contract (module docstring),
+    else which segment is off and by how much. ``want`` (the reference's
+    result) gives the shapes and dtypes; the values are judged against
+    ``precise_reference``."""
+    if len(got) != len(want):
+        return f"{len(got)} outputs (reference: {len(want)})"
+    expected, sizes = precise_reference(x, weights, norm_weight, eps, gate, residual)
+    for s, (g, w, e, (sums, rows)) in enumerate(zip(got, want, expected, sizes)):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"segment {s}: {tuple(g.shape)} {g.dtype} (reference: {tuple(w.shape)} {w.dtype})"
+        e = _f64(e)
+        tol = 2.0**-7 * np.abs(e) + 2.0**-10 * _f64(sums)
+        if s == 0 and residual is not None:
+            tol += 2.0**-7 * np.abs(_f64(rows))
+        gf = _f64(g)
+        err = np.abs(gf - e)
+        bad = ~(err <= tol)
+        if bad.any():
+            row = int(np.argmax(np.where(bad, err - tol, -np.inf).reshape(-1)))
+            return (
+                f"segment {s}: {int(bad.sum())} of {bad.size} rows off, e.g. row {row}: "
+                f"kernel {gf.reshape(-1)[row]:.6g}, fp32 sums {e.reshape(-1)[row]:.6g} "
+                f"(tolerance {tol.reshape(-1)[row]:.3g})"
+            )
+    return None
+
+
+def quantized_matvec_compare(got, want) -> tuple[bool, float]:
+    """(acceptable, largest error relative to the largest value), for doctor
+    (which has no inputs to bound the sums with: 2^-6 of the largest value)."""
+    worst = 0.0
+    for g, w in zip(got, want):
+        gf = np.array(g.astype(mx.float32)).astype(np.float64)
+        wf = np.array(w.astype(mx.float32)).astype(np.float64)
+        if gf.shape != wf.shape or not np.isfinite(gf).all():
+            return False, math.inf
+        worst = max(worst, float(np.abs(gf - wf).max(initial=0.0)) / max(float(np.abs(wf).max(initial=0.0)), 1e-30))
+    return worst <= 2.0**-6, worst
+
+
+# -- inputs for tests, the self-check and the fuzz ------------------------------------
+
+
+def make_weights(K: int, rows: Sequence[int], bits: Sequence[int], rng=None, seed=0):
+    """Quantized projections (w, scales, biases) [N, K] at these bits, group 64,
+    as ``nn.QuantizedLinear`` would hold them."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    out = []
+    for n, b in zip(rows, bits):
+        dense = mx.array((rng.standard_normal((n, K)) * K**-0.5).astype(np.float32)).astype(mx.bfloat16)
+        out.append(tuple(mx.quantize(dense, group_size=GROUP_SIZE, bits=b)))
+    return tuple(out)
+
+
+def make_call(K, rows, bits, prologue="none", residual=False, norm_dtype=mx.bfloat16, rng=None, seed=0):
+    """A call at these shapes: (args, kwargs). prologue 'none', 'norm' or
+    'gate' (a strided [1, 1, G, D] view: the second half of each of G rows of
+    a [1, 1, G, 2D] tensor)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    x = normal(1, 1, K).astype(mx.bfloat16)
+    weights = make_weights(K, rows, bits, rng=rng)
+    kwargs = {}
+    if prologue == "norm":
+        kwargs["norm_weight"] = (1 + 0.2 * normal(K)).astype(norm_dtype)
+        kwargs["eps"] = 1e-6
+    elif prologue == "gate":
+        heads = [g for g in (1, 2, 3, 5, 8) if K % g == 0 and (K // g) % 2 == 0]
+        G = heads[int(rng.integers(len(heads)))]
+        D = K // G
+        both = (2 * normal(1, 1, G, 2 * D)).astype(mx.bfloat16)
+        kwargs["gate"] = mx.split(both, 2, axis=-1)[1]
+    if residual:
+        kwargs["residual"] = normal(1, 1, rows[0]).astype(mx.bfloat16)
+    return (x, weights), kwargs
+
+
+def _sample():
+    return make_call(128, (40, 5), (4, 8), prologue="norm", seed=11)
+
+
+def _fuzz(rng):
+    """A random call: 1-4 segments of 1-70 rows (not multiples of the row
+    blocking), 4- and 8-bit mixed, K up to 512, each prologue, a residual."""
+    K = int(rng.choice([64, 128, 192, 320, 512]))
+    S = int(rng.integers(1, MAX_SEGMENTS + 1))
+    rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
+    bits = tuple(int(rng.choice(KERNEL_BITS)) for _ in range(S))
+    prologue = ("none", "norm", "gate")[int(rng.integers(3))]
+    norm_dtype = mx.float32 if rng.random() < 0.25 else mx.bfloat16
+    residual = S == 1 and rng.random() < 0.5
+    return make_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng)
+
+
+quantized_matvec_kernel = Kernel(
+    name="quantized_matvec",
+    input_names=(
+        "x",
+        "w0", "scales0", "biases0",
+        "w1", "scales1", "biases1",
+        "w2", "scales2", "biases2",
+        "w3", "scales3", "biases3",
+        "norm_weight", "gate", "residual", "layout", "scalars",
+    ),
+    output_names=("out",),
+    body="gemv.metal",
+    launch=_launch,
+    reference=quantized_matvec_reference,
+    sample=_sample,
+    agree=quantized_matvec_agree,
+    row_contiguous=False,
+    # For lily_tile_unpack only (bf16 bit patterns to floats), no matrix tiles.
+    tiles=True,
+)
+
+
+quantized_matvec = register(
+    LilyOp(
+        "quantized_matvec",
+        quantized_matvec_reference,
+        kernel=quantized_matvec_kernel,
+        supports=quantized_matvec_supports,
+        description="decode GEMV: merged quantized projections with a fused norm/gate prologue and residual",
+        sample=_sample,
+        compare=quantized_matvec_compare,
+        fuzz=_fuzz,
+        in_model=True,
+    )
+)

@@ -1,0 +1,248 @@
+"""The decode GEMV with merged projections, fused prologues and the residual
+epilogue (quantized_matvec).
+
+In the CPU emulator against the contract at small odd shapes (K 64 to 1088,
+rows not multiples of the row blocking, 1 to 4 segments, 4/8-bit mixes, each
+prologue, the strided gate view, a strided x, the residual); supports()'s
+refusals; the reference against stock's own modules to the bit; the contract
+rejecting wrong results; compiled for CUDA with nvcc at the model's shapes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_lily import kernels as K
+from mlx_lily.kernels.gemv import (
+    MAX_K,
+    make_call,
+    make_weights,
+    precise_reference,
+    quantized_matvec_agree,
+    quantized_matvec_kernel,
+    quantized_matvec_reference,
+    quantized_matvec_supports,
+)
+
+from test_toolchain import _mlx_cuda_include, emulator_or_skip
+
+# (K, rows per segment, bits per segment, prologue, residual)
+CASES = [
+    (192, (1,), (4,), "none", False),
+    (192, (7,), (8,), "norm", True),
+    (320, (33,), (4,), "gate", True),
+    (320, (7, 33, 1), (8, 4, 4), "norm", False),
+    (192, (33, 1, 7, 5), (4, 8, 8, 4), "gate", False),
+    (64, (5, 2), (8, 4), "none", False),
+    (1088, (9, 3), (4, 8), "norm", False),  # more than one step of K per lane
+]
+
+
+def check(args, kwargs):
+    assert quantized_matvec_supports(*args, **kwargs) is None
+    got = quantized_matvec_kernel.emulate(*args, **kwargs)
+    want = quantized_matvec_reference(*args, **kwargs)
+    mx.eval(got, want)
+    mismatch = quantized_matvec_agree(got, want, *args, **kwargs)
+    assert mismatch is None, mismatch
+    return got, want
+
+
+@pytest.mark.parametrize("K_, rows, bits, prologue, residual", CASES)
+def test_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residual):
+    emulator_or_skip()
+    args, kwargs = make_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows))
+    got, want = check(args, kwargs)
+    assert [g.shape for g in got] == [(1, 1, n) for n in rows]
+    assert all(g.dtype == mx.bfloat16 for g in got)
+    # Each row is its fp32 sum rounded once: all but a rare few equal the
+    # fp32-summed reference's to the bit.
+    precise, _ = precise_reference(*args, **kwargs)
+    rows = sum(n for n in rows)
+    same = sum(int(mx.sum(g == p).item()) for g, p in zip(got, precise))
+    assert same >= rows - max(1, rows // 20)
+
+
+def test_fp32_norm_weight_keeps_fp32_like_stock():
+    emulator_or_skip()
+    args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3)
+    got, want = check(args, kwargs)
+    assert got[0].dtype == want[0].dtype == mx.float32
+
+
+def test_strided_inputs_are_read_through_their_strides():
+    emulator_or_skip()
+    args, kwargs = make_call(128, (6, 3), (4, 8), "gate", seed=4)
+    x, weights = args
+    # x and the gate with an inner stride of 2; the gate also half of each row.
+    x = mx.repeat(x, 2, axis=-1)[..., ::2]
+    wide = mx.repeat(mx.concatenate([kwargs["gate"], kwargs["gate"]], axis=-1), 2, axis=-1)
+    kwargs["gate"] = mx.split(wide, 2, axis=-1)[1][..., ::2]
+    check((x, weights), kwargs)
+    residual = mx.repeat(mx.ones((1, 1, 6), mx.bfloat16), 3, axis=-1)[..., ::3]
+    check((x, weights[:1]), {"residual": residual})
+
+
+def test_a_wrong_result_fails_the_contract():
+    args, kwargs = make_call(320, (12, 5), (4, 8), "norm", seed=5)
+    want = quantized_matvec_reference(*args, **kwargs)
+    precise, _ = precise_reference(*args, **kwargs)
+    assert quantized_matvec_agree(precise, want, *args, **kwargs) is None
+    # One group's scale 50% off in one row.
+    x, weights = args
+    w, scales, biases = weights[0]
+    bumped = mx.array(np.array(scales.astype(mx.float32)))
+    bumped[3, 2] = bumped[3, 2] * 1.5
+    wrong, _ = precise_reference(x, ((w, bumped.astype(mx.bfloat16), biases), weights[1]), **kwargs)
+    assert "segment 0: 1 of 12 rows off, e.g. row 3" in quantized_matvec_agree(wrong, want, *args, **kwargs)
+    # No prologue, a zeroed segment, a missing one, the wrong dtype.
+    plain, _ = precise_reference(*args)
+    assert quantized_matvec_agree(plain, want, *args, **kwargs) is not None
+    assert "segment 1" in quantized_matvec_agree((precise[0], precise[1] * 0), want, *args, **kwargs)
+    assert "outputs" in quantized_matvec_agree(precise[:1], want, *args, **kwargs)
+    as_f32 = tuple(p.astype(mx.float32) for p in precise)
+    assert "float32" in quantized_matvec_agree(as_f32, want, *args, **kwargs)
+
+
+def test_supports_refuses_what_the_kernel_does_not_take():
+    args, kwargs = make_call(128, (8, 4), (4, 8), seed=6)
+    x, weights = args
+    assert quantized_matvec_supports(x, weights) is None
+    assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=1), weights)
+    assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=0), weights)
+    assert "bfloat16" in quantized_matvec_supports(x.astype(mx.float16), weights)
+    w2 = make_weights(128, (8,), (2,))
+    assert "2-bit" in quantized_matvec_supports(x, w2)
+    dense = mx.zeros((8, 128), mx.bfloat16)
+    g32 = tuple(mx.quantize(dense, group_size=32, bits=4))
+    assert "group 64" in quantized_matvec_supports(x, (g32,))
+    assert "triple" in quantized_matvec_supports(x, ((weights[0][0], weights[0][1], None),))
+    assert "for K=192" in quantized_matvec_supports(mx.zeros((1, 1, 192), mx.bfloat16), weights)
+    assert "scales (8, 2)" in quantized_matvec_supports(x[..., :64], weights)
+    assert "1 to 4" in quantized_matvec_supports(x, weights * 3)
+    assert "1 to 4" in quantized_matvec_supports(x, ())
+    res = mx.zeros((1, 1, 8), mx.bfloat16)
+    assert "residual with 2" in quantized_matvec_supports(x, weights, residual=res)
+    assert "residual (1, 1, 4)" in quantized_matvec_supports(x, weights[:1], residual=res[..., :4])
+    assert "at most one" in quantized_matvec_supports(
+        x, weights, norm_weight=mx.ones((128,)), gate=mx.zeros((1, 1, 2, 64), mx.bfloat16)
+    )
+    assert "G * D" in quantized_matvec_supports(x, weights, gate=mx.zeros((1, 1, 3, 64), mx.bfloat16))
+    assert "float16" in quantized_matvec_supports(x, weights, norm_weight=mx.ones((128,), mx.float16))
+    assert quantized_matvec_supports(x, weights, norm_weight=mx.ones((128,), mx.float32)) is None
+    big = MAX_K + 64
+    wide = (mx.zeros((1, big // 8), mx.uint32), mx.zeros((1, big // 64), mx.bfloat16), mx.zeros((1, big // 64), mx.bfloat16))
+    assert f"at most {MAX_K}" in quantized_matvec_supports(mx.zeros((1, 1, big), mx.bfloat16), (wide,))
+    mid = (mx.zeros((1, 8192 // 8), mx.uint32), mx.zeros((1, 128), mx.bfloat16), mx.zeros((1, 128), mx.bfloat16))
+    x8k = mx.zeros((1, 1, 8192), mx.bfloat16)
+    assert quantized_matvec_supports(x8k, (mid,), norm_weight=mx.ones((8192,), mx.bfloat16)) is None
+    assert "at most 4096" in quantized_matvec_supports(x8k, (mid,), norm_weight=mx.ones((8192,), mx.float32))
+
+
+def test_the_reference_is_stock_s_modules_to_the_bit():
+    rng = np.random.default_rng(7)
+    Kd, D = 256, 64
+    x = mx.array(rng.standard_normal((1, 1, Kd)).astype(np.float32)).astype(mx.bfloat16)
+
+    def qlinear(n, bits):
+        layer = nn.Linear(Kd, n, bias=False)
+        layer.weight = mx.array(rng.standard_normal((n, Kd)).astype(np.float32) * 0.05).astype(mx.bfloat16)
+        return nn.QuantizedLinear.from_linear(layer, group_size=64, bits=bits)
+
+    def triple(layer):
+        return (layer.weight, layer.scales, layer.biases)
+
+    norm = nn.RMSNorm(Kd, eps=1e-6)
+    norm.weight = (1 + 0.1 * mx.array(rng.standard_normal(Kd).astype(np.float32))).astype(mx.bfloat16)
+    q, k, r = qlinear(48, 4), qlinear(17, 4), qlinear(5, 8)
+    got = quantized_matvec_reference(x, (triple(q), triple(k), triple(r)), norm_weight=norm.weight, eps=norm.eps)
+    h = norm(x)
+    for g, layer in zip(got, (q, k, r)):
+        assert mx.array_equal(g, layer(h)).item() and g.dtype == mx.bfloat16
+    # Attention's output gate and o_proj with the residual, as stock writes them.
+    o = qlinear(40, 4)
+    both = mx.array(rng.standard_normal((1, 1, Kd // D, 2 * D)).astype(np.float32)).astype(mx.bfloat16)
+    _, gate = mx.split(both, 2, axis=-1)
+    resid = mx.array(rng.standard_normal((1, 1, 40)).astype(np.float32)).astype(mx.bfloat16)
+    (got,) = quantized_matvec_reference(x, (triple(o),), gate=gate, residual=resid)
+    stock = resid + o(x * mx.sigmoid(gate.reshape(1, 1, -1)))
+    assert mx.array_equal(got, stock).item()
+
+
+def test_the_op_returns_views_of_one_output_and_is_registered():
+    assert K.OPS["quantized_matvec"] is K.quantized_matvec
+    assert K.quantized_matvec.in_model and K.quantized_matvec.fuzz is not None
+    args, kwargs = make_call(128, (5, 3), (4, 8), seed=8)
+    launch = quantized_matvec_kernel.launch(*args, **kwargs)
+    assert launch.output_shapes == [(8,)]
+    flat = mx.arange(8).astype(mx.bfloat16)
+    a, b = launch.finish([flat])
+    assert a.shape == (1, 1, 5) and b.shape == (1, 1, 3)
+    assert b.reshape(-1).tolist() == [5, 6, 7]
+
+
+def test_the_op_takes_the_kernel_through_the_registry(emulator_backend, fresh_notices):
+    args, kwargs = make_call(128, (3, 9), (8, 4), "gate", seed=9)
+    got = K.quantized_matvec(*args, **kwargs)
+    assert K.quantized_matvec.last_path == "kernel", K.quantized_matvec.last_reason
+    assert quantized_matvec_agree(got, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+    # A call the kernel does not take runs the reference, and says why.
+    x, weights = args
+    K.quantized_matvec(mx.concatenate([x, x], axis=1), weights)
+    assert K.quantized_matvec.last_path == "reference" and "one token" in K.quantized_matvec.last_reason
+
+
+def _zeros_weights(Kd, rows, bits):
+    return tuple(
+        (mx.zeros((n, Kd * b // 32), mx.uint32), mx.zeros((n, Kd // 64), mx.bfloat16), mx.zeros((n, Kd // 64), mx.bfloat16))
+        for n, b in zip(rows, bits)
+    )
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    x2k, x4k = mx.zeros((1, 1, 2048), mx.bfloat16), mx.zeros((1, 1, 4096), mx.bfloat16)
+    norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
+    calls = {
+        # DeltaNet qkv/z/b/a (attention's q/k/v and lm_head differ only in
+        # rows, which the kernel reads from its layout input), the router with
+        # the shared gate, out_proj and o_proj with the residual, o_proj's gate.
+        "deltanet": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)), norm),
+        "router": (x2k, _zeros_weights(2048, (256, 1), (8, 8)), norm),
+        "out_proj": (x4k, _zeros_weights(4096, (2048,), (4,)), {"residual": mx.zeros((1, 1, 2048), mx.bfloat16)}),
+        "o_proj": (
+            x4k,
+            _zeros_weights(4096, (2048,), (4,)),
+            {
+                "gate": mx.split(mx.zeros((1, 1, 16, 512), mx.bfloat16), 2, axis=-1)[1],
+                "residual": mx.zeros((1, 1, 2048), mx.bfloat16),
+            },
+        ),
+        "fp32_norm": (x2k, _zeros_weights(2048, (64, 7), (8, 4)), {"norm_weight": mx.ones((2048,)), "eps": 1e-6}),
+    }
+    runs = {}
+    for name, (x, weights, kwargs) in calls.items():
+        assert quantized_matvec_supports(x, weights, **kwargs) is None, name
+        source = tmp_path / f"gemv_{name}.cu"
+        source.write_text(quantized_matvec_kernel.cuda_translation_unit(x, weights, **kwargs))
+        ptx = tmp_path / f"gemv_{name}.ptx"
+        runs[name] = (ptx, subprocess.Popen(
+            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    for name, (ptx, run) in runs.items():
+        _, stderr = run.communicate()
+        assert run.returncode == 0, f"{name}, nvcc with {which}:\n{stderr[-6000:]}"
+        text = ptx.read_text()
+        # A lane's values and rows stay in registers; weights move 16 bytes a load.
+        assert "ld.local" not in text and "st.local" not in text, name
+        assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
