@@ -186,6 +186,13 @@ def test_agree_rejects_wrong_positions_pairs_and_norms():
     assert "over the bound" in qk_norm_rope_agree(late, want, *args)
     flipped = qk_norm_rope_reference(q, k, qw, kw, eps, nn.RoPE(16, traditional=True, base=1e7), offset)
     assert qk_norm_rope_agree(flipped, want, *args) is not None
+    # A left-padded row's negative positions: its rotated values are not
+    # judged (MLX's GPU kernels wrap them), from position 0 on they are.
+    elsewhere = qk_norm_rope_reference(q, k, qw, kw, eps, rope, 1000)
+    for start, judged in ((-3, False), (-1, True)):
+        at = mx.array([start])
+        padded = qk_norm_rope_reference(q, k, qw, kw, eps, rope, at)
+        assert (qk_norm_rope_agree(elsewhere, padded, q, k, qw, kw, eps, rope, at) is not None) == judged
     unweighted = qk_norm_rope_reference(q, k, mx.ones_like(qw), kw, eps, rope, offset)
     assert "q:" in qk_norm_rope_agree(unweighted, want, *args)
     # Three steps of bf16 on one passed-through value are too many; one is not.
