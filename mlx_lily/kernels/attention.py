@@ -1,4 +1,5 @@
-"""Full attention: q/k RMSNorm + partial RoPE, and GQA scaled dot-product attention.
+"""Full attention: q/k RMSNorm + partial RoPE (``qk_norm_rope``, its own
+module, re-exported here), and GQA scaled dot-product attention.
 
 The attention op's reference is MLX's ``scaled_dot_product_attention`` (what
 stock mlx-lm calls). Its kernels (:class:`AttentionKernels`):
@@ -26,18 +27,12 @@ from typing import Optional
 
 import mlx.core as mx
 import numpy as np
-import mlx.nn as nn
 
 from .._notice import notice_once
 from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
-
-
-def qk_norm_rope_reference(q, k, q_weight, k_weight, eps, rope, offset):
-    """q [B, L, Hq, D], k [B, L, Hkv, D] -> normed, rotated, as [B, H, L, D]."""
-    q = mx.fast.rms_norm(q, q_weight, eps).transpose(0, 2, 1, 3)
-    k = mx.fast.rms_norm(k, k_weight, eps).transpose(0, 2, 1, 3)
-    return rope(q, offset=offset), rope(k, offset=offset)
+# The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
+from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
 
 def attention_reference(q, k, v, scale, mask):
@@ -389,13 +384,6 @@ def attention_supports(q, k, v, scale, mask) -> Optional[str]:
     return prefill_supports(q, k, v, scale, mask)
 
 
-def _sample_norm_rope():
-    keys = mx.random.split(mx.random.key(7), 2)
-    q = mx.random.normal((1, 3, 4, 32), key=keys[0]).astype(mx.bfloat16)
-    k = mx.random.normal((1, 3, 2, 32), key=keys[1]).astype(mx.bfloat16)
-    return (q, k, mx.ones((32,)), mx.ones((32,)), 1e-6, nn.RoPE(8, base=1e7), 5), {}
-
-
 def _sample_attention():
     # A decode step on a strided KV view (the first 9 rows of a 14-row cache),
     # as mlx-lm's KVCache passes it: the decode kernel's single pass.
@@ -421,11 +409,6 @@ def _fuzz_attention(rng):
     v = normal(1, hkv, S + spare, D)[:, :, :S, :]
     return (q, k, v, D**-0.5, mask), {}
 
-
-qk_norm_rope = register(
-    LilyOp("qk_norm_rope", qk_norm_rope_reference, description="q/k RMSNorm + partial RoPE")
-)
-qk_norm_rope.sample = _sample_norm_rope
 
 attention_kernels = AttentionKernels()
 
