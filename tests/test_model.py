@@ -40,9 +40,9 @@ def engines(request, demo_checkpoint, alt_checkpoint):
 @pytest.fixture
 def op_calls(monkeypatch):
     """Count the calls each lily op receives, on either path (to prove lily's path ran)."""
-    # gated_delta_decode and moe_decode serve single-token steps only (a
+    # gated_delta_decode, moe_decode and quantized_matvec serve single-token steps only (a
     # prompt never calls them; their own tests hold the model's decode to them).
-    decode_only = ("gated_delta_decode", "moe_decode")
+    decode_only = ("gated_delta_decode", "moe_decode", "quantized_matvec")
     calls = {name: 0 for name, op in K.OPS.items() if op.in_model and name not in decode_only}
     original = LilyOp.__call__
 
@@ -132,8 +132,9 @@ def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):
     # CPU quantized matmul accumulates bf16 products in bf16 (~4% of the scale
     # at these widths) and its bf16 sigmoid can land a step off: far above this
     # test's tolerance. They are held to a precise reference per layer, and the
-    # model with them to stock, in test_moe_kernels.py.
-    for name in ("moe_experts", "moe_combine"):
+    # model with them to stock, in test_moe_kernels.py. The same holds for the
+    # decode GEMV and MoE chain (test_gemv.py, test_moe_decode.py).
+    for name in ("moe_experts", "moe_combine", "moe_decode", "quantized_matvec"):
         monkeypatch.setattr(K.OPS[name], "kernel", None)
     stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
     lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")

@@ -4,7 +4,8 @@ mlx-lm makes (any batch, padding masks, KVCache / BatchKVCache, padded
 ArraysCache); see fast_path.py for what still runs the stock layer's code."""
 
 from .attention import LilyAttention
+from .decoder import LilyDecoderLayer
 from .gated_deltanet import LilyGatedDeltaNet
 from .moe import LilySparseMoeBlock
 
-__all__ = ["LilyAttention", "LilyGatedDeltaNet", "LilySparseMoeBlock"]
+__all__ = ["LilyAttention", "LilyDecoderLayer", "LilyGatedDeltaNet", "LilySparseMoeBlock"]

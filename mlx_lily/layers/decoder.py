@@ -1,0 +1,206 @@
+"""The decoder layer, and its fused path for one decode token.
+
+Stock's layer is ``h = x + mixer(norm(x)); out = h + moe(norm(h))``, a
+hundred-odd small launches per decode token. For one token of one sequence
+lily runs the same math as a few fused kernels, each reading its weights once:
+
+Gated DeltaNet layer (6 launches)::
+
+    qkv, z, b, a = gemv(rms_norm(x); in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    y, conv, state = gated_delta_decode(...)          # conv, norms, gates, recurrence
+    h = x + gemv(y; out_proj)
+    logits, shared_logit = gemv(rms_norm(h); gate, shared_expert_gate)
+    out = moe_decode(h, logits, shared_logit, ...)    # 2 launches: gate/up, down
+
+Full-attention layer: ``gemv(rms_norm(x); q, k, v)``, ``qk_norm_rope``, the
+KV-cache write (stock's cache), ``attention``, ``h = x + gemv(out *
+sigmoid(gate); o_proj)``, then the same MoE chain.
+
+Each op keeps its reference (stock's own op sequence) and chooses per call as
+every lily op does, so a shape or quantization the kernels do not take still
+computes stock's result. Calls that are not one decode token of one sequence
+(prefill, batches, masks, batch caches), training, sharded layers, and layers
+whose projections are not quantized linears without bias run stock's layer
+flow (with lily's mixer and MoE classes).
+
+Python per token: after a layer's first fused decode step (which runs its
+kernels' first-use checks), the Gated DeltaNet step and the MoE chain run as
+``mx.compile``-d functions of (x, states), so later tokens replay a traced
+graph instead of running the ops' Python. The weights are captured as
+constants; a compiled step is rebuilt if the layer's weights are replaced
+(``_weights_key``). ``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer
+
+from .. import kernels as K
+from .._notice import notice_once
+from ..toolchain.registry import kernel_backend
+from .fast_path import record, why_stock
+
+COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
+
+
+def _triple(linear) -> tuple:
+    return (linear.weight, linear.scales, linear.biases)
+
+
+def _plain_quantized(*linears) -> bool:
+    """Quantized linears without bias (what the fused GEMV reads)."""
+    return all(
+        isinstance(m, nn.QuantizedLinear) and "bias" not in m and getattr(m, "mode", "affine") == "affine"
+        for m in linears
+    )
+
+
+def compile_enabled() -> bool:
+    """Off by MLX_LILY_COMPILE_DECODE=0, and in the CPU emulator (it runs a
+    kernel when it is called, which a trace does not allow)."""
+    if os.environ.get(COMPILE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return kernel_backend()[0] != "emulator"
+
+
+class LilyDecoderLayer(DecoderLayer):
+    def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Any = None) -> mx.array:
+        if self._takes_decode(x, mask, cache):
+            # A failed step leaves the cache as it found it: the recurrent
+            # states are assigned only at the end, and the KV cache's write is
+            # undone by restoring its offset (the retry rewrites that slot).
+            offset = None if self.is_linear else cache.offset
+            try:
+                return self._decode(x, cache)
+            except Exception as exc:  # noqa: BLE001 - a failing fused step must not stop generation
+                if offset is not None:
+                    cache.offset = offset
+                self._fused_failed(exc)
+        return super().__call__(x, mask, cache)
+
+    # -- which calls the fused path takes --------------------------------------
+
+    def _takes_decode(self, x: mx.array, mask: Any, cache: Any) -> bool:
+        if mask is not None or cache is None or x.shape[0] != 1 or x.shape[1] != 1:
+            return False
+        ok = self.__dict__.get("_lily_decode_ok")
+        if ok is None:
+            ok = self._lily_decode_ok = self._layer_fits()
+        if not ok:
+            return False
+        if self.is_linear:
+            return type(cache) is ArraysCache and cache.lengths is None and cache.left_padding is None \
+                and cache[1] is not None
+        return type(cache) is KVCache
+
+    def _layer_fits(self) -> bool:
+        """Once per layer: the parts the fused path reads are there."""
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        if why_stock(mixer) is not None or why_stock(self.mlp) is not None:
+            return False
+        mlp = self.mlp
+        if not all(hasattr(mlp, n) for n in ("gate", "switch_mlp", "shared_expert", "shared_expert_gate")):
+            return False
+        if self.is_linear:
+            projections = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj)
+        else:
+            projections = (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj)
+        return _plain_quantized(*projections, mlp.gate, mlp.shared_expert_gate)
+
+    def _fused_failed(self, exc: Exception) -> None:
+        self._lily_decode_ok = False
+        notice_once(
+            f"fused-decode-failed:{type(exc).__name__}",
+            f"lily's fused decode step failed ({type(exc).__name__}: {str(exc)[:200]}); "
+            "this layer decodes through its unfused ops from now on",
+        )
+
+    # -- the fused step ----------------------------------------------------------
+
+    def _decode(self, x: mx.array, cache: Any) -> mx.array:
+        record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, None, cache)
+        record("MoE", "lily fused decode", x)
+        if self.is_linear:
+            step = self._compiled("_lily_linear_step", self._linear_step)
+            out, cache[0], cache[1] = step(x, cache[0], cache[1])
+            cache.advance(1)
+            return out
+        h = self._attention_step(x, cache)
+        return self._compiled("_lily_moe_step", self._moe_step)(h)
+
+    def _compiled(self, name: str, fn: Callable) -> Callable:
+        """``fn`` itself for a layer's first call (its kernels' first-use
+        checks evaluate arrays, which a trace may not), then ``mx.compile(fn)``."""
+        if not compile_enabled():
+            return fn
+        held = self.__dict__.get(name)
+        key = self._weights_key()
+        if held is None or held[0] != key:
+            self.__dict__[name] = (key, None)
+            return fn
+        if held[1] is None:
+            self.__dict__[name] = held = (key, mx.compile(fn))
+        return held[1]
+
+    def _weights_key(self) -> tuple:
+        """Identities of every array the layer holds (the compiled steps
+        capture them): replacing any (load_weights, update, a new scale)
+        changes the key. A few microseconds: the arrays' places are listed once."""
+        places = self.__dict__.get("_lily_array_places")
+        if places is None:
+            places = self._lily_array_places = [
+                (module, name)
+                for _, module in self.named_modules()
+                for name, value in module.items()
+                if isinstance(value, mx.array)
+            ]
+        return tuple(id(module[name]) for module, name in places)
+
+    def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array):
+        la, norm = self.linear_attn, self.input_layernorm
+        qkv, z, b, a = K.quantized_matvec(
+            x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
+            norm.weight, norm.eps,
+        )
+        z = z.reshape(1, 1, la.num_v_heads, la.head_v_dim)
+        if conv_state is None:
+            conv_state = mx.zeros((1, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
+        y, conv_state, state = K.gated_delta_decode(
+            qkv, z, a, b, conv_state, la.conv1d.weight, la.A_log, la.dt_bias, state,
+            la.norm.weight, la.norm.eps, la.num_k_heads,
+        )
+        (h,) = K.quantized_matvec(y.reshape(1, 1, -1), (_triple(la.out_proj),), residual=x)
+        return self._moe_step(h), conv_state, state
+
+    def _attention_step(self, x: mx.array, cache: KVCache) -> mx.array:
+        sa, norm = self.self_attn, self.input_layernorm
+        q, k, v = K.quantized_matvec(
+            x, (_triple(sa.q_proj), _triple(sa.k_proj), _triple(sa.v_proj)), norm.weight, norm.eps
+        )
+        queries, gate = mx.split(q.reshape(1, 1, sa.num_attention_heads, -1), 2, axis=-1)
+        keys = k.reshape(1, 1, sa.num_key_value_heads, -1)
+        values = v.reshape(1, 1, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys = K.qk_norm_rope(
+            queries, keys, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.rope, cache.offset
+        )
+        keys, values = cache.update_and_fetch(keys, values)
+        out = K.attention(queries, keys, values, sa.scale, None)
+        out = out.transpose(0, 2, 1, 3).reshape(1, 1, -1)
+        (h,) = K.quantized_matvec(out, (_triple(sa.o_proj),), gate=gate, residual=x)
+        return h
+
+    def _moe_step(self, h: mx.array) -> mx.array:
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        logits, shared_logit = K.quantized_matvec(
+            h, (_triple(mlp.gate), _triple(mlp.shared_expert_gate)), norm.weight, norm.eps
+        )
+        return K.moe_decode(
+            h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
+            mlp.switch_mlp, mlp.shared_expert,
+        )

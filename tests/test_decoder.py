@@ -1,0 +1,129 @@
+"""The decoder layer's fused decode path (mlx_lily/layers/decoder.py).
+
+On the reference backend every op of the fused path computes stock's op
+sequence, so lily's decode must equal stock's to the bit, eager and compiled.
+The kernels themselves are held to their references in their own tests (the
+CPU emulator) and the model with them to stock's greedy tokens in
+test_model.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lily
+from mlx_lily import kernels as K
+from mlx_lily import paths
+from mlx_lily.layers import LilyDecoderLayer
+from mlx_lily.layers import decoder as D
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+TOKENS = mx.array([[17, 301, 45, 499, 2, 77, 212, 8, 64, 123, 400, 5, 6, 7, 300, 31]])
+PROMPT = 10
+
+
+@pytest.fixture(autouse=True)
+def reference_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+
+
+@pytest.fixture
+def engines(demo_checkpoint):
+    stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
+    lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    return stock, lily
+
+
+def _decode(model, steps=range(PROMPT, 16)):
+    cache = make_prompt_cache(model)
+    out = [model(TOKENS[:, :PROMPT], cache=cache)]
+    out += [model(TOKENS[:, t : t + 1], cache=cache) for t in steps]
+    return mx.concatenate(out, axis=1)
+
+
+def _fused_kinds():
+    return {r["layer"] for r in paths.seen() if r["path"] == "lily fused decode"}
+
+
+def test_every_layer_is_a_lily_decoder_layer(engines):
+    stock, lily = engines
+    assert all(type(layer) is LilyDecoderLayer for layer in lily.layers)
+    assert not any(isinstance(layer, LilyDecoderLayer) for layer in stock.layers)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fused_decode_equals_stock_to_the_bit(engines, compiled, monkeypatch):
+    monkeypatch.setenv(D.COMPILE_ENV, "1" if compiled else "0")
+    compiles = []
+    real_compile = mx.compile
+    monkeypatch.setattr(D.mx, "compile", lambda fn: compiles.append(fn) or real_compile(fn))
+    stock, lily = engines
+    paths.start()
+    try:
+        got = _decode(lily)
+        kinds = _fused_kinds()
+    finally:
+        paths.stop()
+    assert mx.array_equal(got, _decode(stock)).item()
+    assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
+    # The first decode token runs each layer eagerly (first-use checks), the
+    # second compiles: one DeltaNet step per DeltaNet layer, one MoE chain per
+    # attention layer.
+    assert len(compiles) == (len(lily.layers) if compiled else 0)
+
+
+def test_prompts_and_batches_take_the_stock_flow(engines):
+    _, lily = engines
+    paths.start()
+    try:
+        cache = make_prompt_cache(lily)
+        lily(TOKENS[:, :PROMPT], cache=cache)
+        assert not _fused_kinds()
+        two = mx.concatenate([TOKENS[:, :PROMPT]] * 2)
+        cache = make_prompt_cache(lily)
+        lily(two, cache=cache)
+        lily(two[:, :1], cache=cache)  # a decode step of a batch of two
+        assert not _fused_kinds()
+    finally:
+        paths.stop()
+
+
+def test_a_failing_fused_step_falls_back_once(engines, monkeypatch, capsys):
+    stock, lily = engines
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(K, "moe_decode", broken)
+    got = _decode(lily)
+    assert mx.array_equal(got, _decode(stock)).item()
+    err = capsys.readouterr().err
+    assert err.count("fused decode step failed") == 1 and "no such kernel" in err
+    assert all(layer._lily_decode_ok is False for layer in lily.layers)
+
+
+def test_replaced_weights_are_not_served_from_a_stale_compiled_step(engines):
+    stock, lily = engines
+    _decode(lily)  # compiles every layer's step
+    for model in (stock, lily):
+        gate = model.layers[0].mlp.shared_expert_gate
+        gate.scales = gate.scales * 3  # a new array: the compiled step must notice
+    assert mx.array_equal(_decode(lily), _decode(stock)).item()
+
+
+def test_unquantized_layers_take_the_stock_flow(engines):
+    _, lily = engines
+    layer = lily.layers[0]
+    assert layer._layer_fits()
+    gate = layer.mlp.gate
+    layer.mlp.gate = mx_nn_linear(gate)
+    assert not layer._layer_fits()
+
+
+def mx_nn_linear(quantized):
+    import mlx.nn as nn
+
+    out_dims, in_dims = quantized.scales.shape[0], quantized.scales.shape[1] * quantized.group_size
+    return nn.Linear(in_dims, out_dims, bias=False)
