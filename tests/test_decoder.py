@@ -127,3 +127,27 @@ def mx_nn_linear(quantized):
 
     out_dims, in_dims = quantized.scales.shape[0], quantized.scales.shape[1] * quantized.group_size
     return nn.Linear(in_dims, out_dims, bias=False)
+
+
+def test_counting_a_decode_step_traces_the_ops_not_the_compiled_steps(engines):
+    # The compiled steps hold kernels built for running, whose implicit copies
+    # mx.export_function cannot serialize: bench/counts.py must trace the ops.
+    from bench.counts import decode_step_counts
+
+    _, lily = engines
+    cache = make_prompt_cache(lily)
+    lily(TOKENS[:, :PROMPT], cache=cache)
+    for t in range(PROMPT, PROMPT + 3):  # eager, then compiled
+        lily(TOKENS[:, t : t + 1], cache=cache)
+    held = [layer.__dict__.get(n) for layer in lily.layers for n in ("_lily_linear_step", "_lily_moe_step")]
+    assert sum(h is not None and h[1] is not None for h in held) == len(lily.layers)
+
+    def refuse(*args):
+        raise AssertionError("a compiled step ran inside the trace")
+
+    for layer in lily.layers:
+        for name in ("_lily_linear_step", "_lily_moe_step"):
+            if name in layer.__dict__:
+                layer.__dict__[name] = (layer.__dict__[name][0], refuse)
+    counts = decode_step_counts(lily, cache, token=3)
+    assert counts["kernels_per_decode_token"] > 0

@@ -43,6 +43,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
 from .._notice import notice_once
+from ..toolchain.build import tracing
 from ..toolchain.registry import kernel_backend
 from .fast_path import record, why_stock
 
@@ -62,9 +63,11 @@ def _plain_quantized(*linears) -> bool:
 
 
 def compile_enabled() -> bool:
-    """Off by MLX_LILY_COMPILE_DECODE=0, and in the CPU emulator (it runs a
-    kernel when it is called, which a trace does not allow)."""
-    if os.environ.get(COMPILE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    """Off by MLX_LILY_COMPILE_DECODE=0, in the CPU emulator (it runs a kernel
+    when it is called, which a trace does not allow), and while a graph is
+    traced for counting (``traced_not_run``: the compiled steps hold kernels
+    built for running)."""
+    if os.environ.get(COMPILE_ENV, "1").strip().lower() in ("0", "false", "no", "off") or tracing():
         return False
     return kernel_backend()[0] != "emulator"
 

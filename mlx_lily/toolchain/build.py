@@ -94,6 +94,11 @@ def traced_not_run():
         _TRACING.active = before
 
 
+def tracing() -> bool:
+    """Inside ``traced_not_run()``."""
+    return _TRACING.active
+
+
 @dataclass
 class Launch:
     """One call's arguments for a built kernel, as a launcher computes them."""
