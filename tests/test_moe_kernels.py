@@ -219,6 +219,24 @@ def test_combine_contract_allows_rounding_of_cancelling_slots_not_a_lost_slot():
     assert moe_combine_agree(lost, want, y, scores, shared, gate) is not None
 
 
+def test_combine_is_judged_against_fp32_not_against_a_reference_that_rounds_more():
+    # On an H200 stock's bf16 slot sum sat 1.08e-2 of the terms' magnitudes
+    # from the kernel: the kernel must be judged against the fp32 combine.
+    from mlx_lily.kernels.moe import moe_combine_precise
+
+    keys = mx.random.split(mx.random.key(5), 4)
+    y = mx.random.normal((1, 16, 8, 64), key=keys[0]).astype(mx.bfloat16)
+    scores = mx.softmax(mx.random.normal((1, 16, 8), key=keys[1]), axis=-1).astype(mx.bfloat16)
+    shared = mx.random.normal((1, 16, 64), key=keys[2]).astype(mx.bfloat16)
+    gate = mx.random.normal((1, 16, 1), key=keys[3]).astype(mx.bfloat16)
+    precise = moe_combine_precise(y, scores, shared, gate)
+    terms = mx.abs(y.astype(mx.float32) * scores.astype(mx.float32)[..., None]).sum(axis=-2)
+    far_reference = (precise + 0.015 * terms).astype(mx.bfloat16)
+    args = (y, scores, shared, gate)
+    assert moe_combine_agree(precise.astype(mx.bfloat16), far_reference, *args) is None
+    assert moe_combine_agree(far_reference, precise.astype(mx.bfloat16), *args) is not None
+
+
 # -- the model ---------------------------------------------------------------------
 
 # The demo model is sensitive: one bf16 step of one sigmoid in one layer moves
