@@ -25,6 +25,7 @@ from mlx_lily.kernels.gemv import (
     make_weights,
     precise_reference,
     quantized_matvec_agree,
+    quantized_matvec_compare,
     quantized_matvec_kernel,
     quantized_matvec_reference,
     quantized_matvec_supports,
@@ -108,6 +109,9 @@ def test_a_wrong_result_fails_the_contract():
     assert "outputs" in quantized_matvec_agree(precise[:1], want, *args, **kwargs)
     as_f32 = tuple(p.astype(mx.float32) for p in precise)
     assert "float32" in quantized_matvec_agree(as_f32, want, *args, **kwargs)
+    # doctor's judge, which has no inputs.
+    assert quantized_matvec_compare(precise, want)[0]
+    assert not quantized_matvec_compare((precise[0] * 1.2, precise[1]), want)[0]
 
 
 def test_supports_refuses_what_the_kernel_does_not_take():

@@ -364,16 +364,17 @@ def quantized_matvec_agree(got, want, x, weights, norm_weight=None, eps=0.0, gat
 
 
 def quantized_matvec_compare(got, want) -> tuple[bool, float]:
-    """(acceptable, largest error relative to the largest value), for doctor
-    (which has no inputs to bound the sums with: 2^-6 of the largest value)."""
+    """(acceptable, largest error relative to the largest value), for doctor,
+    which has no inputs to judge with: within 2^-4 of the largest value (MLX's
+    CPU kernel sums bf16 in bf16: 0.018 off on the sample; a GPU's reference
+    sums in fp32 and is one bf16 step off at most)."""
     worst = 0.0
     for g, w in zip(got, want):
-        gf = np.array(g.astype(mx.float32)).astype(np.float64)
-        wf = np.array(w.astype(mx.float32)).astype(np.float64)
-        if gf.shape != wf.shape or not np.isfinite(gf).all():
+        gf, wf = _f64(g), _f64(w)
+        if gf.shape != wf.shape or g.dtype != w.dtype or not np.isfinite(gf).all():
             return False, math.inf
         worst = max(worst, float(np.abs(gf - wf).max(initial=0.0)) / max(float(np.abs(wf).max(initial=0.0)), 1e-30))
-    return worst <= 2.0**-6, worst
+    return len(got) == len(want) and worst <= 2.0**-4, worst
 
 
 # -- inputs for tests, the self-check and the fuzz ------------------------------------
