@@ -84,6 +84,7 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> 
     cache = make_prompt_cache(model)
     run = generate(model, prompt, decode_steps, cache)
     peak = mx.get_peak_memory()
+    host_ms = host_ms_per_decode_token(model, cache, run["tokens"][-1])
     counts = _counts(model, cache, run["tokens"][-1])
     del cache
     mx.clear_cache()
@@ -98,7 +99,29 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> 
         "lily_layers": lily_layer_count(model),
         "op_last_paths": last_op_paths(),
         "counts": counts,
+        "host_ms_per_decode_token": host_ms,
     }
+
+
+HOST_STEPS = 8
+
+
+def host_ms_per_decode_token(model: Any, cache: Any, token: int, steps: int = HOST_STEPS) -> float:
+    """Milliseconds the host spends building one decode step's graph (the
+    model's Python and MLX's graph construction, before any evaluation):
+    median over ``steps`` steps, each evaluated (untimed) before the next.
+    When this is near the time per decode token, decode is bound by the host,
+    not by the GPU's kernels. Advances ``cache`` by ``steps`` tokens."""
+    times = []
+    tok = mx.array([[token]])
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model(tok, cache=cache)
+        times.append(time.perf_counter() - start)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(tok, [c.state for c in cache])
+    times.sort()
+    return 1e3 * times[len(times) // 2]
 
 
 def _counts(model: Any, cache: Any, token: int) -> Dict[str, Any]:

@@ -54,6 +54,9 @@ def summarize_engine(arms: List[Dict[str, Any]]) -> Dict[str, Any]:
         "bytes_ratio_to_must_read": _count(ok, "ratio_to_must_read"),
         "counts_context": _count(ok, "context"),
         "counts_errors": sorted({a["counts"]["error"] for a in ok if "error" in (a.get("counts") or {})}),
+        # Host time to build one decode step's graph (bench/measure.py).
+        "host_ms_per_decode_token": _median([a["host_ms_per_decode_token"] for a in ok
+                                             if a.get("host_ms_per_decode_token") is not None]),
         # (max - min) / median over rounds: large values mean a noisy arm
         # (or one that paid for compilation in one round only).
         "prefill_spread": _spread([a["prefill_tps"] for a in ok]),
@@ -137,8 +140,9 @@ def _mb(x: Optional[float]) -> str:
 def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
         "| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio "
-        "| kernels/token lily | kernels/token stock | MB/token lily | MB/token stock |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| kernels/token lily | kernels/token stock | MB/token lily | MB/token stock "
+        "| host ms/token lily | host ms/token stock |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mark = " ⚠" if r["flags"] else ""
@@ -150,7 +154,9 @@ def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
             f"{_count_cell(r['lily'].get('kernels_per_decode_token'))} | "
             f"{_count_cell(r['stock'].get('kernels_per_decode_token'))} | "
             f"{_mb(r['lily'].get('bytes_per_decode_token'))} | "
-            f"{_mb(r['stock'].get('bytes_per_decode_token'))} |"
+            f"{_mb(r['stock'].get('bytes_per_decode_token'))} | "
+            f"{_num(r['lily'].get('host_ms_per_decode_token'), 2)} | "
+            f"{_num(r['stock'].get('host_ms_per_decode_token'), 2)} |"
         )
     return lines
 

@@ -112,7 +112,7 @@ def test_ab_summary_and_table(ab_run):
     assert [line.split("|")[1].strip() for line in table] == [str(n) for n in LENGTHS]
     for line, row in zip(table, doc["summary"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 11
+        assert len(cells) == 13
         assert float(cells[3]) == pytest.approx(row["decode_ratio"], abs=6e-4)
         assert float(cells[6]) == pytest.approx(row["prefill_ratio"], abs=6e-4)
         # One decode step's counts, in the summary beside the throughput and in the table.
@@ -120,6 +120,9 @@ def test_ab_summary_and_table(ab_run):
             kernels = row[engine]["kernels_per_decode_token"]
             assert kernels > 0 and int(cells[cell].replace(",", "")) == kernels
             assert row[engine]["bytes_per_decode_token"] > row[engine]["bytes_token_must_read"] > 0
+            # The host's share of a decode token: building its graph, in ms.
+            host = row[engine]["host_ms_per_decode_token"]
+            assert host > 0 and float(cells[11 if engine == "lily" else 12]) == pytest.approx(host, abs=6e-3)
 
 
 def _reference_only(doc) -> bool:

@@ -33,7 +33,9 @@ constants; a compiled step is rebuilt if the layer's weights are replaced
 
 from __future__ import annotations
 
+import operator
 import os
+from itertools import chain
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -60,6 +62,21 @@ def _plain_quantized(*linears) -> bool:
         isinstance(m, nn.QuantizedLinear) and "bias" not in m and getattr(m, "mode", "affine") == "affine"
         for m in linears
     )
+
+
+def _places(layer: nn.Module) -> list:
+    """(module, getter of its arrays and submodules) for every module in layer."""
+    places = []
+    for _, module in layer.named_modules():
+        keys = [k for k, v in module.items() if isinstance(v, (mx.array, nn.Module))]
+        if keys:
+            getter = operator.itemgetter(*keys) if len(keys) > 1 else (lambda m, k=keys[0]: (m[k],))
+            places.append((module, getter))
+    return places
+
+
+def _identities(places: list) -> tuple:
+    return tuple(chain.from_iterable(map(id, get(module)) for module, get in places))
 
 
 def compile_enabled() -> bool:
@@ -152,18 +169,19 @@ class LilyDecoderLayer(DecoderLayer):
         return held[1]
 
     def _weights_key(self) -> tuple:
-        """Identities of every array the layer holds (the compiled steps
-        capture them): replacing any (load_weights, update, a new scale)
-        changes the key. A few microseconds: the arrays' places are listed once."""
-        places = self.__dict__.get("_lily_array_places")
-        if places is None:
-            places = self._lily_array_places = [
-                (module, name)
-                for _, module in self.named_modules()
-                for name, value in module.items()
-                if isinstance(value, mx.array)
-            ]
-        return tuple(id(module[name]) for module, name in places)
+        """Identities of every array and submodule the layer holds (the
+        compiled steps capture the arrays): replacing any (load_weights,
+        update, a new scale, a swapped module) changes the key. Where they sit
+        is listed once per key; a changed key lists them again."""
+        places = self.__dict__.get("_lily_places")
+        if places is not None:
+            key = _identities(places)
+            if key == self.__dict__.get("_lily_places_key"):
+                return key
+        # In __dict__: nn.Module would keep a list attribute as a child.
+        places = self.__dict__["_lily_places"] = _places(self)
+        key = self.__dict__["_lily_places_key"] = _identities(places)
+        return key
 
     def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array):
         la, norm = self.linear_attn, self.input_layernorm
