@@ -20,6 +20,15 @@ from mlx_lily.layers import LilyDecoderLayer
 from mlx_lily.layers import decoder as D
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
+# A DeltaNet layer compiles one step; an attention layer the parts before and
+# after its KV-cache write and attention.
+COMPILED_STEPS = ("_lily_linear_step", "_lily_attention_in", "_lily_attention_out")
+
+
+def _compiled_per_token(model) -> int:
+    return sum(1 if layer.is_linear else 2 for layer in model.layers)
+
+
 TOKENS = mx.array([[17, 301, 45, 499, 2, 77, 212, 8, 64, 123, 400, 5, 6, 7, 300, 31]])
 PROMPT = 10
 
@@ -69,9 +78,8 @@ def test_fused_decode_equals_stock_to_the_bit(engines, compiled, monkeypatch):
     assert mx.array_equal(got, _decode(stock)).item()
     assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
     # The first decode token runs each layer eagerly (first-use checks), the
-    # second compiles: one DeltaNet step per DeltaNet layer, one MoE chain per
-    # attention layer.
-    assert len(compiles) == (len(lily.layers) if compiled else 0)
+    # second compiles its steps, once for all later tokens and positions.
+    assert len(compiles) == (_compiled_per_token(lily) if compiled else 0)
 
 
 def test_prompts_and_batches_take_the_stock_flow(engines):
@@ -139,14 +147,14 @@ def test_counting_a_decode_step_traces_the_ops_not_the_compiled_steps(engines):
     lily(TOKENS[:, :PROMPT], cache=cache)
     for t in range(PROMPT, PROMPT + 3):  # eager, then compiled
         lily(TOKENS[:, t : t + 1], cache=cache)
-    held = [layer.__dict__.get(n) for layer in lily.layers for n in ("_lily_linear_step", "_lily_moe_step")]
-    assert sum(h is not None and h[1] is not None for h in held) == len(lily.layers)
+    held = [layer.__dict__.get(n) for layer in lily.layers for n in COMPILED_STEPS]
+    assert sum(h is not None and h[1] is not None for h in held) == _compiled_per_token(lily)
 
     def refuse(*args):
         raise AssertionError("a compiled step ran inside the trace")
 
     for layer in lily.layers:
-        for name in ("_lily_linear_step", "_lily_moe_step"):
+        for name in COMPILED_STEPS:
             if name in layer.__dict__:
                 layer.__dict__[name] = (layer.__dict__[name][0], refuse)
     counts = decode_step_counts(lily, cache, token=3)

@@ -24,9 +24,11 @@ whose projections are not quantized linears without bias run stock's layer
 flow (with lily's mixer and MoE classes).
 
 Python per token: after a layer's first fused decode step (which runs its
-kernels' first-use checks), the Gated DeltaNet step and the MoE chain run as
-``mx.compile``-d functions of (x, states), so later tokens replay a traced
-graph instead of running the ops' Python. The weights are captured as
+kernels' first-use checks), the Gated DeltaNet step, and the attention
+layer's parts before and after its KV-cache write and attention (whose shapes
+grow with the context), run as ``mx.compile``-d functions of (x, states,
+position), so later tokens replay a traced graph instead of running the ops'
+Python. The weights are captured as
 constants; a compiled step is rebuilt if the layer's weights are replaced
 (``_weights_key``). ``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
 """
@@ -151,8 +153,15 @@ class LilyDecoderLayer(DecoderLayer):
             out, cache[0], cache[1] = step(x, cache[0], cache[1])
             cache.advance(1)
             return out
-        h = self._attention_step(x, cache)
-        return self._compiled("_lily_moe_step", self._moe_step)(h)
+        # The KV cache's write and the attention read the cache at a length
+        # that changes every token, so they run as they are; what comes before
+        # and after them has fixed shapes and is compiled.
+        sa = self.self_attn
+        position = mx.array([cache.offset], dtype=mx.int32)
+        queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in)(x, position)
+        keys, values = cache.update_and_fetch(keys, values)
+        out = K.attention(queries, keys, values, sa.scale, None)
+        return self._compiled("_lily_attention_out", self._attention_out)(out, gate, x)
 
     def _compiled(self, name: str, fn: Callable) -> Callable:
         """``fn`` itself for a layer's first call (its kernels' first-use
@@ -199,7 +208,9 @@ class LilyDecoderLayer(DecoderLayer):
         (h,) = K.quantized_matvec(y.reshape(1, 1, -1), (_triple(la.out_proj),), residual=x)
         return self._moe_step(h), conv_state, state
 
-    def _attention_step(self, x: mx.array, cache: KVCache) -> mx.array:
+    def _attention_in(self, x: mx.array, position: mx.array):
+        """Norm + q/k/v GEMV, q/k norm + RoPE at ``position`` (an array, so a
+        compiled step serves every position) -> queries, keys, values, gate."""
         sa, norm = self.self_attn, self.input_layernorm
         q, k, v = K.quantized_matvec(
             x, (_triple(sa.q_proj), _triple(sa.k_proj), _triple(sa.v_proj)), norm.weight, norm.eps
@@ -208,13 +219,15 @@ class LilyDecoderLayer(DecoderLayer):
         keys = k.reshape(1, 1, sa.num_key_value_heads, -1)
         values = v.reshape(1, 1, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
         queries, keys = K.qk_norm_rope(
-            queries, keys, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.rope, cache.offset
+            queries, keys, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.rope, position
         )
-        keys, values = cache.update_and_fetch(keys, values)
-        out = K.attention(queries, keys, values, sa.scale, None)
+        return queries, keys, values, gate
+
+    def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
+        """Gated output projection + residual, then the MoE chain."""
         out = out.transpose(0, 2, 1, 3).reshape(1, 1, -1)
-        (h,) = K.quantized_matvec(out, (_triple(sa.o_proj),), gate=gate, residual=x)
-        return h
+        (h,) = K.quantized_matvec(out, (_triple(self.self_attn.o_proj),), gate=gate, residual=x)
+        return self._moe_step(h)
 
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm
