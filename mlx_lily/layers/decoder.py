@@ -148,8 +148,9 @@ class LilyDecoderLayer(DecoderLayer):
     def _decode(self, x: mx.array, cache: Any) -> mx.array:
         record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, None, cache)
         record("MoE", "lily fused decode", x)
+        key = self._weights_key() if compile_enabled() else None
         if self.is_linear:
-            step = self._compiled("_lily_linear_step", self._linear_step)
+            step = self._compiled("_lily_linear_step", self._linear_step, key)
             out, cache[0], cache[1] = step(x, cache[0], cache[1])
             cache.advance(1)
             return out
@@ -158,18 +159,18 @@ class LilyDecoderLayer(DecoderLayer):
         # and after them has fixed shapes and is compiled.
         sa = self.self_attn
         position = mx.array([cache.offset], dtype=mx.int32)
-        queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in)(x, position)
+        queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in, key)(x, position)
         keys, values = cache.update_and_fetch(keys, values)
         out = K.attention(queries, keys, values, sa.scale, None)
-        return self._compiled("_lily_attention_out", self._attention_out)(out, gate, x)
+        return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
 
-    def _compiled(self, name: str, fn: Callable) -> Callable:
+    def _compiled(self, name: str, fn: Callable, key: Optional[tuple]) -> Callable:
         """``fn`` itself for a layer's first call (its kernels' first-use
-        checks evaluate arrays, which a trace may not), then ``mx.compile(fn)``."""
-        if not compile_enabled():
+        checks evaluate arrays, which a trace may not), then ``mx.compile(fn)``;
+        ``fn`` always where ``key`` (the weights' identities) is None."""
+        if key is None:
             return fn
         held = self.__dict__.get(name)
-        key = self._weights_key()
         if held is None or held[0] != key:
             self.__dict__[name] = (key, None)
             return fn
