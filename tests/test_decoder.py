@@ -77,8 +77,8 @@ def test_fused_decode_equals_stock_to_the_bit(engines, compiled, monkeypatch):
         paths.stop()
     assert mx.array_equal(got, _decode(stock)).item()
     assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
-    # The first decode token runs each layer eagerly (first-use checks), the
-    # second compiles its steps, once for all later tokens and positions.
+    # The first decode token compiles each layer's steps (after one eager run
+    # for the kernels' first-use checks), once for all tokens and positions.
     assert len(compiles) == (_compiled_per_token(lily) if compiled else 0)
 
 

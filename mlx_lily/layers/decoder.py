@@ -23,14 +23,14 @@ computes stock's result. Calls that are not one decode token of one sequence
 whose projections are not quantized linears without bias run stock's layer
 flow (with lily's mixer and MoE classes).
 
-Python per token: after a layer's first fused decode step (which runs its
-kernels' first-use checks), the Gated DeltaNet step, and the attention
-layer's parts before and after its KV-cache write and attention (whose shapes
-grow with the context), run as ``mx.compile``-d functions of (x, states,
-position), so later tokens replay a traced graph instead of running the ops'
-Python. The weights are captured as
-constants; a compiled step is rebuilt if the layer's weights are replaced
-(``_weights_key``). ``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
+Python per token: the Gated DeltaNet step, and the attention layer's parts
+before and after its KV-cache write and attention (whose shapes grow with the
+context), run as ``mx.compile``-d functions of (x, states, position), so each
+token replays a traced graph instead of running the ops' Python (a new
+compiled step first runs its ops once eagerly, for their kernels' first-use
+checks). The weights are captured as constants; a compiled step is rebuilt if
+the layer's weights are replaced (``_weights_key``).
+``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
 """
 
 from __future__ import annotations
@@ -165,18 +165,26 @@ class LilyDecoderLayer(DecoderLayer):
         return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
 
     def _compiled(self, name: str, fn: Callable, key: Optional[tuple]) -> Callable:
-        """``fn`` itself for a layer's first call (its kernels' first-use
-        checks evaluate arrays, which a trace may not), then ``mx.compile(fn)``;
-        ``fn`` always where ``key`` (the weights' identities) is None."""
+        """``mx.compile(fn)``, held per layer and weights' identities
+        (``key``); ``fn`` itself where ``key`` is None (compilation off).
+
+        A new compiled step first runs ``fn`` eagerly, once, and evaluates it:
+        its kernels' first-use checks evaluate arrays, which a trace may not.
+        That result is dropped and the compiled step answers this call too, so
+        every token (the first included) comes from the same computation."""
         if key is None:
             return fn
         held = self.__dict__.get(name)
-        if held is None or held[0] != key:
-            self.__dict__[name] = (key, None)
-            return fn
-        if held[1] is None:
-            self.__dict__[name] = held = (key, mx.compile(fn))
-        return held[1]
+        if held is not None and held[0] == key:
+            return held[1]
+        compiled = mx.compile(fn)
+        self.__dict__[name] = (key, compiled)
+
+        def first_call(*args):
+            mx.eval(fn(*args))
+            return compiled(*args)
+
+        return first_call
 
     def _weights_key(self) -> tuple:
         """Identities of every array and submodule the layer holds (the
