@@ -145,7 +145,7 @@ def test_counting_a_decode_step_traces_the_ops_not_the_compiled_steps(engines):
     _, lily = engines
     cache = make_prompt_cache(lily)
     lily(TOKENS[:, :PROMPT], cache=cache)
-    for t in range(PROMPT, PROMPT + 3):  # eager, then compiled
+    for t in range(PROMPT, PROMPT + 3):  # compiles every step
         lily(TOKENS[:, t : t + 1], cache=cache)
     held = [layer.__dict__.get(n) for layer in lily.layers for n in COMPILED_STEPS]
     assert sum(h is not None and h[1] is not None for h in held) == _compiled_per_token(lily)
