@@ -6,8 +6,11 @@ At the real shapes (random weights), one prompt chunk of TOKENS tokens runs,
 for each engine, through: the whole model as mlx-lm's prefill runs it (the
 chunk, then the cache state evaluated), one Gated DeltaNet layer, one
 full-attention layer, and the parts of a layer alone (token mixer, MoE block,
-routed experts). A row gives the peak memory above what was allocated before
-the part ran (``mx.get_peak_memory`` after ``mx.reset_peak_memory``), in MiB.
+routed experts). A row gives the peak memory while the part ran
+(``mx.get_peak_memory`` after ``mx.reset_peak_memory``) and what was in use
+just before it (``mx.get_active_memory``), in MiB; their difference is the
+part's own footprint. (A first version printed only the difference; on the
+H200 several rows read 0, so both figures are kept now.)
 Each part runs twice and the second run is reported, so first-use checks and
 compilation are not in it. The table goes to stdout and, with --out, to
 DIR/peak_memory.txt.
@@ -24,20 +27,22 @@ import mlx.core as mx
 MIB = 2**20
 
 
-def _peak_above(fn: Callable[[], object]) -> float:
-    """MiB of peak memory above the memory in use before ``fn`` ran."""
+def _peak(fn: Callable[[], object]) -> Tuple[float, float]:
+    """(MiB in use before ``fn``'s measured run, peak MiB during it)."""
     out = fn()
     mx.eval(out)
     del out
+    mx.synchronize()
     mx.clear_cache()
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     out = fn()
     mx.eval(out)
+    mx.synchronize()
     peak = mx.get_peak_memory()
     del out
     mx.clear_cache()
-    return (peak - before) / MIB
+    return before / MIB, peak / MIB
 
 
 def main() -> int:
@@ -107,13 +112,17 @@ def main() -> int:
         figures = {}
         for engine in ("stock", "lily"):
             switch(model, engine)
-            figures[engine] = _peak_above(fn)
+            figures[engine] = _peak(fn)
         rows.append((name, figures["stock"], figures["lily"]))
-        print(f"{name:48s} stock {figures['stock']:9.1f} MiB  lily {figures['lily']:9.1f} MiB", flush=True)
+        (sb, sp), (lb, lp) = figures["stock"], figures["lily"]
+        print(f"{name:48s} stock {sb:9.1f} -> {sp:9.1f} MiB  lily {lb:9.1f} -> {lp:9.1f} MiB", flush=True)
 
-    lines = [f"Peak memory above the memory in use before each part, MiB ({args.tokens}-token chunk, {args.shape})",
-             "", f"{'part':48s} {'stock':>10s} {'lily':>10s} {'lily - stock':>13s}"]
-    lines += [f"{n:48s} {s:10.1f} {l:10.1f} {l - s:13.1f}" for n, s, l in rows]
+    lines = [f"Memory in use before each part and its peak while it ran, MiB ({args.tokens}-token chunk, "
+             f"{args.shape}); footprint = peak - before",
+             "", f"{'part':48s} {'stock before':>12s} {'stock peak':>11s} {'lily before':>12s} {'lily peak':>10s} "
+             f"{'footprint lily - stock':>23s}"]
+    lines += [f"{n:48s} {sb:12.1f} {sp:11.1f} {lb:12.1f} {lp:10.1f} {(lp - lb) - (sp - sb):23.1f}"
+              for n, (sb, sp), (lb, lp) in rows]
     text_out = "\n".join(lines) + "\n"
     print(text_out)
     if args.out:
