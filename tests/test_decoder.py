@@ -20,12 +20,9 @@ from mlx_lily.layers import LilyDecoderLayer
 from mlx_lily.layers import decoder as D
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
-# A DeltaNet layer compiles one step; an attention layer the parts before and
-# after its KV-cache write and attention.
-COMPILED_STEPS = ("_lily_linear_step", "_lily_attention_in", "_lily_attention_out")
-
-
 def _compiled_per_token(model) -> int:
+    """Compiled steps per layer: a DeltaNet layer's step; an attention layer's
+    parts before and after its KV-cache write and attention."""
     return sum(1 if layer.is_linear else 2 for layer in model.layers)
 
 
@@ -52,8 +49,12 @@ def _decode(model, steps=range(PROMPT, 16)):
     return mx.concatenate(out, axis=1)
 
 
-def _fused_kinds():
-    return {r["layer"] for r in paths.seen() if r["path"] == "lily fused decode"}
+def _fused_kinds(path="lily fused decode"):
+    return {r["layer"] for r in paths.seen() if r["path"] == path}
+
+
+def _segments(model) -> int:
+    return 1 + sum(not layer.is_linear for layer in model.layers)
 
 
 def test_every_layer_is_a_lily_decoder_layer(engines):
@@ -62,24 +63,49 @@ def test_every_layer_is_a_lily_decoder_layer(engines):
     assert not any(isinstance(layer, LilyDecoderLayer) for layer in stock.layers)
 
 
-@pytest.mark.parametrize("compiled", [True, False])
-def test_fused_decode_equals_stock_to_the_bit(engines, compiled, monkeypatch):
-    monkeypatch.setenv(D.COMPILE_ENV, "1" if compiled else "0")
+@pytest.mark.parametrize("mode", ["segments", "layers", "eager"])
+def test_fused_decode_equals_stock_to_the_bit(engines, mode, monkeypatch):
+    monkeypatch.setenv(D.COMPILE_ENV, "0" if mode == "eager" else "1")
     compiles = []
     real_compile = mx.compile
-    monkeypatch.setattr(D.mx, "compile", lambda fn: compiles.append(fn) or real_compile(fn))
+    monkeypatch.setattr(mx, "compile", lambda fn: compiles.append(fn) or real_compile(fn))
     stock, lily = engines
+    if mode == "layers":  # as after a failed segmented step
+        lily.language_model.model.__dict__["_lily_segments_ok"] = False
     paths.start()
     try:
         got = _decode(lily)
-        kinds = _fused_kinds()
+        kinds = _fused_kinds("lily decode segments" if mode == "segments" else "lily fused decode")
     finally:
         paths.stop()
     assert mx.array_equal(got, _decode(stock)).item()
     assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
-    # The first decode token compiles each layer's steps (after one eager run
-    # for the kernels' first-use checks), once for all tokens and positions.
-    assert len(compiles) == (_compiled_per_token(lily) if compiled else 0)
+    # The first decode token compiles the steps (after one eager run for the
+    # kernels' first-use checks), once for all tokens and positions: one per
+    # segment between attention steps, or per layer.
+    want = {"segments": _segments(lily), "layers": _compiled_per_token(lily), "eager": 0}[mode]
+    assert len(compiles) == want
+
+
+def test_a_failing_segmented_step_falls_back_to_layers_once(engines, monkeypatch, capsys):
+    stock, lily = engines
+    text = lily.language_model.model
+    real = type(text)._segment_fn
+
+    def broken(self, first, last):
+        fn = real(self, first, last)
+        if last == len(self.layers):  # the last segment, after every KV write
+            def fail(*args):
+                raise RuntimeError("segment broke")
+            return fail
+        return fn
+
+    monkeypatch.setattr(type(text), "_segment_fn", broken)
+    got = _decode(lily)
+    assert mx.array_equal(got, _decode(stock)).item()  # KV offsets restored, states untouched
+    err = capsys.readouterr().err
+    assert err.count("compiled decode segments failed") == 1 and "segment broke" in err
+    assert text._lily_segments_ok is False
 
 
 def test_prompts_and_batches_take_the_stock_flow(engines):
@@ -137,7 +163,7 @@ def mx_nn_linear(quantized):
     return nn.Linear(in_dims, out_dims, bias=False)
 
 
-def test_counting_a_decode_step_traces_the_ops_not_the_compiled_steps(engines):
+def test_counting_a_decode_step_traces_the_ops_not_the_compiled_segments(engines):
     # The compiled steps hold kernels built for running, whose implicit copies
     # mx.export_function cannot serialize: bench/counts.py must trace the ops.
     from bench.counts import decode_step_counts
@@ -147,15 +173,13 @@ def test_counting_a_decode_step_traces_the_ops_not_the_compiled_steps(engines):
     lily(TOKENS[:, :PROMPT], cache=cache)
     for t in range(PROMPT, PROMPT + 3):  # compiles every step
         lily(TOKENS[:, t : t + 1], cache=cache)
-    held = [layer.__dict__.get(n) for layer in lily.layers for n in COMPILED_STEPS]
-    assert sum(h is not None and h[1] is not None for h in held) == _compiled_per_token(lily)
+    held = lily.language_model.model.__dict__.get("_lily_segments", {})
+    assert len(held) == _segments(lily)
 
     def refuse(*args):
         raise AssertionError("a compiled step ran inside the trace")
 
-    for layer in lily.layers:
-        for name in COMPILED_STEPS:
-            if name in layer.__dict__:
-                layer.__dict__[name] = (layer.__dict__[name][0], refuse)
+    for s, (key, _) in list(held.items()):
+        held[s] = (key, refuse)
     counts = decode_step_counts(lily, cache, token=3)
     assert counts["kernels_per_decode_token"] > 0

@@ -7,5 +7,6 @@ from .attention import LilyAttention
 from .decoder import LilyDecoderLayer
 from .gated_deltanet import LilyGatedDeltaNet
 from .moe import LilySparseMoeBlock
+from .text_model import LilyTextModel
 
-__all__ = ["LilyAttention", "LilyDecoderLayer", "LilyGatedDeltaNet", "LilySparseMoeBlock"]
+__all__ = ["LilyAttention", "LilyDecoderLayer", "LilyGatedDeltaNet", "LilySparseMoeBlock", "LilyTextModel"]

@@ -23,7 +23,8 @@ computes stock's result. Calls that are not one decode token of one sequence
 whose projections are not quantized linears without bias run stock's layer
 flow (with lily's mixer and MoE classes).
 
-Python per token: the Gated DeltaNet step, and the attention layer's parts
+Python per token (when the whole stack's segmented step in ``text_model.py``
+does not take the call): the Gated DeltaNet step, and the attention layer's parts
 before and after its KV-cache write and attention (whose shapes grow with the
 context), run as ``mx.compile``-d functions of (x, states, position), so each
 token replays a traced graph instead of running the ops' Python (a new

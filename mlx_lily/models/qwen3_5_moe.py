@@ -14,11 +14,11 @@ from typing import Any, Dict, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5_moe as stock
-from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
 from ..errors import CheckpointError, ConfigError
-from ..layers import LilyAttention, LilyDecoderLayer, LilyGatedDeltaNet, LilySparseMoeBlock
+from ..layers import LilyAttention, LilyDecoderLayer, LilyGatedDeltaNet, LilySparseMoeBlock, LilyTextModel
 
 # Quantizations MLX can load; lily's kernels target affine 4-bit group 64 and
 # every other valid one runs the reference (stock) path.
@@ -26,6 +26,7 @@ _VALID_BITS = {"affine": {2, 3, 4, 5, 6, 8}, "mxfp4": {4}, "nvfp4": {4}, "mxfp8"
 _VALID_GROUPS = {"affine": {32, 64, 128}, "mxfp4": {32}, "nvfp4": {16}, "mxfp8": {32}}
 
 _SPECIALIZE = {
+    Qwen3_5TextModel: LilyTextModel,
     DecoderLayer: LilyDecoderLayer,
     GatedDeltaNet: LilyGatedDeltaNet,
     Qwen3NextAttention: LilyAttention,
@@ -119,6 +120,9 @@ def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
     stock's) in place. The weights are shared, not copied, so one model can be
     measured both ways in one process (bench/)."""
     table = _SPECIALIZE if lily else {v: k for k, v in _SPECIALIZE.items()}
+    text = getattr(getattr(model, "language_model", None), "model", None)
+    if type(text) in table:
+        text.__class__ = table[type(text)]
     for layer in model.layers:
         if type(layer) in table:
             layer.__class__ = table[type(layer)]

@@ -1,0 +1,160 @@
+"""The layer stack for one decode token, in compiled segments.
+
+Per layer (``decoder.py``) a decode token costs the host a compiled call or
+two, plus the layer's Python. Here the stack is cut only where it must be: at
+each full-attention layer's KV-cache write and attention, whose shapes grow
+with the context. Everything between two such cuts (the previous attention
+layer's output projection and MoE, the Gated DeltaNet layers, the next
+attention layer's projections, q/k norm and RoPE) is one ``mx.compile``-d
+segment; the embedding opens the first segment and the final norm closes the
+last. For Qwen3.6-35B-A3B (attention every 4th layer) that is 11 compiled
+calls and 10 attention steps per token instead of 50 compiled calls.
+
+The segments compute exactly what the per-layer path computes (the same
+layer methods, in the same order), so the two give the same bits. Every call
+the segmented path does not take (prefill, batches, masks, other caches,
+pipeline parallelism, compilation off, a layer that is not fused) runs the
+stock stack of lily's layers. A failing segmented step restores the KV
+offsets it advanced, assigns no state, prints one notice, and the model
+decodes per layer from then on.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
+
+from .. import kernels as K
+from .._notice import notice_once
+from .decoder import LilyDecoderLayer, compile_enabled
+from .fast_path import record
+
+
+class LilyTextModel(Qwen3_5TextModel):
+    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
+        if input_embeddings is None and self._takes_segments(inputs, cache):
+            touched: List[Any] = []
+            try:
+                return self._decode_segments(inputs, cache, touched)
+            except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
+                for c, offset in touched:
+                    c.offset = offset
+                self.__dict__["_lily_segments_ok"] = False
+                notice_once(
+                    f"segments-failed:{type(exc).__name__}",
+                    f"lily's compiled decode segments failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "the model decodes layer by layer from now on",
+                )
+        return super().__call__(inputs, cache, input_embeddings)
+
+    # -- which calls ----------------------------------------------------------------
+
+    def _takes_segments(self, inputs: mx.array, cache: Any) -> bool:
+        if cache is None or inputs.ndim != 2 or inputs.shape != (1, 1):
+            return False
+        if self.__dict__.get("_lily_segments_ok") is False or not compile_enabled():
+            return False
+        if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
+            return False
+        # The masks stock would build: None for one token without padding.
+        one = _ONE_TOKEN
+        if self.fa_idx is not None and create_attention_mask(one, cache[self.fa_idx]) is not None:
+            return False
+        if self.ssm_idx is not None and create_ssm_mask(one, cache[self.ssm_idx]) is not None:
+            return False
+        return all(
+            type(layer) is LilyDecoderLayer and layer._takes_decode(one, None, c)
+            for layer, c in zip(self.layers, cache)
+        )
+
+    # -- the segments ---------------------------------------------------------------
+
+    def _cuts(self) -> List[int]:
+        return [i for i, layer in enumerate(self.layers) if not layer.is_linear]
+
+    def _decode_segments(self, inputs: mx.array, cache: Any, touched: list) -> mx.array:
+        record("Gated DeltaNet", "lily decode segments", _ONE_TOKEN, None, None)
+        record("full attention", "lily decode segments", _ONE_TOKEN, None, None)
+        record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
+        cuts = self._cuts()
+        bounds = [-1] + cuts + [len(self.layers)]
+        carry = [inputs]
+        new_states = []
+        for s in range(len(bounds) - 1):
+            first, last = bounds[s], bounds[s + 1]
+            linear = list(range(first + 1, last))
+            closes = last < len(self.layers)
+            args = list(carry)
+            for i in linear:
+                args += [cache[i][0], cache[i][1]]
+            if closes:
+                args.append(mx.array([cache[last].offset], dtype=mx.int32))
+            outputs = self._segment(s, first, last)(*args)
+            n = 2 * len(linear)
+            new_states += list(zip(linear, outputs[:n:2], outputs[1:n:2]))
+            if not closes:
+                hidden = outputs[n]
+                break
+            queries, keys, values, gate, x = outputs[n:]
+            c = cache[last]
+            touched.append((c, c.offset))
+            keys, values = c.update_and_fetch(keys, values)
+            out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, None)
+            carry = [out, gate, x]
+        for i, conv, state in new_states:
+            cache[i][0], cache[i][1] = conv, state
+            cache[i].advance(1)
+        return hidden
+
+    def _segment(self, s: int, first: int, last: int) -> Callable:
+        """Segment s (after attention layer ``first``, up to attention layer
+        ``last``), compiled per the weights' identities of its layers; a new
+        one runs eagerly once first (its kernels' first-use checks)."""
+        layers = self.layers[max(first, 0): last + 1]
+        key = tuple(layer._weights_key() for layer in layers) + (id(self.embed_tokens), id(self.norm))
+        held = self.__dict__.setdefault("_lily_segments", {}).get(s)
+        if held is not None and held[0] == key:
+            return held[1]
+        fn = self._segment_fn(first, last)
+        compiled = mx.compile(fn)
+        self.__dict__["_lily_segments"][s] = (key, compiled)
+
+        def first_call(*args):
+            mx.eval(fn(*args))
+            return compiled(*args)
+
+        return first_call
+
+    def _segment_fn(self, first: int, last: int) -> Callable:
+        layers = self.layers
+        linear = list(range(first + 1, last))
+        closes = last < len(layers)
+
+        def segment(*args):
+            if first < 0:
+                h, rest = self.embed_tokens(args[0]), args[1:]
+            else:
+                out, gate, x = args[:3]
+                h, rest = layers[first]._attention_out(out, gate, x), args[3:]
+            states = []
+            for j, i in enumerate(linear):
+                h, conv, state = layers[i]._linear_step(h, rest[2 * j], rest[2 * j + 1])
+                states += [conv, state]
+            if not closes:
+                return (*states, self.norm(h))
+            queries, keys, values, gate = layers[last]._attention_in(h, rest[-1])
+            return (*states, queries, keys, values, gate, h)
+
+        return segment
+
+
+class _OneToken:
+    """Stands in for the hidden state's shape in the layers' eligibility check."""
+
+    shape = (1, 1)
+
+
+_ONE_TOKEN = _OneToken()
