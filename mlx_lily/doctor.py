@@ -61,6 +61,16 @@ def check_op(op, tolerance: float) -> tuple[str, str]:
     return ("pass" if good else "FAIL"), f"kernel on {where}, max error {err:.3g}"
 
 
+def decode_path() -> str:
+    """How one decode token of one sequence runs (README, "Decode")."""
+    from .layers.decoder import COMPILE_ENV, compile_enabled
+
+    fused = "one token of one sequence: each layer's fused step (its ops on their paths above)"
+    if compile_enabled():
+        return f"{fused}; the layer stack in mx.compile-d segments"
+    return f"{fused}; not compiled ({COMPILE_ENV}=0 or the CPU emulator)"
+
+
 def report_platform() -> None:
     import mlx_lm
 
@@ -79,10 +89,12 @@ def main(argv: List[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     report_platform()
+    width = max(len(name) for name in OPS)
     print("\nops (path on this machine):")
     for name, op in OPS.items():
         path, why = op.planned_path()
-        print(f"  {name:16s} {path:9s} {why}")
+        print(f"  {name:{width}s} {path:9s} {why}")
+    print(f"\ndecode       {decode_path()}")
 
     print("\nself-check (small inputs):")
     failures = 0
@@ -92,6 +104,6 @@ def main(argv: List[str] | None = None) -> int:
         except Exception as e:  # report, never crash: doctor is for broken setups
             status, detail = "ERROR", f"{type(e).__name__}: {e}"
         failures += status in ("FAIL", "ERROR")
-        print(f"  {name:16s} {status:8s} {detail}")
+        print(f"  {name:{width}s} {status:8s} {detail}")
     print("\nall ops ok" if not failures else f"\n{failures} op(s) failed")
     return 1 if failures else 0

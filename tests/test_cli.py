@@ -157,6 +157,7 @@ def test_mlx_lily_generate_and_demo_and_doctor(demo_checkpoint, tmp_path):
         # Its path and its self-check (whole names: gated_delta_decode is not gated_delta).
         assert len(re.findall(rf"\b{name}\b", doctor.stdout)) == 2, name
     assert "all ops ok" in doctor.stdout
+    assert "decode       one token of one sequence" in doctor.stdout
 
 
 def test_benchmark_and_chat_take_the_flag(demo_checkpoint):
