@@ -29,7 +29,7 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
-from .decoder import LilyDecoderLayer, compile_enabled
+from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled
 from .fast_path import record
 
 
@@ -81,6 +81,9 @@ class LilyTextModel(Qwen3_5TextModel):
         record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
         cuts = self._cuts()
         bounds = [-1] + cuts + [len(self.layers)]
+        # Each layer's weights' identities, once per token (an attention layer
+        # belongs to the segments on both sides of its cut).
+        keys = [layer._weights_key() for layer in self.layers]
         carry = [inputs]
         new_states = []
         for s in range(len(bounds) - 1):
@@ -92,7 +95,7 @@ class LilyTextModel(Qwen3_5TextModel):
                 args += [cache[i][0], cache[i][1]]
             if closes:
                 args.append(mx.array([cache[last].offset], dtype=mx.int32))
-            outputs = self._segment(s, first, last)(*args)
+            outputs = self._segment(s, first, last, keys)(*args)
             n = 2 * len(linear)
             new_states += list(zip(linear, outputs[:n:2], outputs[1:n:2]))
             if not closes:
@@ -109,12 +112,12 @@ class LilyTextModel(Qwen3_5TextModel):
             cache[i].advance(1)
         return hidden
 
-    def _segment(self, s: int, first: int, last: int) -> Callable:
+    def _segment(self, s: int, first: int, last: int, keys: List[tuple]) -> Callable:
         """Segment s (after attention layer ``first``, up to attention layer
-        ``last``), compiled per the weights' identities of its layers; a new
-        one runs eagerly once first (its kernels' first-use checks)."""
-        layers = self.layers[max(first, 0): last + 1]
-        key = tuple(layer._weights_key() for layer in layers) + (id(self.embed_tokens), id(self.norm))
+        ``last``), compiled per the weights' identities of its layers
+        (``keys``, one per layer); a new one runs eagerly once first (its
+        kernels' first-use checks)."""
+        key = tuple(keys[max(first, 0): last + 1]) + self._edges_key()
         held = self.__dict__.setdefault("_lily_segments", {}).get(s)
         if held is not None and held[0] == key:
             return held[1]
@@ -127,6 +130,16 @@ class LilyTextModel(Qwen3_5TextModel):
             return compiled(*args)
 
         return first_call
+
+    def _edges_key(self) -> tuple:
+        """Identities of the embedding's and the final norm's modules and arrays."""
+        modules = (self.embed_tokens, self.norm)
+        held = self.__dict__.get("_lily_edge_places")
+        if held is None or held[0] != tuple(map(id, modules)):
+            # In __dict__: nn.Module would keep a tuple attribute as a child.
+            held = self.__dict__["_lily_edge_places"] = (
+                tuple(map(id, modules)), _places(self.embed_tokens) + _places(self.norm))
+        return held[0] + _identities(held[1])
 
     def _segment_fn(self, first: int, last: int) -> Callable:
         layers = self.layers
