@@ -4,6 +4,7 @@ teacher-forced numerics. Both engines go through exactly this code."""
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from typing import Any, Dict, List
 
@@ -112,16 +113,23 @@ def host_ms_per_decode_token(model: Any, cache: Any, token: int, steps: int = HO
     median over ``steps`` steps, each evaluated (untimed) before the next.
     When this is near the time per decode token, decode is bound by the host,
     not by the GPU's kernels. Advances ``cache`` by ``steps`` tokens."""
-    times = []
+    return decode_step_times(model, cache, token, steps)[0]
+
+
+def decode_step_times(model: Any, cache: Any, token: int, steps: int) -> tuple:
+    """(median ms building a step's graph, median ms of the whole step, built
+    and evaluated) over ``steps`` greedy decode steps on ``cache``."""
+    host, whole = [], []
     tok = mx.array([[token]])
     for _ in range(steps):
         start = time.perf_counter()
         logits = model(tok, cache=cache)
-        times.append(time.perf_counter() - start)
+        built = time.perf_counter()
         tok = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(tok, [c.state for c in cache])
-    times.sort()
-    return 1e3 * times[len(times) // 2]
+        host.append(built - start)
+        whole.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(host), 1e3 * statistics.median(whole)
 
 
 def _counts(model: Any, cache: Any, token: int) -> Dict[str, Any]:

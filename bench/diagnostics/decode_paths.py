@@ -21,29 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 PATHS = ("stock", "lily eager", "lily layers", "lily segments")
-
-
-def _time_steps(model, cache, steps: int) -> tuple[float, float]:
-    """(median host ms, median step ms) over ``steps`` greedy decode steps."""
-    tok = mx.array([[1]])
-    host, step = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        logits = model(tok, cache=cache)
-        built = time.perf_counter()
-        tok = mx.argmax(logits[:, -1:], axis=-1)
-        mx.eval(tok, [c.state for c in cache])
-        done = time.perf_counter()
-        host.append(built - start)
-        step.append(done - start)
-    return 1e3 * statistics.median(host), 1e3 * statistics.median(step)
 
 
 def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[float, float, str]:
@@ -52,6 +34,7 @@ def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[flo
 
     from bench.common import prompt_ids
     from bench.engines import switch
+    from bench.measure import decode_step_times
     from mlx_lily.layers.decoder import COMPILE_ENV
 
     switch(model, "stock" if path == "stock" else "lily")
@@ -66,12 +49,12 @@ def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[flo
     for start in range(0, context, 2048):
         model(prompt[None, start:start + 2048], cache=cache)
         mx.eval([c.state for c in cache])
-    _time_steps(model, cache, 3)  # first steps: compile and first-use checks
+    decode_step_times(model, cache, 1, 3)  # first steps: compile and first-use checks
     from mlx_lily import paths
 
     paths.start()
     try:
-        host, step = _time_steps(model, cache, steps)
+        host, step = decode_step_times(model, cache, 1, steps)
         taken = sorted({r["path"] for r in paths.seen()})
     finally:
         paths.stop()

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
 from typing import Optional
 
 import mlx.core as mx
@@ -56,8 +55,7 @@ import numpy as np
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from .._notice import notice_once
-from ..toolchain.build import SIMD_WIDTH, Kernel, KernelGroup, Launch
+from ..toolchain.build import SIMD_WIDTH, Kernel, SampleCheckedKernels, Launch
 from ..toolchain.registry import LilyOp, register
 from .moe import moe_combine_reference
 from .moe_gemm import _quantized_as_kernel_takes
@@ -381,46 +379,16 @@ def _fuzz(rng):
     return make_moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits)
 
 
-class MoeDecodeKernel(KernelGroup):
+class MoeDecodeKernel(SampleCheckedKernels):
     """The two kernels as one KernelLike, self-checked together once per
     backend against ``moe_decode_precise`` on the sample."""
 
     name = "moe_decode"
     parts = (moe_decode_gate_up_kernel, moe_decode_down_kernel)
+    summary = "routing + norm + gate/up + SwiGLU, down + combine"
 
-    def __init__(self):
-        self._checked: dict = {}
-        self._lock = threading.Lock()
-
-    def ready_on(self, backend: str) -> tuple[bool, str]:
-        known = self._checked.get(backend)
-        if known is not None:
-            return known
-        with self._lock:
-            if backend not in self._checked:
-                result = self._self_check(backend)
-                self._checked[backend] = result
-                if not result[0]:
-                    notice_once(f"kernel-off:{self.name}:{backend}",
-                                f"kernel {self.name} is off on {backend} ({result[1]}); "
-                                "its op runs the pure-MLX reference")
-            return self._checked[backend]
-
-    def _self_check(self, backend: str) -> tuple[bool, str]:
-        for part in self.parts:
-            ok, why = part.ready_on(backend)
-            if not ok:
-                return False, why
-        args, kwargs = _sample()
-        try:
-            got = self.run_on(backend, *args, **kwargs)
-            mx.eval(got)
-        except Exception as exc:  # compile errors surface at the first eval
-            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
-        mismatch = self.agree(got, got, *args, **kwargs)
-        if mismatch is not None:
-            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
-        return True, f"{backend} kernels (routing + norm + gate/up + SwiGLU, down + combine), self-check passed"
+    def sample(self):
+        return _sample()
 
     def run_on(self, backend: str, *args, **kwargs):
         return run_moe_decode(backend, *args, **kwargs)
@@ -430,12 +398,6 @@ class MoeDecodeKernel(KernelGroup):
         accumulated in fp32), not with ``want`` (stock, which on a CPU
         accumulates its bf16 matmuls in bf16)."""
         return moe_decode_agree(got, want, *args, **kwargs)
-
-    def forget(self) -> None:
-        with self._lock:
-            self._checked.clear()
-            for part in self.parts:
-                part.forget()
 
 
 moe_decode_kernel = MoeDecodeKernel()

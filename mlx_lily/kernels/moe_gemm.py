@@ -23,7 +23,6 @@ Everything else runs the reference, stock's ``SwitchGLU``.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import mlx.core as mx
@@ -31,8 +30,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from .._notice import notice_once
-from ..toolchain.build import KernelGroup, Kernel, Launch
+from ..toolchain.build import SampleCheckedKernels, Kernel, Launch
 from .moe_routing import moe_routing_kernel, moe_routing_supports, tile_rows_for
 
 # Threads per threadgroup and output columns per threadgroup: must match the body.
@@ -244,46 +242,16 @@ def fuzz_moe_experts(rng):
     return (x, mx.array(inds)[None], glu), {}
 
 
-class MoeExpertsKernel(KernelGroup):
+class MoeExpertsKernel(SampleCheckedKernels):
     """The kernel path as one KernelLike: the three kernels, self-checked
     together once per backend against ``moe_experts_precise`` on the sample."""
 
     name = "moe_experts"
     parts = (moe_routing_kernel, moe_gate_up_kernel, moe_down_kernel)
+    summary = "routing, gate+up+SwiGLU, down"
 
-    def __init__(self):
-        self._checked: dict = {}
-        self._lock = threading.Lock()
-
-    def ready_on(self, backend: str) -> tuple[bool, str]:
-        known = self._checked.get(backend)
-        if known is not None:
-            return known
-        with self._lock:
-            if backend not in self._checked:
-                result = self._self_check(backend)
-                self._checked[backend] = result
-                if not result[0]:
-                    notice_once(f"kernel-off:{self.name}:{backend}",
-                                f"kernel {self.name} is off on {backend} ({result[1]}); "
-                                "its op runs the pure-MLX reference")
-            return self._checked[backend]
-
-    def _self_check(self, backend: str) -> tuple[bool, str]:
-        for part in self.parts:
-            ok, why = part.ready_on(backend)
-            if not ok:
-                return False, why
-        args, kwargs = sample_moe_experts()
-        try:
-            got = self.run_on(backend, *args, **kwargs)
-            mx.eval(got)
-        except Exception as exc:  # compile errors surface at the first eval
-            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
-        mismatch = moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
-        if mismatch is not None:
-            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
-        return True, f"{backend} kernels (routing, gate+up+SwiGLU, down), self-check passed"
+    def sample(self):
+        return sample_moe_experts()
 
     def run_on(self, backend: str, *args, **kwargs):
         return run_moe_experts(backend, *args, **kwargs)
@@ -293,12 +261,6 @@ class MoeExpertsKernel(KernelGroup):
         accumulated in fp32), not with ``want`` (stock, which on a CPU
         accumulates its bf16 matmuls in bf16)."""
         return moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
-
-    def forget(self) -> None:
-        with self._lock:
-            self._checked.clear()
-            for part in self.parts:
-                part.forget()
 
 
 moe_experts_kernel = MoeExpertsKernel()

@@ -82,6 +82,28 @@ def _identities(places: list) -> tuple:
     return tuple(chain.from_iterable(map(id, get(module)) for module, get in places))
 
 
+def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callable]) -> Callable:
+    """``mx.compile(build())``, held in ``store[name]`` while ``key`` (the
+    identities of the weights it captures) stays the same.
+
+    A new compiled step first runs the function eagerly, once, and evaluates
+    it: its kernels' first-use checks evaluate arrays, which a trace may not.
+    That result is dropped and the compiled step answers this call too, so
+    every token (the first included) comes from the same computation."""
+    held = store.get(name)
+    if held is not None and held[0] == key:
+        return held[1]
+    fn = build()
+    compiled = mx.compile(fn)
+    store[name] = (key, compiled)
+
+    def first_call(*args):
+        mx.eval(fn(*args))
+        return compiled(*args)
+
+    return first_call
+
+
 def compile_enabled() -> bool:
     """Off by MLX_LILY_COMPILE_DECODE=0, in the CPU emulator (it runs a kernel
     when it is called, which a trace does not allow), and while a graph is
@@ -166,26 +188,12 @@ class LilyDecoderLayer(DecoderLayer):
         return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
 
     def _compiled(self, name: str, fn: Callable, key: Optional[tuple]) -> Callable:
-        """``mx.compile(fn)``, held per layer and weights' identities
-        (``key``); ``fn`` itself where ``key`` is None (compilation off).
-
-        A new compiled step first runs ``fn`` eagerly, once, and evaluates it:
-        its kernels' first-use checks evaluate arrays, which a trace may not.
-        That result is dropped and the compiled step answers this call too, so
-        every token (the first included) comes from the same computation."""
+        """``mx.compile(fn)`` held per layer and weights' identities (``key``,
+        see ``compiled_step``); ``fn`` itself where ``key`` is None
+        (compilation off)."""
         if key is None:
             return fn
-        held = self.__dict__.get(name)
-        if held is not None and held[0] == key:
-            return held[1]
-        compiled = mx.compile(fn)
-        self.__dict__[name] = (key, compiled)
-
-        def first_call(*args):
-            mx.eval(fn(*args))
-            return compiled(*args)
-
-        return first_call
+        return compiled_step(self.__dict__, name, key, lambda: fn)
 
     def _weights_key(self) -> tuple:
         """Identities of every array and submodule the layer holds (the

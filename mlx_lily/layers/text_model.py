@@ -29,7 +29,7 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
-from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled
+from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step
 from .fast_path import record
 
 
@@ -118,18 +118,8 @@ class LilyTextModel(Qwen3_5TextModel):
         (``keys``, one per layer); a new one runs eagerly once first (its
         kernels' first-use checks)."""
         key = tuple(keys[max(first, 0): last + 1]) + self._edges_key()
-        held = self.__dict__.setdefault("_lily_segments", {}).get(s)
-        if held is not None and held[0] == key:
-            return held[1]
-        fn = self._segment_fn(first, last)
-        compiled = mx.compile(fn)
-        self.__dict__["_lily_segments"][s] = (key, compiled)
-
-        def first_call(*args):
-            mx.eval(fn(*args))
-            return compiled(*args)
-
-        return first_call
+        store = self.__dict__.setdefault("_lily_segments", {})
+        return compiled_step(store, s, key, lambda: self._segment_fn(first, last))
 
     def _edges_key(self) -> tuple:
         """Identities of the embedding's and the final norm's modules and arrays."""

@@ -173,6 +173,66 @@ class KernelGroup:
         return self.run_on("emulator", *args, **kwargs)
 
 
+class SampleCheckedKernels(KernelGroup):
+    """A KernelGroup of ``parts`` that run in sequence for one op, built and
+    self-checked together once per backend on ``sample()``'s inputs.
+
+    Subclasses set ``name``, ``parts``, ``sample`` and ``summary`` (what the
+    passed self-check says) and define ``run_on`` and ``agree(got, want, *args,
+    **kwargs)``, which judges the kernels against their own ground truth
+    (``want`` supplies only the shape and dtype the result must have)."""
+
+    name: str = ""
+    parts: tuple = ()
+    summary: str = ""
+
+    def __init__(self):
+        self._checked: dict = {}
+        self._lock = threading.Lock()
+
+    def sample(self) -> tuple:
+        raise NotImplementedError
+
+    def agree(self, got, want, *args, **kwargs) -> Optional[str]:
+        raise NotImplementedError
+
+    def ready_on(self, backend: str) -> tuple[bool, str]:
+        known = self._checked.get(backend)
+        if known is not None:
+            return known
+        with self._lock:
+            if backend not in self._checked:
+                result = self._self_check(backend)
+                self._checked[backend] = result
+                if not result[0]:
+                    notice_once(f"kernel-off:{self.name}:{backend}",
+                                f"kernel {self.name} is off on {backend} ({result[1]}); "
+                                "its op runs the pure-MLX reference")
+            return self._checked[backend]
+
+    def _self_check(self, backend: str) -> tuple[bool, str]:
+        for part in self.parts:
+            ok, why = part.ready_on(backend)
+            if not ok:
+                return False, why
+        args, kwargs = self.sample()
+        try:
+            got = self.run_on(backend, *args, **kwargs)
+            mx.eval(got)
+        except Exception as exc:  # compile errors surface at the first eval
+            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
+        mismatch = self.agree(got, got, *args, **kwargs)
+        if mismatch is not None:
+            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
+        return True, f"{backend} kernels ({self.summary}), self-check passed"
+
+    def forget(self) -> None:
+        with self._lock:
+            self._checked.clear()
+            for part in self.parts:
+                part.forget()
+
+
 @dataclass(eq=False)
 class Kernel:
     """A lily kernel: a portable Metal-subset body plus its launcher.
