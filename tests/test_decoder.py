@@ -185,3 +185,35 @@ def test_counting_a_decode_step_traces_the_ops_not_the_compiled_segments(engines
         held[s] = (key, refuse)
     counts = decode_step_counts(lily, cache, token=3)
     assert counts["kernels_per_decode_token"] > 0
+
+
+def test_paced_prefill_computes_what_the_whole_graph_does(engines, monkeypatch):
+    """Pacing (each layer queues its output and waits for its input) changes
+    when work runs, never what it computes; inside mx.compile it stands aside."""
+    stock, lily = engines
+    tokens = mx.tile(TOKENS, (1, 20))  # 320 rows: above PACE_MIN_ROWS
+    assert tokens.size >= D.PACE_MIN_ROWS
+
+    def prefill(model):
+        out = model(tokens, cache=make_prompt_cache(model))
+        mx.eval(out)
+        return out
+
+    whole = prefill(lily)
+    queued = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(D, "_queues_on_device", lambda: True)
+
+    def async_eval(*arrays):
+        real_async_eval(*arrays)  # raises inside a graph transformation
+        queued.append(1)
+
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    paced = prefill(lily)
+    assert len(queued) == len(lily.layers)
+    assert mx.array_equal(paced, whole)
+    assert mx.array_equal(paced, prefill(stock))
+    queued.clear()
+    compiled = mx.compile(lambda t: lily(t, cache=None))(tokens)
+    assert not queued
+    assert mx.array_equal(compiled, whole)

@@ -1,0 +1,122 @@
+"""Which GPU kernels a decode token runs, and for how long (NVIDIA only).
+
+    python3 -m bench.diagnostics.decode_profile [--engines lily,stock] [--context 4096] [--out DIR]
+
+One model, one prompt of CONTEXT tokens per engine, then STEPS decode steps
+recorded with PyTorch's profiler (CUPTI: it sees every kernel the process
+launches, MLX's included). Per engine: the wall time of a step, the device
+time its kernels took (their sum: MLX runs them on one stream), the kernels
+per step, and the kernels that took the most time. Where the kernels' time
+is far below the wall time, launching (the host, MLX's encoding) bounds
+decode; where it is close, the kernels do.
+
+Needs PyTorch with CUDA on the machine; without it, says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+
+TOP = 25
+
+
+def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[float]]]:
+    """(median wall ms per step, {kernel name: [device µs of each call]})."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.zeros(1, device="cuda")  # CUDA context and CUPTI up before recording
+    tok = mx.array([[1]])
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            start = time.perf_counter()
+            logits = model(tok, cache=cache)
+            tok = mx.argmax(logits[:, -1:], axis=-1)
+            mx.eval(tok, [c.state for c in cache])
+            walls.append(1e3 * (time.perf_counter() - start))
+    kernels: Dict[str, List[float]] = defaultdict(list)
+    for event in prof.events():
+        if "CUDA" in str(getattr(event, "device_type", "")):
+            kernels[event.name].append(event.time_range.elapsed_us())
+    return statistics.median(walls), kernels
+
+
+def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> List[str]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.common import prompt_ids
+    from bench.engines import switch
+    from bench.measure import decode_step_times
+
+    switch(model, engine)
+    cache = make_prompt_cache(model)
+    prompt = mx.array(prompt_ids(context, vocab))
+    for start in range(0, context, 2048):
+        model(prompt[None, start:start + 2048], cache=cache)
+        mx.eval([c.state for c in cache])
+    decode_step_times(model, cache, 1, 4)  # compile, first-use checks
+    wall, kernels = _profile_steps(model, cache, steps)
+    calls = sum(len(v) for v in kernels.values())
+    busy = sum(sum(v) for v in kernels.values()) / 1e3
+    lines = [f"{engine}: {wall:.2f} ms per step (wall, median); kernels {busy / steps:.2f} ms per step "
+             f"(device time, sum); {calls / steps:.0f} kernels per step", "",
+             f"  {'kernel':70s} {'per step':>8s} {'us/call':>8s} {'ms/step':>8s}"]
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
+    for name, times in ranked[:TOP]:
+        lines.append(f"  {name[:70]:70s} {len(times) / steps:8.1f} {statistics.mean(times):8.2f} "
+                     f"{sum(times) / steps / 1e3:8.3f}")
+    rest = ranked[TOP:]
+    if rest:
+        rest_calls = sum(len(t) for _, t in rest) / steps
+        rest_ms = sum(sum(t) for _, t in rest) / steps / 1e3
+        lines.append(f"  {f'({len(rest)} other kernels)':70s} {rest_calls:8.1f} {'':8s} {rest_ms:8.3f}")
+    return lines + [""]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3.6-35b-a3b")
+    p.add_argument("--engines", default="lily", help="comma-separated: lily, stock (default: lily)")
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens before decoding (default: 4096)")
+    p.add_argument("--steps", type=int, default=8, help="recorded decode steps (default: 8)")
+    p.add_argument("--out", help="also write DIR/decode_profile.txt")
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ImportError("torch.cuda is not available")
+    except ImportError as exc:
+        print(f"decode_profile needs PyTorch with CUDA ({exc})")
+        return 2
+
+    from bench.engines import load_shared
+
+    model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
+    lines = [f"Decode kernels per token at {args.context} tokens of context ({args.shape}), "
+             f"{args.steps} recorded steps", ""]
+    print("\n".join(lines), flush=True)
+    for engine in args.engines.split(","):
+        try:
+            found = profile_engine(model, vocab, engine.strip(), args.context, args.steps)
+        except Exception as exc:  # noqa: BLE001 - the other engine's profile still counts
+            found = [f"{engine}: profiling failed ({type(exc).__name__}: {exc})", ""]
+        lines += found
+        print("\n".join(found), flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "decode_profile.txt").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
