@@ -129,6 +129,23 @@ def test_the_split_starts_at_the_threshold(monkeypatch, S, split):
     assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
 
 
+@pytest.mark.parametrize(
+    "S, Hkv, block",
+    [
+        (1024, 2, 64),     # 32 threadgroups: the smallest block
+        (4096, 2, 64),     # 128 threadgroups
+        (4097, 2, 128),    # one key more would make 130 at 64
+        (16384, 2, 256),   # 128 threadgroups at the fixed block
+        (32768, 2, 256),   # from here on the fixed block, whatever the count
+        (131072, 2, 256),
+        (4096, 8, 256),    # more KV heads: larger blocks sooner
+    ],
+)
+def test_the_decode_key_block_spreads_a_context_over_the_threadgroups(S, Hkv, block):
+    assert A.decode_key_block(S, Hkv) == block
+    assert A.MIN_KEY_BLOCK <= block <= A.KEY_BLOCK
+
+
 def test_decode_reads_a_transposed_cache_element_by_element():
     # A layout whose dims are not contiguous takes the body's unaligned path.
     emulator_or_skip()

@@ -3,7 +3,8 @@
 For each context, at the model's shapes (16 query / 2 KV heads, dim 256, a
 strided bf16 KV cache view as mlx-lm's KVCache passes it), times stock's
 attention, lily's single-pass decode kernel (one threadgroup per KV head) and
-lily's split kernel at several key blocks, and checks each kernel result
+lily's split kernel at several key blocks, and lily's own choice at that
+context ("chosen": SPLIT_FROM and decode_key_block), and checks each kernel result
 against the reference. SPLIT_FROM should be the smallest context from which
 the split (at the chosen KEY_BLOCK) is faster than the single pass.
 
@@ -29,7 +30,7 @@ from mlx_lily.toolchain.registry import gpu_backend
 A = sys.modules["mlx_lily.kernels.attention"]
 
 LENGTHS = "256,1K,2K,4K,8K,16K,32K,64K,128K"
-KEY_BLOCKS = (128, 256, 512, 1024)
+KEY_BLOCKS = (64, 128, 256, 512)
 NEVER = 1 << 40
 
 
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
         call = inputs(ctx)
         want = A.attention_reference(*call)
         row = {"context": ctx, "stock_ms": time_call(A.attention_reference, call, {})["ms"]}
-        variants = {"single": dict(split_from=NEVER)}
+        variants = {"chosen": {}, "single": dict(split_from=NEVER)}
         variants.update({f"split_{b}": dict(split_from=1, key_block=b) for b in KEY_BLOCKS})
         for name, options in variants.items():
             def fn(*a, options=options):
@@ -70,9 +71,10 @@ def main(argv=None) -> int:
         rows.append(row)
     doc = {"tool": "mlx-lily attention split sweep", "finished": now_iso(), "machine": machine_info(),
            "software": software_info(), "settings": {"SPLIT_FROM": A.SPLIT_FROM, "KEY_BLOCK": A.KEY_BLOCK,
+           "MIN_KEY_BLOCK": A.MIN_KEY_BLOCK, "SPLIT_THREADGROUPS": A.SPLIT_THREADGROUPS,
            "shape": "16 q / 2 kv heads, dim 256, bf16, strided KV view"}, "rows": rows}
     (out / "attention-split.json").write_text(json.dumps(doc, indent=1))
-    names = ["stock", "single"] + [f"split_{b}" for b in KEY_BLOCKS]
+    names = ["stock", "chosen", "single"] + [f"split_{b}" for b in KEY_BLOCKS]
     lines = ["| context | " + " | ".join(f"{n} ms" for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for row in rows:

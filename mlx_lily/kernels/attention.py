@@ -8,7 +8,8 @@ stock mlx-lm calls). Its kernels (:class:`AttentionKernels`):
   GQA, one threadgroup per KV head (all of its query heads read each K/V row
   once), 16-byte row reads straight from the KV cache through its strides,
   online softmax in fp32. From ``SPLIT_FROM`` keys the keys are split into
-  fixed blocks of ``KEY_BLOCK``, one threadgroup each, whose partial results a
+  blocks (``KEY_BLOCK`` from 32K on, smaller below: ``decode_key_block``),
+  one threadgroup each, whose partial results a
   second small kernel (``attention_combine.metal``) merges by their
   log-sum-exp.
 
@@ -42,13 +43,19 @@ def attention_reference(q, k, v, scale, mask):
 
 # -- decode ------------------------------------------------------------------
 
-# Contexts from which decode splits the keys into fixed blocks (one
-# threadgroup each, plus the combine pass); below it one threadgroup per KV
-# head reads all keys. A first guess: it must be tuned from H200 measurements
-# (bench/diagnostics/attention_split.py times both sides of it).
-SPLIT_FROM = 32 * 1024
-# Keys per threadgroup when split: 128 blocks per KV head at 32K context.
+# Contexts from which decode splits the keys into blocks (one threadgroup
+# each, plus the combine pass); below it one threadgroup per KV head reads all
+# keys. On the H200 that single pass took 0.47 ms per layer at 4K context (two
+# threadgroups for the whole GPU: bench/diagnostics/decode_profile.py), so the
+# split starts at short contexts (bench/diagnostics/attention_split.py times
+# both sides).
+SPLIT_FROM = 1024
+# Keys per threadgroup from 32K context on: a fixed block (128 blocks per KV
+# head at 32K). Below that the block shrinks, down to MIN_KEY_BLOCK, so that a
+# shorter context still spreads over about SPLIT_THREADGROUPS threadgroups.
 KEY_BLOCK = 256
+MIN_KEY_BLOCK = 64
+SPLIT_THREADGROUPS = 128
 # SIMD groups per threadgroup: more for the single pass (one threadgroup per
 # KV head must keep many rows in flight), fewer when split (many threadgroups).
 SINGLE_PASS_SIMD_GROUPS = 8
@@ -80,6 +87,14 @@ def decode_supports(q, k, v, scale, mask) -> Optional[str]:
     if Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return f"{Hq} query heads on {Hkv} KV heads (decode kernel: at most {MAX_GROUP} per KV head)"
     return None
+
+
+def decode_key_block(S: int, Hkv: int) -> int:
+    """Keys per threadgroup of a split decode over S keys and Hkv KV heads."""
+    block = min(MIN_KEY_BLOCK, KEY_BLOCK)
+    while block < KEY_BLOCK and math.ceil(S / block) * Hkv > SPLIT_THREADGROUPS:
+        block *= 2
+    return block
 
 
 def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
@@ -147,10 +162,10 @@ attention_combine_kernel = Kernel(
 def run_decode(backend: str, q, k, v, scale, mask, split_from: Optional[int] = None,
                key_block: Optional[int] = None) -> mx.array:
     """The decode kernels on ``backend``: [1, Hq, 1, D] (the split and its
-    block size default to the module's ``SPLIT_FROM`` and ``KEY_BLOCK``)."""
+    block size default to ``SPLIT_FROM`` and ``decode_key_block``)."""
     split_from = SPLIT_FROM if split_from is None else split_from
-    key_block = KEY_BLOCK if key_block is None else key_block
     split = k.shape[2] >= split_from
+    key_block = decode_key_block(k.shape[2], k.shape[1]) if key_block is None else key_block
     out, part_o, part_lse = attention_decode_kernel.run_on(
         backend, q, k, v, scale, mask, split=split, key_block=key_block
     )
