@@ -202,26 +202,48 @@ def test_the_gates_are_mlx_s_for_every_16_bit_value(dtype):
     assert (beta != want_beta).sum() <= 1, np.array(x.astype(mx.float32))[beta != want_beta]
 
 
-def test_agree_tolerates_cuda_s_sigmoid_rounding():
-    # MLX's CUDA sigmoid rounds each step to bfloat16; stock there may differ
-    # from the kernel by one unit of some betas, which agree() must accept.
+def cuda_like_reference(args):
+    """(stock's result with sigmoid(b) rounded as MLX's CUDA backend rounds it:
+    each step in bfloat16, betas that differ from MLX's CPU sigmoid)."""
     def rounded_bf16(z):
         return np.array(mx.array(np.asarray(z, np.float32)).astype(mx.bfloat16).astype(mx.float32))
 
+    q, k, v, a, b, A_log, dt_bias, state = args
+    bx = np.array(b.astype(mx.float32))
+    with np.errstate(over="ignore"):
+        s = rounded_bf16(1 / rounded_bf16(1 + rounded_bf16(np.exp(np.abs(bx)))))
+    beta = np.where(bx < 0, s, rounded_bf16(1 - s))
+    flipped = int((beta != np.array(mx.sigmoid(b).astype(mx.float32))).sum())
+    want = gated_delta_ops(q, k, v, compute_g(A_log, a, dt_bias), mx.array(beta).astype(mx.bfloat16), state)
+    return want, flipped
+
+
+def test_agree_tolerates_cuda_s_sigmoid_rounding():
+    # MLX's CUDA sigmoid rounds each step to bfloat16; stock there may differ
+    # from the kernel by one unit of some betas, which agree() must accept.
     flipped = 0
     for seed, (T, Hk, Hv, Dk, Dv) in enumerate([(3, 2, 4, 32, 32), (17, 1, 3, 64, 32), (1, *REAL)]):
         args = make_inputs(1, T, Hk, Hv, Dk, Dv, mx.bfloat16, True, seed=seed)
-        q, k, v, a, b, A_log, dt_bias, state = args
-        bx = np.array(b.astype(mx.float32))
-        with np.errstate(over="ignore"):
-            s = rounded_bf16(1 / rounded_bf16(1 + rounded_bf16(np.exp(np.abs(bx)))))
-        beta = np.where(bx < 0, s, rounded_bf16(1 - s))
-        flipped += int((beta != np.array(mx.sigmoid(b).astype(mx.float32))).sum())
-        cuda_like = gated_delta_ops(
-            q, k, v, compute_g(A_log, a, dt_bias), mx.array(beta).astype(mx.bfloat16), state
-        )
+        cuda_like, n = cuda_like_reference(args)
+        flipped += n
         assert gated_delta_agree(gated_delta_kernel.emulate(*args), cuda_like, *args) is None
     assert flipped > 0  # the case this test is about did come up
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_agree_bounds_y_by_the_gates_dtype_too(dtype):
+    # Found by fuzzing on the H200: with bfloat16 gates, y moves with CUDA's
+    # rounding of beta whatever its own dtype (here up to 7e-3, above fp32's
+    # and fp16's own bounds for y), so y's bound follows the coarser dtype.
+    args = make_inputs(1, 30, 2, 6, 64, 16, dtype, True, seed=11, gate_dtype=mx.bfloat16)
+    assert args[3].dtype == args[4].dtype == mx.bfloat16
+    cuda_like, flipped = cuda_like_reference(args)
+    assert flipped > 0
+    got = gated_delta_kernel.emulate(*args)
+    assert gated_delta_agree(got, cuda_like, *args) is None
+    # The bound is still a bound: a state off by 5% of its scale fails.
+    y, state = got
+    assert gated_delta_agree((y, state * 1.05), cuda_like, *args) is not None
 
 
 def test_batch_of_two():
