@@ -71,6 +71,15 @@ def decode_path() -> str:
     return f"{fused}; not compiled ({COMPILE_ENV}=0 or the CPU emulator)"
 
 
+def prefill_pacing() -> str:
+    """Whether prompt chunks are paced (README, "Prefill memory")."""
+    from .layers.decoder import PACE_ENV, PACE_MIN_ROWS, pacing_enabled
+
+    if pacing_enabled():
+        return f"prompt calls of {PACE_MIN_ROWS} rows or more: at most two layers' work queued on the GPU"
+    return f"not paced ({PACE_ENV}=0, or not a GPU: nothing piles up)"
+
+
 def report_platform() -> None:
     import mlx_lm
 
@@ -95,6 +104,7 @@ def main(argv: List[str] | None = None) -> int:
         path, why = op.planned_path()
         print(f"  {name:{width}s} {path:9s} {why}")
     print(f"\ndecode       {decode_path()}")
+    print(f"prefill      {prefill_pacing()}")
 
     print("\nself-check (small inputs):")
     failures = 0

@@ -135,8 +135,10 @@ def test_the_split_starts_at_the_threshold(monkeypatch, S, split):
         (1024, 2, 64),     # 32 threadgroups: the smallest block
         (4096, 2, 64),     # 128 threadgroups
         (4097, 2, 128),    # one key more would make 130 at 64
+        (8192, 2, 128),    # 128 threadgroups at 128 keys
+        (8193, 2, 256),    # from here on the fixed block (64 threadgroups here)
         (16384, 2, 256),   # 128 threadgroups at the fixed block
-        (32768, 2, 256),   # from here on the fixed block, whatever the count
+        (32768, 2, 256),   # more, whatever the count
         (131072, 2, 256),
         (4096, 8, 256),    # more KV heads: larger blocks sooner
     ],

@@ -217,3 +217,6 @@ def test_paced_prefill_computes_what_the_whole_graph_does(engines, monkeypatch):
     compiled = mx.compile(lambda t: lily(t, cache=None))(tokens)
     assert not queued
     assert mx.array_equal(compiled, whole)
+    monkeypatch.setenv(D.PACE_ENV, "0")
+    assert mx.array_equal(prefill(lily), whole)
+    assert not queued

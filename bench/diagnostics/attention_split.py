@@ -1,4 +1,4 @@
-"""Decode attention on both sides of the split: the data to tune SPLIT_FROM and KEY_BLOCK.
+"""Decode attention on both sides of the split: the data to tune SPLIT_FROM and the key blocks.
 
 For each context, at the model's shapes (16 query / 2 KV heads, dim 256, a
 strided bf16 KV cache view as mlx-lm's KVCache passes it), times stock's
@@ -6,7 +6,8 @@ attention, lily's single-pass decode kernel (one threadgroup per KV head) and
 lily's split kernel at several key blocks, and lily's own choice at that
 context ("chosen": SPLIT_FROM and decode_key_block), and checks each kernel result
 against the reference. SPLIT_FROM should be the smallest context from which
-the split (at the chosen KEY_BLOCK) is faster than the single pass.
+the split is faster than the single pass, and decode_key_block should pick
+the fastest block per context.
 
     python3 -m bench.diagnostics.attention_split --out DIR [--lengths 256,...,128K]
 

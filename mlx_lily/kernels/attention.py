@@ -8,7 +8,8 @@ stock mlx-lm calls). Its kernels (:class:`AttentionKernels`):
   GQA, one threadgroup per KV head (all of its query heads read each K/V row
   once), 16-byte row reads straight from the KV cache through its strides,
   online softmax in fp32. From ``SPLIT_FROM`` keys the keys are split into
-  blocks (``KEY_BLOCK`` from 32K on, smaller below: ``decode_key_block``),
+  blocks (``decode_key_block``: 64 keys at short contexts, growing to the
+  fixed ``KEY_BLOCK`` of 256 as the context grows),
   one threadgroup each, whose partial results a
   second small kernel (``attention_combine.metal``) merges by their
   log-sum-exp.
@@ -50,9 +51,10 @@ def attention_reference(q, k, v, scale, mask):
 # split starts at short contexts (bench/diagnostics/attention_split.py times
 # both sides).
 SPLIT_FROM = 1024
-# Keys per threadgroup from 32K context on: a fixed block (128 blocks per KV
-# head at 32K). Below that the block shrinks, down to MIN_KEY_BLOCK, so that a
-# shorter context still spreads over about SPLIT_THREADGROUPS threadgroups.
+# Keys per threadgroup: the fixed KEY_BLOCK once the context fills at least
+# SPLIT_THREADGROUPS threadgroups with it (for the model's 2 KV heads: from
+# 8K keys on; 128 blocks per KV head at 32K). Shorter contexts take smaller
+# blocks, down to MIN_KEY_BLOCK, so that they still spread over the GPU.
 KEY_BLOCK = 256
 MIN_KEY_BLOCK = 64
 SPLIT_THREADGROUPS = 128

@@ -181,8 +181,9 @@ def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) ->
 
 
 # How far the kernel may be from the reference: max |kernel - reference| over
-# max |reference|, for y by the activation dtype and for the state by the
-# dtype of the gates' inputs (the coarsest of a, b and dt_bias).
+# max |reference|, for y by the coarsest of the activations' and the gates'
+# dtypes and for the state by the gates' inputs' (the coarsest of a, b and
+# dt_bias).
 #
 # With fp32 gates only the summation order differs (measured ~1e-7 for both).
 # With 16-bit ones the reference rounds sigmoid(b) (and, for a 16-bit dt_bias,

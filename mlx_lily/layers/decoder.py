@@ -33,16 +33,15 @@ checks). The weights are captured as constants; a compiled step is rebuilt if
 the layer's weights are replaced (``_weights_key``).
 ``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
 
-Prefill (``pace_prefill``): each layer of a call of PACE_MIN_ROWS rows or more
-queues its output and waits for its input, so that at most two layers' work
-(and their buffers) are queued on the device at once.
+Prefill (``pace_prefill``): each layer of a prompt call (more than one token,
+PACE_MIN_ROWS rows or more) queues its output and waits for its input, so that
+at most two layers' work (and their buffers) are queued on the device at once.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from itertools import chain
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -57,6 +56,11 @@ from ..toolchain.registry import kernel_backend
 from .fast_path import record, why_stock
 
 COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
+PACE_ENV = "MLX_LILY_PACE_PREFILL"
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _triple(linear) -> tuple:
@@ -71,19 +75,22 @@ def _plain_quantized(*linears) -> bool:
     )
 
 
-def _places(layer: nn.Module) -> list:
-    """(module, getter of its arrays and submodules) for every module in layer."""
-    places = []
-    for _, module in layer.named_modules():
-        keys = [k for k, v in module.items() if isinstance(v, (mx.array, nn.Module))]
-        if keys:
-            getter = operator.itemgetter(*keys) if len(keys) > 1 else (lambda m, k=keys[0]: (m[k],))
-            places.append((module, getter))
-    return places
+def _places(*modules: nn.Module) -> tuple:
+    """(holders, keys): where every array and submodule of the modules sits,
+    ``holders[i][keys[i]]``, flat, so that reading them all back is one C-level
+    pass (``_identities``) and no Python per module."""
+    holders, keys = [], []
+    for root in modules:
+        for _, module in root.named_modules():
+            for key, value in module.items():
+                if isinstance(value, (mx.array, nn.Module)):
+                    holders.append(module)
+                    keys.append(key)
+    return holders, keys
 
 
-def _identities(places: list) -> tuple:
-    return tuple(chain.from_iterable(map(id, get(module)) for module, get in places))
+def _identities(places: tuple) -> tuple:
+    return tuple(map(id, map(operator.getitem, *places)))
 
 
 def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callable]) -> Callable:
@@ -108,13 +115,19 @@ def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callab
     return first_call
 
 
-# Rows (batch x tokens) of a call from which each layer bounds the work queued
-# behind it; below this a layer's intermediates are small.
+# Rows (batch x tokens) of a prompt call from which each layer bounds the work
+# queued behind it; below this a layer's intermediates are small. Decode
+# steps (one token per sequence, however many sequences) are not paced.
 PACE_MIN_ROWS = 256
 
 
 def _queues_on_device() -> bool:
     return mx.default_device().type == mx.DeviceType.gpu
+
+
+def pacing_enabled() -> bool:
+    """Prefill pacing applies here: on a GPU, unless MLX_LILY_PACE_PREFILL=0."""
+    return _queues_on_device() and not _env_off(PACE_ENV)
 
 
 def pace_prefill(x: mx.array, out: mx.array) -> None:
@@ -129,8 +142,8 @@ def pace_prefill(x: mx.array, out: mx.array) -> None:
     transformation (compile, vmap, grad, export), where arrays cannot be
     evaluated, nothing is paced. On the CPU the host runs the graph itself and
     nothing piles up (measured: pacing only cost time there), so it is not
-    paced either."""
-    if tracing() or not _queues_on_device():
+    paced either. ``MLX_LILY_PACE_PREFILL=0`` turns it off."""
+    if tracing() or not pacing_enabled():
         return
     try:
         mx.async_eval(out)
@@ -145,7 +158,7 @@ def compile_enabled() -> bool:
     when it is called, which a trace does not allow), and while a graph is
     traced for counting (``traced_not_run``: the compiled steps hold kernels
     built for running)."""
-    if os.environ.get(COMPILE_ENV, "1").strip().lower() in ("0", "false", "no", "off") or tracing():
+    if _env_off(COMPILE_ENV) or tracing():
         return False
     return kernel_backend()[0] != "emulator"
 
@@ -164,7 +177,7 @@ class LilyDecoderLayer(DecoderLayer):
                     cache.offset = offset
                 self._fused_failed(exc)
         out = super().__call__(x, mask, cache)
-        if x.shape[0] * x.shape[1] >= PACE_MIN_ROWS:
+        if x.shape[1] > 1 and x.shape[0] * x.shape[1] >= PACE_MIN_ROWS:
             pace_prefill(x, out)
         return out
 

@@ -128,7 +128,7 @@ class LilyTextModel(Qwen3_5TextModel):
         if held is None or held[0] != tuple(map(id, modules)):
             # In __dict__: nn.Module would keep a tuple attribute as a child.
             held = self.__dict__["_lily_edge_places"] = (
-                tuple(map(id, modules)), _places(self.embed_tokens) + _places(self.norm))
+                tuple(map(id, modules)), _places(*modules))
         return held[0] + _identities(held[1])
 
     def _segment_fn(self, first: int, last: int) -> Callable:

@@ -40,6 +40,7 @@ def _peak_above_start(model, tokens) -> int:
 
 
 def test_paced_prefill_peaks_no_higher_than_stock(backend, monkeypatch):
+    monkeypatch.delenv(decoder.PACE_ENV, raising=False)
     model, config = build_model(dict(SHAPES["qwen3.6-35b-a3b"], num_hidden_layers=8))
     tokens = mx.array(prompt_ids(TOKENS, config["text_config"]["vocab_size"]))[None]
     peaks = {}
@@ -50,3 +51,4 @@ def test_paced_prefill_peaks_no_higher_than_stock(backend, monkeypatch):
     peaks["lily, not paced"] = _peak_above_start(model, tokens)
     mib = {k: round(v / 2**20) for k, v in peaks.items()}
     assert peaks["lily"] <= peaks["stock"], f"peak MiB above the weights: {mib}"
+    assert peaks["lily"] <= peaks["lily, not paced"], f"pacing raised the peak: {mib}"
