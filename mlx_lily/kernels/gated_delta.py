@@ -71,7 +71,9 @@ def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
 
     Stock's ``gated_delta_update``: on the reference path lily and stock agree
     to the bit (bench's numerics rely on it). ``gated_delta_chunked_reference``
-    is the same rule in chunks (within ~1e-6 in fp32, no per-token loop).
+    is the same rule in chunks (within ~1e-6 in fp32, no per-token loop); it
+    is not the CPU path because on a CPU it is no faster (2 cores, the real
+    head shapes, 2048 tokens: 7.3 s against the loop's 5.2 s).
     """
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
 
