@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -42,7 +40,7 @@ from mlx_lily.kernels.gated_delta_chunked import (
 from mlx_lily.toolchain import build, lint
 
 from test_gated_delta_kernel import ground_truth, make_inputs
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # The modules (the package exports the op under the module's name).
 gd = importlib.import_module("mlx_lily.kernels.gated_delta")
@@ -247,20 +245,7 @@ def _real_shape_units():
 
 
 def test_the_passes_compile_to_tensor_core_mma_with_nvcc(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
-    for name, unit in _real_shape_units().items():
-        source = tmp_path / f"{name}.cu"
-        source.write_text(unit)
-        ptx = tmp_path / f"{name}.ptx"
-        result = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"{name}, nvcc with {which}:\n{result.stderr[-6000:]}"
-        text = ptx.read_text()
+    for name, text in nvcc_ptx(tmp_path, _real_shape_units()).items():
         assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text), name
         # Accumulators, the carried state and the prefetched blocks stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name

@@ -9,8 +9,6 @@ take the kernel, greedy tokens are stock's); compiled for CUDA with nvcc.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +27,7 @@ from mlx_lily.kernels.gated_delta_decode import (
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 
 from test_model import TOKENS, greedy
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # (Hk, value heads per key head, Dk, Dv): odd head counts, ratios 1-3.
 SHAPES = [(1, 1, 32, 32), (1, 3, 64, 32), (2, 2, 32, 64), (3, 1, 64, 64), (3, 3, 32, 32), (2, 3, 64, 64)]
@@ -139,22 +137,11 @@ def test_the_reference_path_decodes_like_stock_to_the_bit(demo_checkpoint, monke
 
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
-    # The real shape (Hk 16, Hv 32, Dk = Dv = 128) and a small odd one.
-    for Hk, Hv, Dk, Dv in ((16, 32, 128, 128), (3, 9, 64, 48)):
-        args, _ = make_decode_inputs(Hk, Hv, Dk, Dv, seed=0)
-        source = tmp_path / f"gdd_{Hv}.cu"
-        source.write_text(gated_delta_decode_kernel.cuda_translation_unit(*args))
-        ptx = tmp_path / f"gdd_{Hv}.ptx"
-        result = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-        text = ptx.read_text()
+    units = {  # the real shape (Hk 16, Hv 32, Dk = Dv = 128) and a small odd one
+        f"gdd_{Hv}": gated_delta_decode_kernel.cuda_translation_unit(*make_decode_inputs(Hk, Hv, Dk, Dv, seed=0)[0])
+        for Hk, Hv, Dk, Dv in ((16, 32, 128, 128), (3, 9, 64, 48))
+    }
+    for text in nvcc_ptx(tmp_path, units).values():
         # State rows, q and k stay in registers.
         assert "ld.local" not in text and "st.local" not in text
         assert re.search(r"\.shared", text)

@@ -10,8 +10,6 @@ rejecting wrong results; compiled for CUDA with nvcc at the model's shapes.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +29,7 @@ from mlx_lily.kernels.gemv import (
     quantized_matvec_supports,
 )
 
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # (K, rows per segment, bits per segment, prologue, residual)
 CASES = [
@@ -210,10 +208,6 @@ def _zeros_weights(Kd, rows, bits):
 
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
     x2k, x4k = mx.zeros((1, 1, 2048), mx.bfloat16), mx.zeros((1, 1, 4096), mx.bfloat16)
     norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
     calls = {
@@ -233,20 +227,11 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         ),
         "fp32_norm": (x2k, _zeros_weights(2048, (64, 7), (8, 4)), {"norm_weight": mx.ones((2048,)), "eps": 1e-6}),
     }
-    runs = {}
+    units = {}
     for name, (x, weights, kwargs) in calls.items():
         assert quantized_matvec_supports(x, weights, **kwargs) is None, name
-        source = tmp_path / f"gemv_{name}.cu"
-        source.write_text(quantized_matvec_kernel.cuda_translation_unit(x, weights, **kwargs))
-        ptx = tmp_path / f"gemv_{name}.ptx"
-        runs[name] = (ptx, subprocess.Popen(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
-    for name, (ptx, run) in runs.items():
-        _, stderr = run.communicate()
-        assert run.returncode == 0, f"{name}, nvcc with {which}:\n{stderr[-6000:]}"
-        text = ptx.read_text()
+        units[name] = quantized_matvec_kernel.cuda_translation_unit(x, weights, **kwargs)
+    for name, text in nvcc_ptx(tmp_path, units).items():
         # A lane's values and rows stay in registers; weights move 16 bytes a load.
         assert "ld.local" not in text and "st.local" not in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name

@@ -9,8 +9,6 @@ translation units compiled with nvcc.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -35,7 +33,7 @@ from mlx_lily.kernels.moe_decode import (
 from mlx_lily.kernels.router import router_topk_ground_truth
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # (D, E, k, I, shared I, renormalise): 24 experts top-3 at D 192 with a wider
 # and a narrower shared expert, top-1 and top-8, odd expert counts.
@@ -176,10 +174,7 @@ def test_the_reference_is_stock_s_block_to_the_bit(normalize, monkeypatch):
 
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
+    units = {}
     # The real shape (D 2048, 256 experts top-8, I 512) and a small odd one.
     for D, E, k, I, IS in ((2048, 256, 8, 512, 512), (192, 24, 3, 64, 128)):
         glu, shared = quantized_moe(D, I, IS, E if E < 64 else 2, seed=0)
@@ -191,25 +186,13 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
                 for n in ("gate_proj", "up_proj", "down_proj")})
         h = mx.zeros((1, 1, D), mx.bfloat16)
         logits = mx.zeros((1, 1, E), mx.bfloat16)
-        units = [
-            moe_decode_gate_up_kernel.cuda_translation_unit(h, logits, mx.zeros((D,), mx.bfloat16), 1e-6, k, True,
-                                                            glu, shared),
-            moe_decode_down_kernel.cuda_translation_unit(
-                h, mx.zeros((k + 1, max(I, IS)), mx.bfloat16), mx.zeros((k,), mx.uint32),
-                mx.zeros((k,), mx.bfloat16), mx.zeros((1, 1, 1), mx.bfloat16), glu, shared),
-        ]
-        for name, unit in zip(("gate_up", "down"), units):
-            source = tmp_path / f"moe_decode_{name}_{D}.cu"
-            source.write_text(unit)
-            ptx = tmp_path / f"moe_decode_{name}_{D}.ptx"
-            result = subprocess.run(
-                [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-                capture_output=True, text=True,
-            )
-            assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-            assert "warning" not in result.stderr, result.stderr[-3000:]
-            text = ptx.read_text()
-            # Top-k ranks, activations and accumulators stay in registers.
-            assert "ld.local" not in text and "st.local" not in text, name
-            if name == "gate_up":
-                assert re.search(r"\.shared", text)
+        units[f"gate_up_{D}"] = moe_decode_gate_up_kernel.cuda_translation_unit(
+            h, logits, mx.zeros((D,), mx.bfloat16), 1e-6, k, True, glu, shared)
+        units[f"down_{D}"] = moe_decode_down_kernel.cuda_translation_unit(
+            h, mx.zeros((k + 1, max(I, IS)), mx.bfloat16), mx.zeros((k,), mx.uint32),
+            mx.zeros((k,), mx.bfloat16), mx.zeros((1, 1, 1), mx.bfloat16), glu, shared)
+    for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
+        # Top-k ranks, activations and accumulators stay in registers.
+        assert "ld.local" not in text and "st.local" not in text, name
+        if name.startswith("gate_up"):
+            assert re.search(r"\.shared", text)

@@ -267,16 +267,10 @@ def test_model_prefill_runs_the_moe_kernels(demo_checkpoint, monkeypatch):
 
 def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
     import re
-    import shutil
-    import subprocess
 
-    from test_toolchain import _mlx_cuda_include
+    from test_toolchain import nvcc_ptx
     from mlx_lily.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel
 
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
     # The real shapes: hidden 2048, intermediate 512, 256 experts, top-8.
     glu = quantized_experts(2048, 512, 4)
     rows, k = 64, 8
@@ -292,15 +286,7 @@ def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
     units["combine"] = moe_combine_kernel.cuda_translation_unit(
         mx.zeros((4, 8, 2048), mx.bfloat16), mx.zeros((4, 8), mx.bfloat16),
         mx.zeros((4, 2048), mx.bfloat16), mx.zeros((4, 1), mx.bfloat16))
-    for name, unit in units.items():
-        source, ptx = tmp_path / f"{name}.cu", tmp_path / f"{name}.ptx"
-        source.write_text(unit)
-        result = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"{name}, nvcc with {which}:\n{result.stderr[-6000:]}"
-        text = ptx.read_text()
+    for name, text in nvcc_ptx(tmp_path, units).items():
         if name.startswith(("gate_up", "down")):
             assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text), name
             # Accumulators and operand fragments stay in registers.

@@ -10,8 +10,6 @@ judge rejecting wrong results; compiled for CUDA with nvcc.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,7 +33,7 @@ from mlx_lily.kernels.qk_norm_rope import (
     qk_norm_rope_supports,
 )
 
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # (B, L, Hq, Hkv, D, dims, offset, traditional): decode and prefill, odd head
 # counts, head dims 32-256 (96: not a power of two), dims from 16 to all of D.
@@ -206,10 +204,6 @@ def test_agree_rejects_wrong_positions_pairs_and_norms():
 
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
     calls = {
         # The model's shape (16 q, 2 KV heads of 256, 64 rotated), a gated q view.
         "real": make_inputs(1, 1, 16, 2, 256, 64, offset=5, base=1e7)[0],
@@ -217,16 +211,8 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         "odd": make_inputs(2, 3, 3, 1, 96, 22, offset=mx.array([1, 2]), traditional=True,
                            dtype=mx.float16, weight_dtype=mx.float32)[0],
     }
-    for name, args in calls.items():
-        source = tmp_path / f"qk_norm_rope_{name}.cu"
-        source.write_text(qk_norm_rope_kernel.cuda_translation_unit(*args))
-        ptx = tmp_path / f"qk_norm_rope_{name}.ptx"
-        result = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-        text = ptx.read_text()
+    units = {f"qk_norm_rope_{name}": qk_norm_rope_kernel.cuda_translation_unit(*args) for name, args in calls.items()}
+    for text in nvcc_ptx(tmp_path, units).values():
         # The row's values stay in registers. The one local array is CUDA's
         # precise sinf/cosf's own: 7 words for reducing angles past ~1e5
         # radians (positions past 1e5 at the first frequency), as in MLX's

@@ -8,8 +8,6 @@ mma.sync, nothing spilled to local memory) when nvcc is on PATH.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -19,7 +17,7 @@ from mlx_lily.kernels import matmul
 from mlx_lily.kernels.matmul import matmul_nt, matmul_nt_kernel
 from mlx_lily.toolchain import build, lint
 
-from test_toolchain import _mlx_cuda_include, emulator_or_skip
+from test_toolchain import emulator_or_skip, nvcc_ptx
 
 
 def _operands(M, N, K, seed=0):
@@ -117,21 +115,12 @@ def test_tile_bodies_get_the_tile_api_on_every_backend():
 
 
 def test_the_tiled_gemm_compiles_to_tensor_core_mma_with_nvcc(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
-    for M in (64, 4096):  # the small and the large block
-        x = mx.zeros((M, 256), mx.bfloat16)
-        source = tmp_path / f"tiled_{M}.cu"
-        source.write_text(matmul_nt_kernel.cuda_translation_unit(x, mx.zeros((M, 256), mx.bfloat16)))
-        ptx = tmp_path / f"tiled_{M}.ptx"
-        result = subprocess.run(
-            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-            capture_output=True, text=True,
-        )
-        assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-        text = ptx.read_text()
+    units = {  # the small and the large block
+        f"tiled_{M}": matmul_nt_kernel.cuda_translation_unit(
+            mx.zeros((M, 256), mx.bfloat16), mx.zeros((M, 256), mx.bfloat16))
+        for M in (64, 4096)
+    }
+    for text in nvcc_ptx(tmp_path, units).values():
         assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text)
         # Accumulators and operand fragments stay in registers.
         assert "ld.local" not in text and "st.local" not in text

@@ -314,16 +314,39 @@ def _mlx_cuda_include(tmp_path: Path) -> tuple[Path, str]:
     return stand_in, "a stand-in for MLX's device headers"
 
 
+def nvcc_ptx(tmp_path: Path, units: dict, *, warnings_ok: bool = True) -> dict:
+    """Each CUDA translation unit of ``units`` ({name: source}) compiled by
+    nvcc to PTX for sm_90a, all at once: {name: PTX text}. Skips the test
+    where nvcc is not on PATH; a unit that does not compile (or, with
+    ``warnings_ok=False``, warns) fails it."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    runs = {}
+    for name, unit in units.items():
+        source, ptx = tmp_path / f"{name}.cu", tmp_path / f"{name}.ptx"
+        source.write_text(unit)
+        runs[name] = (ptx, subprocess.Popen(
+            [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))
+    texts = {}
+    for name, (ptx, run) in runs.items():
+        _, stderr = run.communicate()
+        assert run.returncode == 0, f"{name}, nvcc with {which}:\n{stderr[-6000:]}"
+        if not warnings_ok:
+            assert "warning" not in stderr, stderr[-3000:]
+        texts[name] = ptx.read_text()
+    return texts
+
+
 def _kernel_section(unit: str) -> str:
     marker = "namespace mlx::core::cu {\n\nnamespace cg"
     return unit[unit.index(marker):]
 
 
 def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
     units = [probe.subset_probe_kernel.cuda_translation_unit(probe.subset_probe_input())]
     shapes = [(256, 8, True), (16, 4, False), (8, 2, True), (40, 3, True), (1024, 32, False)]
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
@@ -338,19 +361,11 @@ def test_the_cuda_translation_units_compile_with_nvcc(tmp_path):
         source=_ATOMIC_BODY, atomic_outputs=True,
     )
     units.append(atomics.cuda_translation_unit(mx.zeros((64,))))
-    source = tmp_path / "lily_kernels.cu"
     # One prelude (the first unit's), then every kernel; the router's top-k
     # header once, at global scope, before the kernels that expand it.
     sections = "\n".join(_kernel_section(u) for u in units[1:])
-    source.write_text(units[0] + router_topk_kernel.header + sections)
-    ptx = tmp_path / "lily_kernels.ptx"
-    result = subprocess.run(
-        [nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", f"-I{include}", str(source), "-o", str(ptx)],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-    assert "warning" not in result.stderr, result.stderr[-3000:]
-    text = ptx.read_text()
+    source = units[0] + router_topk_kernel.header + sections
+    text = nvcc_ptx(tmp_path, {"lily_kernels": source}, warnings_ok=False)["lily_kernels"]
     entries = re.findall(r"\.entry (\w+)\(", text)
     assert len(entries) == len(units)
     # The router keeps each lane's probabilities in registers, and the gated
