@@ -214,6 +214,14 @@ def now_iso() -> str:
 # ---------------------------------------------------------------- progress
 
 
+def write_report(out: Optional[str], name: str, text: str) -> None:
+    """A diagnostic's table: to stdout, and to OUT/name where --out is given."""
+    print(text)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(text)
+
+
 def log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 

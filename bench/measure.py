@@ -116,6 +116,19 @@ def host_ms_per_decode_token(model: Any, cache: Any, token: int, steps: int = HO
     return decode_step_times(model, cache, token, steps)[0]
 
 
+def prefilled_cache(model: Any, vocab_size: int, context: int) -> Any:
+    """A fresh prompt cache holding ``context`` prompt tokens, prefilled in
+    mlx-lm's chunks (each chunk's cache evaluated), then three decode steps
+    (compilation and first-use checks), for timing decode at that context."""
+    cache = make_prompt_cache(model)
+    prompt = mx.array(prompt_ids(context, vocab_size))
+    for start in range(0, context, PREFILL_STEP):
+        model(prompt[None, start:start + PREFILL_STEP], cache=cache)
+        mx.eval([c.state for c in cache])
+    decode_step_times(model, cache, 1, 3)
+    return cache
+
+
 def decode_step_times(model: Any, cache: Any, token: int, steps: int) -> tuple:
     """(median ms building a step's graph, median ms of the whole step, built
     and evaluated) over ``steps`` greedy decode steps on ``cache``."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 import mlx.core as mx
 
@@ -30,11 +29,8 @@ PATHS = ("stock", "lily eager", "lily layers", "lily segments")
 
 def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[float, float, str]:
     """(host ms, step ms, the layer paths the timed steps took)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from bench.common import prompt_ids
     from bench.engines import switch
-    from bench.measure import decode_step_times
+    from bench.measure import decode_step_times, prefilled_cache
     from mlx_lily.layers.decoder import COMPILE_ENV
 
     switch(model, "stock" if path == "stock" else "lily")
@@ -44,12 +40,7 @@ def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[flo
         text.__dict__["_lily_segments_ok"] = False
     else:
         text.__dict__.pop("_lily_segments_ok", None)
-    cache = make_prompt_cache(model)
-    prompt = mx.array(prompt_ids(context, vocab))
-    for start in range(0, context, 2048):
-        model(prompt[None, start:start + 2048], cache=cache)
-        mx.eval([c.state for c in cache])
-    decode_step_times(model, cache, 1, 3)  # first steps: compile and first-use checks
+    cache = prefilled_cache(model, vocab, context)
     from mlx_lily import paths
 
     paths.start()
@@ -69,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write DIR/decode_paths.txt")
     args = p.parse_args(argv)
 
+    from bench.common import write_report
     from bench.engines import load_shared
     from mlx_lily.layers.decoder import COMPILE_ENV
 
@@ -86,11 +78,7 @@ def main(argv=None) -> int:
             os.environ.pop(COMPILE_ENV, None)
         else:
             os.environ[COMPILE_ENV] = before
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode_paths.txt").write_text(text)
+    write_report(args.out, "decode_paths.txt", "\n".join(lines) + "\n")
     return 0
 
 

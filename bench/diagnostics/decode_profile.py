@@ -50,19 +50,11 @@ def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[floa
 
 
 def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> List[str]:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from bench.common import prompt_ids
     from bench.engines import switch
-    from bench.measure import decode_step_times
+    from bench.measure import prefilled_cache
 
     switch(model, engine)
-    cache = make_prompt_cache(model)
-    prompt = mx.array(prompt_ids(context, vocab))
-    for start in range(0, context, 2048):
-        model(prompt[None, start:start + 2048], cache=cache)
-        mx.eval([c.state for c in cache])
-    decode_step_times(model, cache, 1, 4)  # compile, first-use checks
+    cache = prefilled_cache(model, vocab, context)
     wall, kernels = _profile_steps(model, cache, steps)
     calls = sum(len(v) for v in kernels.values())
     busy = sum(sum(v) for v in kernels.values()) / 1e3

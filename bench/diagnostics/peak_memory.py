@@ -21,7 +21,6 @@ DIR/peak_memory.txt.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Callable, List, Tuple
 
 import mlx.core as mx
@@ -57,7 +56,7 @@ def main() -> int:
     from mlx_lm.models.base import create_attention_mask, create_ssm_mask
     from mlx_lm.models.cache import make_prompt_cache
 
-    from bench.common import prompt_ids
+    from bench.common import prompt_ids, write_report
     from bench.engines import load_shared, switch
     from bench.oracle import _masks
     from mlx_lily import kernels as K
@@ -144,11 +143,7 @@ def main() -> int:
              f"{'footprint lily - stock':>23s}"]
     lines += [f"{n:48s} {sb:12.1f} {sp:11.1f} {lb:12.1f} {lp:10.1f} {(lp - lb) - (sp - sb):23.1f}"
               for n, (sb, sp), (lb, lp) in rows]
-    text_out = "\n".join(lines) + "\n"
-    print(text_out)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "peak_memory.txt").write_text(text_out)
+    write_report(args.out, "peak_memory.txt", "\n".join(lines) + "\n")
     return 0
 
 
