@@ -58,6 +58,33 @@ def test_gather_qmm_reads_only_the_selected_experts():
     assert counts["bytes"] == x.nbytes + top_k * one_expert + rows.nbytes + inds.nbytes + out
 
 
+def test_a_contiguous_copy_is_traced_as_one_kernel():
+    # mx.contiguous has no exportable state: lily's graphs use the toolchain's
+    # contiguous(), which a trace sees as one copy-like node (read + write).
+    from mlx_lily.toolchain.build import contiguous
+
+    (big,) = _evaluated(mx.arange(8 * 16, dtype=mx.float32).reshape(8, 16))
+    with pytest.raises(ValueError, match="Contiguous"):
+        count_fn(lambda x: mx.contiguous(x[:, 4:]), big)
+    counts = count_fn(lambda x: contiguous(x[:, 4:]), big)
+    assert counts["kernels"] == 1
+    assert counts["bytes"] == 8 * 12 * F32 + F32 + 8 * 12 * F32  # the slice, the 1, the copy
+    assert mx.array_equal(contiguous(big[:, 4:]), big[:, 4:]).item()
+
+
+def test_lily_builds_no_bare_contiguous():
+    """Every row-contiguous copy in lily's graphs goes through the toolchain's
+    contiguous(), so that a decode step can be traced for its counts."""
+    import pathlib
+
+    import mlx_lily
+
+    root = pathlib.Path(mlx_lily.__file__).parent
+    bare = [str(p.relative_to(root)) for p in root.rglob("*.py")
+            if "mx.contiguous(" in p.read_text() and p.name != "build.py"]
+    assert bare == []
+
+
 def _decode_counts(model, engine):
     switch(model, engine)
     cache = make_prompt_cache(model)

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from .._notice import notice_once
-from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch
+from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch, contiguous
 from ..toolchain.registry import LilyOp, register
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
@@ -112,7 +112,7 @@ def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = K
     return Launch(
         # The queries are tiny: made contiguous here, so the body indexes them
         # directly; K and V stay as they are (strided views of the cache).
-        inputs=[mx.contiguous(q.reshape(Hq, D)), k, v, mx.array([scale], dtype=mx.float32)],
+        inputs=[contiguous(q.reshape(Hq, D)), k, v, mx.array([scale], dtype=mx.float32)],
         grid=(threads * blocks, Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
@@ -218,7 +218,7 @@ def _launch_prefill(q, k, v, scale, mask) -> Launch:
     positions = PREFILL_ROWS // G
     threads = PREFILL_SIMD_GROUPS * SIMD_WIDTH
     return Launch(
-        inputs=[mx.contiguous(q), k, v, mx.array([scale], dtype=mx.float32)],
+        inputs=[contiguous(q), k, v, mx.array([scale], dtype=mx.float32)],
         grid=(threads * math.ceil(L / positions), Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],

@@ -24,7 +24,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, contiguous
 from ..toolchain.registry import LilyOp, register
 from .conv import conv1d_silu_reference
 from .gated_delta import (
@@ -66,7 +66,7 @@ def gated_delta_decode_reference(
     key_dim = (qkv.shape[-1] - Hv * Dv) // 2
     Dk = key_dim // num_k_heads
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    next_conv = mx.contiguous(conv_input[:, -n_keep:, :])
+    next_conv = contiguous(conv_input[:, -n_keep:, :])
     conv_out = conv1d_silu_reference(conv_input, conv_weight)
     q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
     q = q.reshape(B, T, num_k_heads, Dk)

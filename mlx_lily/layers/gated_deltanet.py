@@ -9,6 +9,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from .. import kernels as K
+from ..toolchain.build import contiguous
 from .fast_path import note_stock, record, why_stock
 
 
@@ -17,7 +18,7 @@ def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.arra
     rows, or, with lengths (right-padded prompts), the rows before each entry's
     end, as stock keeps them."""
     if lengths is None:
-        return mx.contiguous(conv_input[:, -n_keep:, :])
+        return contiguous(conv_input[:, -n_keep:, :])
     steps = conv_input.shape[1] - n_keep
     ends = mx.clip(lengths, 0, steps)
     positions = (ends[:, None] + mx.arange(n_keep))[..., None]

@@ -99,6 +99,16 @@ def tracing() -> bool:
     return _TRACING.active
 
 
+def contiguous(a: mx.array) -> mx.array:
+    """``mx.contiguous(a)``; in a traced graph, where export cannot serialize
+    that primitive, an element-wise copy (``a * 1``, the same values) stands
+    for it: one node that reads and writes ``a``, as the copy does at run
+    time."""
+    if _TRACING.active:
+        return a * mx.array(1, dtype=a.dtype)
+    return mx.contiguous(a)
+
+
 @dataclass
 class Launch:
     """One call's arguments for a built kernel, as a launcher computes them."""
