@@ -86,6 +86,42 @@ def test_agree_rejects_a_wrong_conv_state_and_a_wrong_output():
     assert "state" in gated_delta_decode_agree((out, conv, state * 1.1), want)
 
 
+def _cuda_case():
+    """A decode call captured on the H200 (small-alt, bf16, after a 256-token
+    prompt) and MLX's CUDA ops' result for it (the reference run there)."""
+    import pathlib
+
+    data = np.load(pathlib.Path(__file__).parent / "data" / "gated_delta_decode_cuda_case.npz")
+    dtypes = {"mlx.core.bfloat16": mx.bfloat16, "mlx.core.float32": mx.float32}
+    names = ("qkv", "z", "a", "b", "conv_state", "conv_weight", "A_log", "dt_bias", "state", "norm_weight")
+    args = tuple(mx.array(data["in_" + n]).astype(dtypes[str(data["dtype_" + n])]) for n in names)
+    args += (float(data["eps"]), int(data["hk"]))
+    cuda_ops = tuple(mx.array(data[f"ref_gpu_{i}"]) for i in range(3))
+    return args, cuda_ops
+
+
+def test_agree_judges_against_the_cpu_s_rounding_not_another_device_s():
+    emulator_or_skip()
+    args, cuda_ops = _cuda_case()
+    got = gated_delta_decode_kernel.emulate(*args)
+    cuda_ops = (cuda_ops[0].astype(mx.bfloat16), cuda_ops[1].astype(mx.bfloat16), cuda_ops[2])
+    # As given, CUDA's result is far from the kernel's ...
+    assert gated_delta_decode_agree(got, cuda_ops) is not None
+    # ... and from the same step in fp32, which the kernel is close to.
+    f32 = tuple(a.astype(mx.float32) if isinstance(a, mx.array) else a for a in args)
+    oracle = gated_delta_decode_reference(*f32)[0]
+
+    def off(y):
+        return (mx.abs(y.astype(mx.float32) - oracle).max() / mx.abs(oracle).max()).item()
+
+    assert off(cuda_ops[0]) > 0.15 and off(got[0]) < 0.05
+    # With the call's arguments the CPU reference judges: the kernel passes,
+    # and a wrong output still fails.
+    assert gated_delta_decode_agree(got, cuda_ops, *args) is None
+    out, conv, state = got
+    assert "out" in gated_delta_decode_agree((out * 1.1, conv, state), cuda_ops, *args)
+
+
 def test_supports_takes_one_bf16_token_only():
     args, _ = make_decode_inputs(2, 4, 32, 32, seed=6)
     assert gated_delta_decode_supports(*args) is None
