@@ -44,7 +44,9 @@ What is counted
   (``_read_bytes``): ``gather_qmm``/``gather_mm`` the selected experts'
   weights (indices x one expert's bytes), ``take``-style gathers their output's
   size, and in-place updates (slice update, scatter) move only the update.
-  Lily's MoE kernels are read the same way (``GATHERED_KERNEL_INPUTS``).
+  Lily's MoE kernels are read the same way (``GATHERED_KERNEL_INPUTS``): the
+  prefill GEMMs by their row-order input, the decode chain by the top-k it
+  picks in the kernel (its ids output) or is given (the down kernel's ids).
 
 ``bytes_token_must_read`` is the floor to compare with: the weights one token
 touches (every non-expert parameter whole, top-k of each layer's experts, one
@@ -78,12 +80,17 @@ TAKE_PRIMITIVES = frozenset({"Gather", "GatherAxis"})
 EXPERT_MATMULS = frozenset({"GatherQMM", "GatherMM"})
 
 # Lily's custom kernels that read only some experts of their weight inputs:
-# kernel name prefix -> (position of the input whose size is the number of
-# (token, expert) rows, positions of the expert-indexed weight inputs).
-GATHERED_KERNEL_INPUTS: Dict[str, Tuple[int, Sequence[int]]] = {
-    "moe_gate_up": (1, range(3, 9)),
-    "moe_down": (1, range(3, 9)),
+# kernel name -> (where the number of (token, expert) picks is read: the size
+# of ("inputs", i) or ("outputs", i), positions of the expert-indexed weight
+# inputs). MLX names a custom kernel's primitive "custom_kernel_" + the name
+# it was built with (lily's: the kernel's name, "_", a digest).
+GATHERED_KERNEL_INPUTS: Dict[str, Tuple[Tuple[str, int], Sequence[int]]] = {
+    "moe_gate_up": (("inputs", 1), range(3, 9)),  # the row order
+    "moe_down": (("inputs", 1), range(3, 9)),
+    "moe_decode_gate_up": (("outputs", 1), range(4, 10)),  # the ids it picked
+    "moe_decode_down": (("inputs", 2), range(5, 8)),  # the ids it is given
 }
+CUSTOM_KERNEL_PREFIX = "custom_kernel_"
 
 Node = Dict[str, Any]
 Arr = Tuple[str, Tuple[int, ...], Any]  # (name, shape, dtype) as export gives them
@@ -114,15 +121,18 @@ def trace(fn, *args: mx.array) -> List[Node]:
 
 
 def _kernel_name(node: Node) -> Optional[str]:
-    """A custom kernel's name, from the primitive's state (a string in it)."""
+    """Which of ``GATHERED_KERNEL_INPUTS`` a custom kernel node is, from the
+    name in the primitive's state (its first string)."""
     stack = list(node.get("arguments") or [])
     while stack:
         a = stack.pop(0)
         if isinstance(a, str):
-            for prefix in GATHERED_KERNEL_INPUTS:
-                if a.startswith(prefix):
-                    return prefix
-        elif isinstance(a, (list, tuple)):
+            built = a[len(CUSTOM_KERNEL_PREFIX):] if a.startswith(CUSTOM_KERNEL_PREFIX) else a
+            for name in GATHERED_KERNEL_INPUTS:
+                if built == name or built.startswith(name + "_"):
+                    return name
+            return None
+        if isinstance(a, (list, tuple)):
             stack.extend(a)
     return None
 
@@ -136,18 +146,18 @@ def _read_bytes(node: Node, view_bytes: Dict[str, int]) -> int:
         return sum(sizes[1:])
     if name in TAKE_PRIMITIVES:
         return min(sizes[0], sum(_nbytes(o) for o in node["outputs"])) + sum(sizes[1:])
-    gathered: Tuple[Optional[int], Sequence[int]] = (None, ())
+    picks_from: Optional[Arr] = None
+    weight_pos: Sequence[int] = ()
     if name in EXPERT_MATMULS:
-        gathered = (len(inputs) - 1, range(1, len(inputs) - 2))
+        picks_from, weight_pos = inputs[-1], range(1, len(inputs) - 2)
     elif name == "CustomKernel":
         kernel = _kernel_name(node)
         if kernel is not None:
-            gathered = GATHERED_KERNEL_INPUTS[kernel]
-    index_pos, weight_pos = gathered
-    if index_pos is not None:
-        _, idx_shape, _ = inputs[index_pos]
+            (where, i), weight_pos = GATHERED_KERNEL_INPUTS[kernel]
+            picks_from = node[where][i]
+    if picks_from is not None:
         picks = 1
-        for d in idx_shape:
+        for d in picks_from[1]:
             picks *= int(d)
         for i in weight_pos:
             if i < len(inputs) and len(inputs[i][1]) >= 3:

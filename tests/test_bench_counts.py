@@ -58,6 +58,46 @@ def test_gather_qmm_reads_only_the_selected_experts():
     assert counts["bytes"] == x.nbytes + top_k * one_expert + rows.nbytes + inds.nbytes + out
 
 
+def _custom_kernel_node_counts(name, inputs, output_shapes, output_dtypes):
+    """Counts of one custom kernel node as MLX builds it (a Metal kernel:
+    traced, never compiled, so any machine can build the node)."""
+    kernel = mx.fast.metal_kernel(
+        name=name, input_names=[f"in{i}" for i in range(len(inputs))],
+        output_names=[f"out{i}" for i in range(len(output_shapes))], source="",
+    )
+    return count_fn(
+        lambda *xs: kernel(inputs=list(xs), grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                           output_shapes=output_shapes, output_dtypes=output_dtypes, template=[("K", 4)]),
+        *inputs,
+    )
+
+
+def test_moe_decode_kernels_read_only_the_experts_they_pick():
+    from mlx_lily.kernels.moe_decode import moe_decode_down_kernel, moe_decode_gate_up_kernel
+
+    E, I, D, k = 16, 64, 128, 4
+    experts = lambda cols, dtype: mx.zeros((E, I, cols), dtype)  # noqa: E731
+    weights = [experts(D // 8, mx.uint32), experts(D // 64, mx.bfloat16), experts(D // 64, mx.bfloat16)] * 2
+    gate_up_in = [mx.zeros((D,), mx.bfloat16), mx.zeros((E,), mx.bfloat16), mx.zeros((D,), mx.bfloat16),
+                  mx.zeros((1,), mx.float32), *weights, mx.zeros((I, D // 8), mx.uint32)]
+    down_w = [mx.zeros((E, D, I // 8), mx.uint32), mx.zeros((E, D, I // 64), mx.bfloat16),
+              mx.zeros((E, D, I // 64), mx.bfloat16)]
+    down_in = [mx.zeros((D,), mx.bfloat16), mx.zeros((k + 1, I), mx.bfloat16), mx.zeros((k,), mx.uint32),
+               mx.zeros((k,), mx.bfloat16), mx.zeros((1,), mx.bfloat16), *down_w]
+    _evaluated(*gate_up_in, *down_in)
+    cases = [
+        (moe_decode_gate_up_kernel, gate_up_in, [(k + 1, I), (k,), (k,)],
+         [mx.bfloat16, mx.uint32, mx.bfloat16], weights),
+        (moe_decode_down_kernel, down_in, [(1, 1, D)], [mx.bfloat16], down_w),
+    ]
+    for kernel, inputs, shapes, dtypes, gathered in cases:
+        ours = _custom_kernel_node_counts(kernel.backend_name("metal"), inputs, shapes, dtypes)
+        other = _custom_kernel_node_counts("some_kernel", inputs, shapes, dtypes)
+        assert ours["kernels"] == other["kernels"] == 1
+        whole = sum(a.nbytes for a in gathered)
+        assert other["bytes"] - ours["bytes"] == whole - whole // E * k, kernel.name
+
+
 def test_a_contiguous_copy_is_traced_as_one_kernel():
     # mx.contiguous has no exportable state: lily's graphs use the toolchain's
     # contiguous(), which a trace sees as one copy-like node (read + write).
