@@ -1,0 +1,42 @@
+"""bench/diagnostics/turned_off.py: it finds the kernel instances a first-use
+check turned off, and judges a captured call against the fp32 oracle."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from bench.diagnostics.turned_off import capture_turned_off, distance, judge
+from mlx_lily.kernels.gated_delta_decode import gated_delta_decode_kernel
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+from test_gated_delta_decode import _cuda_case
+from test_toolchain import emulator_or_skip
+
+
+def test_judge_puts_the_kernel_and_the_references_beside_the_oracle():
+    emulator_or_skip()
+    args, _ = _cuda_case()
+    runs = judge(gated_delta_decode_kernel, args, {}, "emulator")
+    oracle = runs["fp32 oracle"]
+    # The kernel rounds as MLX's CPU ops do: the same output, close to fp32.
+    assert mx.array_equal(runs["kernel"][0], runs["reference on the CPU"][0]).item()
+    assert distance(runs["kernel"][0], oracle[0]) < 0.05
+    assert distance(oracle[0] * 1.1, oracle[0]) == pytest.approx(0.1, rel=1e-3)
+
+
+def test_capture_finds_an_instance_its_check_turned_off(monkeypatch):
+    emulator_or_skip()
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    gated_delta_decode_kernel.forget()
+    assert gated_delta_decode_kernel.ready_on("emulator")[0]  # its self-check, as it is
+    # Then a contract no result meets: the first decode call's instance goes off.
+    monkeypatch.setattr(gated_delta_decode_kernel, "agree", lambda got, want, *a, **k: "always off")
+    try:
+        captured = capture_turned_off(tokens=8, decode_steps=2)
+    finally:
+        gated_delta_decode_kernel.forget()
+    assert list(captured) == ["gated_delta_decode"]
+    kernel, args, kwargs, why = captured["gated_delta_decode"]
+    assert kernel is gated_delta_decode_kernel and "always off" in why
+    assert args[0].shape[:2] == (1, 1)  # a decode call: one token
