@@ -135,9 +135,11 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
     # those of its prompt alone.
     monkeypatch.setenv(BACKEND_ENV, "emulator")
     # Only the per-row kernels: the MoE and attention kernels take a batched
-    # prefill but not the short solo one (or the reverse), and on this chaotic
-    # random model their rounding-level differences change greedy tokens.
-    for name in ("moe_experts", "moe_combine", "attention"):
+    # prefill but not the short solo one (or the reverse), and the fused
+    # decode kernels take a row decoded alone but not a batch of two; on this
+    # chaotic random model their rounding-level differences change greedy tokens.
+    for name in ("moe_experts", "moe_combine", "attention", "quantized_matvec", "moe_decode",
+                 "gated_delta_decode", "qk_norm_rope"):
         monkeypatch.setattr(K.OPS[name], "kernel", None)
     lily, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
     masked_calls = []

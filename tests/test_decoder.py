@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 import mlx_lily
 from mlx_lily import kernels as K
@@ -122,6 +122,73 @@ def test_prompts_and_batches_take_the_stock_flow(engines):
         assert not _fused_kinds()
     finally:
         paths.stop()
+
+
+def _server_cache(model, ssm_padding: int, kv_padding: int) -> list:
+    """The batch caches the server's generator holds for one row: a
+    left-padded ArraysCache per DeltaNet layer, a BatchKVCache per attention
+    layer (the model builds each call's masks from them)."""
+    return [ArraysCache(size=2, left_padding=[ssm_padding]) if layer.is_linear else BatchKVCache([kv_padding])
+            for layer in model.layers]
+
+
+def _decode_from_server_cache(model, ssm_padding, kv_padding):
+    cache = _server_cache(model, ssm_padding, kv_padding)
+    pad = mx.zeros((1, kv_padding), dtype=TOKENS.dtype)
+    out = [model(mx.concatenate([pad, TOKENS[:, :PROMPT]], axis=1), cache=cache)[:, kv_padding:]]
+    out += [model(TOKENS[:, t : t + 1], cache=cache) for t in range(PROMPT, 16)]
+    return mx.concatenate(out, axis=1), cache
+
+
+@pytest.mark.parametrize("mode", ["layers", "eager"])
+@pytest.mark.parametrize("padding", [0, 3])
+def test_a_server_cache_of_one_row_decodes_fused_and_equals_stock(engines, mode, padding, monkeypatch):
+    # mlx_lm.server decodes a single request from batch caches, with masks.
+    monkeypatch.setenv(D.COMPILE_ENV, "0" if mode == "eager" else "1")
+    stock, lily = engines
+    paths.start()
+    try:
+        got, _ = _decode_from_server_cache(lily, padding, padding)
+        kinds = _fused_kinds()
+        masks = {r["mask"] for r in paths.seen() if r["path"] == "lily fused decode" and r["layer"] != "MoE"}
+    finally:
+        paths.stop()
+    assert kinds == {"Gated DeltaNet", "full attention", "MoE"} and masks == {"array"}
+    want, _ = _decode_from_server_cache(stock, padding, padding)
+    assert mx.array_equal(got, want).item()
+
+
+def test_a_masked_decode_step_keeps_the_state_as_stock_does(engines):
+    # After the prompt, two decode steps are padding for the DeltaNet layers
+    # (their ArraysCaches left-padded by 2 more: mask False). Their recurrent
+    # states stay, their conv rows are zeros: every output and cache equals stock's.
+    stock, lily = engines
+
+    def run(model):
+        cache = _server_cache(model, 0, 0)
+        out = [model(TOKENS[:, :PROMPT], cache=cache)]
+        for c in cache:
+            if isinstance(c, ArraysCache):
+                c.left_padding = mx.array([2])
+        states = [mx.array(c[1]) for c in cache if isinstance(c, ArraysCache)]
+        out += [model(TOKENS[:, t : t + 1], cache=cache) for t in range(PROMPT, PROMPT + 2)]
+        kept = [c[1] for c in cache if isinstance(c, ArraysCache)]
+        out += [model(TOKENS[:, t : t + 1], cache=cache) for t in range(PROMPT + 2, 16)]
+        return mx.concatenate(out, axis=1), cache, states, kept
+
+    paths.start()
+    try:
+        got, got_cache, before, kept = run(lily)
+        assert "Gated DeltaNet" in _fused_kinds()
+    finally:
+        paths.stop()
+    assert all(mx.array_equal(b, k).item() for b, k in zip(before, kept))
+    assert any(mx.abs(b).max().item() > 0 for b in before)  # a state worth keeping
+    want, want_cache, _, _ = run(stock)
+    assert mx.array_equal(got, want).item()
+    for g, w in zip(got_cache, want_cache):
+        if isinstance(g, ArraysCache):
+            assert mx.array_equal(g[0], w[0]).item() and mx.array_equal(g[1], w[1]).item()
 
 
 def test_a_failing_fused_step_falls_back_once(engines, monkeypatch, capsys):

@@ -18,10 +18,15 @@ sigmoid(gate); o_proj)``, then the same MoE chain.
 
 Each op keeps its reference (stock's own op sequence) and chooses per call as
 every lily op does, so a shape or quantization the kernels do not take still
-computes stock's result. Calls that are not one decode token of one sequence
-(prefill, batches, masks, batch caches), training, sharded layers, and layers
-whose projections are not quantized linears without bias run stock's layer
-flow (with lily's mixer and MoE classes).
+computes stock's result. One decode token of one sequence takes this path
+from ``mlx_lm.generate``'s caches and from the server's batch caches holding
+one row (``BatchKVCache``, a left-padded ``ArraysCache``), with the mask the
+model passes: a DeltaNet step whose mask is False keeps its recurrent state
+and enters the convolution as zeros, as in stock, and the attention reads the
+mask through its op. Other calls (prefill, batches of several rows, length-
+limited caches, other cache types), training, sharded layers, and layers whose
+projections are not quantized linears without bias run stock's layer flow
+(with lily's mixer and MoE classes).
 
 Python per token (when the whole stack's segmented step in ``text_model.py``
 does not take the call): the Gated DeltaNet step, and the attention layer's parts
@@ -46,7 +51,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
@@ -73,6 +78,11 @@ def _plain_quantized(*linears) -> bool:
         isinstance(m, nn.QuantizedLinear) and "bias" not in m and getattr(m, "mode", "affine") == "affine"
         for m in linears
     )
+
+
+def _one_step_mask(mask: Any) -> bool:
+    """A DeltaNet padding mask for one step of one row: [1, 1] bool."""
+    return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and tuple(mask.shape) == (1, 1)
 
 
 def _places(*modules: nn.Module) -> tuple:
@@ -168,13 +178,15 @@ class LilyDecoderLayer(DecoderLayer):
         if self._takes_decode(x, mask, cache):
             # A failed step leaves the cache as it found it: the recurrent
             # states are assigned only at the end, and the KV cache's write is
-            # undone by restoring its offset (the retry rewrites that slot).
-            offset = None if self.is_linear else cache.offset
+            # undone by restoring its position (the retry rewrites that slot).
+            position = None if self.is_linear else (cache.offset, getattr(cache, "_idx", None))
             try:
-                return self._decode(x, cache)
+                return self._decode(x, mask, cache)
             except Exception as exc:  # noqa: BLE001 - a failing fused step must not stop generation
-                if offset is not None:
-                    cache.offset = offset
+                if position is not None:
+                    cache.offset, index = position
+                    if index is not None:
+                        cache._idx = index
                 self._fused_failed(exc)
         out = super().__call__(x, mask, cache)
         if x.shape[1] > 1 and x.shape[0] * x.shape[1] >= PACE_MIN_ROWS:
@@ -184,7 +196,7 @@ class LilyDecoderLayer(DecoderLayer):
     # -- which calls the fused path takes --------------------------------------
 
     def _takes_decode(self, x: mx.array, mask: Any, cache: Any) -> bool:
-        if mask is not None or cache is None or x.shape[0] != 1 or x.shape[1] != 1:
+        if cache is None or x.shape[0] != 1 or x.shape[1] != 1:
             return False
         ok = self.__dict__.get("_lily_decode_ok")
         if ok is None:
@@ -192,9 +204,14 @@ class LilyDecoderLayer(DecoderLayer):
         if not ok:
             return False
         if self.is_linear:
-            return type(cache) is ArraysCache and cache.lengths is None and cache.left_padding is None \
-                and cache[1] is not None
-        return type(cache) is KVCache
+            # A left-padded cache (the server's, one row) passes its padding
+            # mask, one bool per step; length-limited caches pick their conv
+            # rows per row and stay on the unfused path.
+            return type(cache) is ArraysCache and cache.lengths is None and cache[1] is not None \
+                and (mask is None or _one_step_mask(mask))
+        if type(cache) is KVCache:
+            return mask is None
+        return type(cache) is BatchKVCache and cache.offset.size == 1 and (mask is None or isinstance(mask, mx.array))
 
     def _layer_fits(self) -> bool:
         """Once per layer: the parts the fused path reads are there."""
@@ -220,23 +237,29 @@ class LilyDecoderLayer(DecoderLayer):
 
     # -- the fused step ----------------------------------------------------------
 
-    def _decode(self, x: mx.array, cache: Any) -> mx.array:
-        record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, None, cache)
+    def _decode(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+        record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, mask, cache)
         record("MoE", "lily fused decode", x)
         key = self._weights_key() if compile_enabled() else None
         if self.is_linear:
-            step = self._compiled("_lily_linear_step", self._linear_step, key)
-            out, cache[0], cache[1] = step(x, cache[0], cache[1])
+            if mask is None:
+                step = self._compiled("_lily_linear_step", self._linear_step, key)
+                out, cache[0], cache[1] = step(x, cache[0], cache[1])
+            else:
+                step = self._compiled("_lily_linear_step_masked", self._linear_step, key)
+                out, cache[0], cache[1] = step(x, cache[0], cache[1], mask)
             cache.advance(1)
             return out
         # The KV cache's write and the attention read the cache at a length
         # that changes every token, so they run as they are; what comes before
-        # and after them has fixed shapes and is compiled.
+        # and after them has fixed shapes and is compiled. A BatchKVCache's
+        # offset is already an array (its row's position: left padding
+        # counts negative).
         sa = self.self_attn
-        position = mx.array([cache.offset], dtype=mx.int32)
+        position = cache.offset if type(cache) is BatchKVCache else mx.array([cache.offset], dtype=mx.int32)
         queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in, key)(x, position)
         keys, values = cache.update_and_fetch(keys, values)
-        out = K.attention(queries, keys, values, sa.scale, None)
+        out = K.attention(queries, keys, values, sa.scale, mask)
         return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
 
     def _compiled(self, name: str, fn: Callable, key: Optional[tuple]) -> Callable:
@@ -262,19 +285,23 @@ class LilyDecoderLayer(DecoderLayer):
         key = self.__dict__["_lily_places_key"] = _identities(places)
         return key
 
-    def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array):
+    def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array, mask: Optional[mx.array] = None):
         la, norm = self.linear_attn, self.input_layernorm
         qkv, z, b, a = K.quantized_matvec(
             x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
             norm.weight, norm.eps,
         )
+        if mask is not None:  # a padding step enters the convolution as zeros (stock)
+            qkv = mx.where(mask[..., None], qkv, 0)
         z = z.reshape(1, 1, la.num_v_heads, la.head_v_dim)
         if conv_state is None:
             conv_state = mx.zeros((1, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
-        y, conv_state, state = K.gated_delta_decode(
+        y, conv_state, new_state = K.gated_delta_decode(
             qkv, z, a, b, conv_state, la.conv1d.weight, la.A_log, la.dt_bias, state,
             la.norm.weight, la.norm.eps, la.num_k_heads,
         )
+        # ... and leaves the recurrent state as it was (stock).
+        state = new_state if mask is None else mx.where(mask.reshape(-1, 1, 1, 1), new_state, state)
         (h,) = K.quantized_matvec(y.reshape(1, 1, -1), (_triple(la.out_proj),), residual=x)
         return self._moe_step(h), conv_state, state
 
