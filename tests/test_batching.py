@@ -155,3 +155,27 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
     assert any(masked_calls) and K.OPS["gated_delta"].last_path == "kernel"
     assert got == [tokens_of(lily, tokenizer, [p], max_tokens=3)[0] for p in prompts]
     assert_all_lily(recorded())
+
+
+def test_an_unpadded_prompt_under_the_batch_generator_drops_its_all_true_mask(models, reference_backend, monkeypatch):
+    # The server passes a padding mask with every call; a prompt with no
+    # padding must still reach the chunked DeltaNet kernels, which take none.
+    from mlx_lily.kernels.gated_delta import CHUNKED_FROM
+
+    stock, lily, tokenizer = models
+    masks = []
+    real = type(K.gated_delta).__call__
+
+    def spy(self, *args, **kwargs):
+        if self is K.gated_delta and args[0].shape[1] > 1:
+            masks.append((args[0].shape[0], args[0].shape[1], args[8] is not None))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(K.gated_delta), "__call__", spy)
+    long = [(7 * i) % 500 + 1 for i in range(CHUNKED_FROM + 8)]
+    got = tokens_of(lily, tokenizer, [long], max_tokens=4)
+    assert masks and all(not masked for _, _, masked in masks)
+    assert got == tokens_of(stock, tokenizer, [long], max_tokens=4)
+    masks.clear()
+    tokens_of(lily, tokenizer, [long, long[:40]], max_tokens=2)  # padded: the mask stays
+    assert any(masked for batch, _, masked in masks if batch == 2)

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from .. import kernels as K
+from ..kernels.gated_delta import CHUNKED_FROM
 from ..toolchain.build import contiguous
 from .fast_path import note_stock, record, why_stock
 
@@ -23,6 +24,20 @@ def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.arra
     ends = mx.clip(lengths, 0, steps)
     positions = (ends[:, None] + mx.arange(n_keep))[..., None]
     return mx.take_along_axis(conv_input, positions, axis=1)
+
+
+def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
+    """None for a prompt chunk's mask that masks no step, else the mask.
+
+    The server's batch generator passes its caches' padding mask with every
+    call, a single unpadded request's too, and the chunked kernels take no
+    mask (calls with one keep the sequential scan). An all-True mask changes
+    nothing, so it is dropped; checking reads the mask, which depends only
+    on the cache's padding (evaluated after each chunk), and only for calls
+    long enough for the chunked kernels."""
+    if mask is None or steps < CHUNKED_FROM:
+        return mask
+    return None if mx.all(mask).item() else mask
 
 
 class LilyGatedDeltaNet(GatedDeltaNet):
@@ -51,6 +66,7 @@ class LilyGatedDeltaNet(GatedDeltaNet):
             if step is not None:
                 return self.out_proj(step.reshape(B, S, -1))
 
+        mask = _padding_only(mask, S)
         # Padding steps enter the convolution as zeros, as in stock.
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
