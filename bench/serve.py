@@ -78,6 +78,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     src.add_argument("--model", help="a checkpoint path or hub id")
     src.add_argument("--shape", default=None, help="a random checkpoint's shape (default demo)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random checkpoint")
+    p.add_argument("--conditioned", action="store_true",
+                   help="a well-conditioned random checkpoint (as in trained models; see bench/README.md): "
+                        "its greedy text does not flip on rounding, so 'greedy = single' is a real check")
     p.add_argument("--checkpoint-dir", help="where to write the random checkpoint (default: the cache)")
     p.add_argument("--concurrency", default="1,4,16", help="stream counts (default 1,4,16)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length, about (default 256)")
@@ -98,6 +101,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--concurrency: positive stream counts, e.g. 1,4,16")
     if any(e not in ENGINES for e in args.engines):
         p.error(f"--engines: a subset of {','.join(ENGINES)}")
+    if args.model and args.conditioned:
+        p.error("--conditioned applies to random checkpoints (--shape), not --model")
     return args
 
 
@@ -365,9 +370,10 @@ def resolve_model(args: argparse.Namespace) -> str:
     from mlx_lily.checkpoints import make_checkpoint
 
     shape = args.shape or "demo"
-    path = Path(args.checkpoint_dir) / f"{shape}-seed{args.seed}" if args.checkpoint_dir else None
-    log(f"checkpoint: random {shape} (seed {args.seed}), written once")
-    return str(make_checkpoint(path, shape=shape, seed=args.seed, quiet=False))
+    kind = "-conditioned" if args.conditioned else ""
+    path = Path(args.checkpoint_dir) / f"{shape}{kind}-seed{args.seed}" if args.checkpoint_dir else None
+    log(f"checkpoint: random {shape}{kind} (seed {args.seed}), written once")
+    return str(make_checkpoint(path, shape=shape, seed=args.seed, quiet=False, conditioned=args.conditioned))
 
 
 def run_engine(engine: str, model: str, prompts: List[str], args, out: Path, deadline: float) -> Dict[str, Any]:
@@ -451,6 +457,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "model": model if args.model else None,
             "shape": None if args.model else (args.shape or "demo"),
             "seed": args.seed,
+            "conditioned": bool(args.conditioned),
             "concurrency": args.concurrency,
             "prompt_tokens": args.prompt_tokens,
             "max_tokens": args.max_tokens,
@@ -517,7 +524,7 @@ def markdown(report: Dict[str, Any]) -> str:
     s = report["settings"]
     acc = report["machine"].get("accelerator", {})
     lines = [
-        f"# mlx_lm.server load: {s['shape'] or s['model']}",
+        f"# mlx_lm.server load: {s['shape'] or s['model']}{' (conditioned)' if s.get('conditioned') else ''}",
         "",
         f"{acc.get('name', '?')}, mlx {report['software']['mlx']}, mlx-lm {report['software']['mlx_lm']}, "
         f"revision {report['software']['git_revision']}; prompts of ~{s['prompt_tokens']} tokens, "

@@ -45,3 +45,19 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     table = md_file.read_text()
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
     assert capsys.readouterr().out.strip() == table.strip()
+
+
+def test_conditioned_random_checkpoints_for_the_greedy_check(tmp_path):
+    # On a chaotic random model a batch of four rounds differently from a
+    # batch of one and the greedy text diverges for stock as for lily (H200,
+    # 7bb150d89b: 0/4 for both); --conditioned builds the model that does not.
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--model", "some/checkpoint", "--conditioned"])
+    args = serve.parse_args(["--shape", "demo", "--conditioned", "--checkpoint-dir", str(tmp_path)])
+    path = serve.resolve_model(args)
+    assert path.endswith("demo-conditioned-seed0")
+    plain = serve.resolve_model(serve.parse_args(["--shape", "demo", "--checkpoint-dir", str(tmp_path)]))
+    assert plain.endswith("demo-seed0")
+    weights = lambda p: sorted((tmp_path / p).glob("*.safetensors"))  # noqa: E731
+    assert weights(path) and weights(plain)
+    assert (tmp_path / path / "model.safetensors").read_bytes() != (tmp_path / plain / "model.safetensors").read_bytes()
