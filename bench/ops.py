@@ -15,6 +15,7 @@ timed on its own ``sample()`` inputs, with a note.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -253,6 +254,22 @@ def time_call(fn: Callable, args: tuple, kwargs: dict) -> Dict[str, float]:
     return {"ms": 1000 * times[len(times) // 2], "min_ms": 1000 * times[0], "iters": len(times)}
 
 
+def _declined_kernel_path(op, args, kwargs) -> Optional[Tuple[str, str]]:
+    """(backend, kernel path) when the op's kernel takes this call but the op
+    prefers its reference on this backend (``LilyOp.prefers_reference``)."""
+    from mlx_lily.toolchain.registry import kernel_backend
+
+    backend, _ = kernel_backend()
+    if backend is None or op.kernel is None or op.prefers_reference is None:
+        return None
+    if op.supports is not None and op.supports(*args, **kwargs) is not None:
+        return None
+    if op.prefers_reference(backend, *args, **kwargs) is None or not op.kernel.ready_on(backend)[0]:
+        return None
+    path_for = getattr(op.kernel, "path_for", None)
+    return backend, (path_for(backend, *args, **kwargs) if path_for is not None else "its")
+
+
 def run_case(name: str, phase: str, T: int, ctx: Optional[int], dims: Dict[str, Any]) -> Dict[str, Any]:
     from mlx_lily.kernels import OPS
 
@@ -282,6 +299,14 @@ def run_case(name: str, phase: str, T: int, ctx: Optional[int], dims: Dict[str, 
                    speedup=stock["ms"] / lily["ms"])
     else:
         row.update(lily_ms=None, speedup=None)
+        kernel_path = _declined_kernel_path(op, args, kwargs)
+        if kernel_path is not None:
+            # The op sends this call to its reference by choice, not because no
+            # kernel can take it (attention prefill on CUDA): the kernel's own
+            # time is what its issue tracks.
+            backend, kernels = kernel_path
+            declined = time_call(functools.partial(op.kernel.run_on, backend), args, kwargs)
+            row.update(declined_kernel_ms=declined["ms"], kernels=kernels)
     if name in FLOPS:
         x, w = args
         row["tokens"] = "-"

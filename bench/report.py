@@ -352,7 +352,9 @@ def ops_table(rows: List[Dict[str, Any]]) -> List[str]:
             lines.append(f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | error | - | - | - |")
             continue
         lily = "reference only" if r["lily_ms"] is None else _num(r["lily_ms"], 3)
-        path = f"{r['path']} ({r['kernels']})" if r.get("kernels") else r["path"]
+        if r.get("declined_kernel_ms") is not None:
+            lily = f"reference (its {r['kernels']} kernel: {_num(r['declined_kernel_ms'], 3)})"
+        path = f"{r['path']} ({r['kernels']})" if r.get("kernels") and r["path"] == "kernel" else r["path"]
         lines.append(
             f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | {path} | {lily} | "
             f"{_num(r['stock_ms'], 3)} | {_num(r['speedup'], 2) if r['speedup'] else '-'} |"
@@ -370,7 +372,9 @@ def ops_markdown(doc: Dict[str, Any]) -> str:
         "Median milliseconds per call (inputs at the model's shapes). stock = the op's "
         "reference, which is stock mlx-lm's computation; lily = the op as lily calls it "
         "(its kernel where it has one and takes these shapes). speedup = stock / lily. "
-        "'reference only': no kernel runs here, so only the reference is timed.",
+        "'reference only': no kernel runs here, so only the reference is timed. "
+        "'reference (its K kernel: ms)': the op chooses its reference for these shapes on this "
+        "backend (faster there), and its kernel K is timed beside it.",
         "",
         *ops_table(doc["rows"]),
         "",

@@ -248,6 +248,30 @@ def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
     assert_prefill_close(got, attention_exact(q, k, v, scale, mask), v)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "metal", "emulator"])
+def test_large_prefill_calls_take_mlx_s_fused_sdpa_on_cuda_only(backend):
+    small = A._prefill_check_inputs(256, 256, 16, 2, 64)
+    large = A._prefill_check_inputs(2048, 4096, 16, 2, 64)
+    assert small[0].shape[2] * small[1].shape[2] < A.CUDA_PREFILL_REFERENCE_FROM
+    # The kernels take both (capability); the choice is per backend.
+    assert A.attention_supports(*small) is None and A.attention_supports(*large) is None
+    assert A.attention_prefers_reference(backend, *small) is None
+    why = A.attention_prefers_reference(backend, *large)
+    assert (why is not None and "fused sdpa" in why) if backend == "cuda" else why is None
+    # Decode keeps its kernel, however long the cache.
+    q, k, v, scale = decode_inputs(40000, 16, 2, 64, seed=2)
+    assert A.attention_prefers_reference(backend, q, k, v, scale, None) is None
+
+
+def test_the_op_runs_the_reference_where_it_prefers_it(monkeypatch):
+    monkeypatch.setattr(A.attention, "prefers_reference", lambda backend, *a: "measured faster")
+    monkeypatch.setattr(A.attention_kernels, "ready_on", lambda backend: (True, "ready"))
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    q, k, v, scale, mask = A._prefill_check_inputs(7, 30, 8, 2, 64)
+    fn, path, why = A.attention.choose(q, k, v, scale, mask)
+    assert (fn, path, why) == (A.attention_reference, "reference", "measured faster")
+
+
 @pytest.mark.parametrize(
     "change, reason",
     [

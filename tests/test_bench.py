@@ -183,6 +183,26 @@ def test_ops_mode(tmp_path):
     assert "reference only" in md
 
 
+def test_ops_times_a_kernel_its_op_declines_beside_the_reference(monkeypatch):
+    # Attention prefill on CUDA prefers MLX's sdpa; --ops still times the
+    # kernel (the figure its issue tracks) and says which ran.
+    import mlx_lily.kernels  # noqa: F401  (registers the ops)
+    from bench import ops, report
+
+    A = sys.modules["mlx_lily.kernels.attention"]
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    monkeypatch.setattr(A.attention, "prefers_reference", lambda backend, *a, **k: "measured faster")
+    monkeypatch.setattr(ops, "time_call", lambda fn, args, kwargs: {"ms": 2.0, "min_ms": 2.0, "iters": 1})
+    args, kwargs = A._prefill_check_inputs(7, 30, 4, 2, 32)[:4] + ("causal",), {}
+    assert ops._declined_kernel_path(A.attention, args, kwargs) == ("emulator", "prefill")
+    row = {"op": "attention", "phase": "prefill", "tokens": 7, "context": 30, "path": "reference",
+           "lily_ms": None, "speedup": None, "stock_ms": 1.0, "declined_kernel_ms": 2.0, "kernels": "prefill"}
+    (line,) = [l for l in report.ops_table([row]) if l.startswith("| attention")]
+    assert "| reference | reference (its prefill kernel: 2.000) |" in line
+    monkeypatch.setattr(A.attention, "prefers_reference", lambda backend, *a, **k: None)
+    assert ops._declined_kernel_path(A.attention, args, kwargs) is None
+
+
 # ----------------------------------------------------------- small pieces
 
 

@@ -105,6 +105,10 @@ class LilyOp:
     # supports(*args, **kwargs) -> None when the kernel takes this call, else
     # a short reason why not (shape, dtype, quantization ...).
     supports: Optional[Callable[..., Optional[str]]] = None
+    # prefers_reference(backend, *args, **kwargs) -> None, or why this call,
+    # which the kernel does take, runs the reference on this backend anyway
+    # (measured faster there). A choice, not a limit: bench times both.
+    prefers_reference: Optional[Callable[..., Optional[str]]] = None
     description: str = ""
     # sample() -> (args, kwargs): small inputs for doctor and the test suite.
     sample: Optional[Callable[[], tuple]] = None
@@ -133,6 +137,10 @@ class LilyOp:
             return self.reference, "reference", why
         if self.supports is not None:
             why_not = self.supports(*args, **kwargs)
+            if why_not is not None:
+                return self.reference, "reference", why_not
+        if self.prefers_reference is not None:
+            why_not = self.prefers_reference(backend, *args, **kwargs)
             if why_not is not None:
                 return self.reference, "reference", why_not
         # Bound to the backend just read: one environment look-up per call.
