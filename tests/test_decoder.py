@@ -92,8 +92,8 @@ def test_a_failing_segmented_step_falls_back_to_layers_once(engines, monkeypatch
     text = lily.language_model.model
     real = type(text)._segment_fn
 
-    def broken(self, first, last):
-        fn = real(self, first, last)
+    def broken(self, first, last, masked=False):
+        fn = real(self, first, last, masked)
         if last == len(self.layers):  # the last segment, after every KV write
             def fail(*args):
                 raise RuntimeError("segment broke")
@@ -140,29 +140,38 @@ def _decode_from_server_cache(model, ssm_padding, kv_padding):
     return mx.concatenate(out, axis=1), cache
 
 
-@pytest.mark.parametrize("mode", ["layers", "eager"])
+@pytest.mark.parametrize("mode", ["segments", "layers", "eager"])
 @pytest.mark.parametrize("padding", [0, 3])
 def test_a_server_cache_of_one_row_decodes_fused_and_equals_stock(engines, mode, padding, monkeypatch):
     # mlx_lm.server decodes a single request from batch caches, with masks.
     monkeypatch.setenv(D.COMPILE_ENV, "0" if mode == "eager" else "1")
     stock, lily = engines
+    if mode == "layers":  # as after a failed segmented step
+        lily.language_model.model.__dict__["_lily_segments_ok"] = False
+    path = "lily decode segments" if mode == "segments" else "lily fused decode"
     paths.start()
     try:
         got, _ = _decode_from_server_cache(lily, padding, padding)
-        kinds = _fused_kinds()
-        masks = {r["mask"] for r in paths.seen() if r["path"] == "lily fused decode" and r["layer"] != "MoE"}
+        kinds = _fused_kinds(path)
+        seen = {(r["mask"], r["cache"]) for r in paths.seen() if r["path"] == path and r["layer"] != "MoE"}
     finally:
         paths.stop()
-    assert kinds == {"Gated DeltaNet", "full attention", "MoE"} and masks == {"array"}
+    assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
+    assert {mask for mask, _ in seen} == {"array"}
+    assert {cache.split("+")[0] for _, cache in seen} == {"ArraysCache", "BatchKVCache"}
     want, _ = _decode_from_server_cache(stock, padding, padding)
     assert mx.array_equal(got, want).item()
 
 
-def test_a_masked_decode_step_keeps_the_state_as_stock_does(engines):
+@pytest.mark.parametrize("mode", ["segments", "layers"])
+def test_a_masked_decode_step_keeps_the_state_as_stock_does(engines, mode):
     # After the prompt, two decode steps are padding for the DeltaNet layers
     # (their ArraysCaches left-padded by 2 more: mask False). Their recurrent
     # states stay, their conv rows are zeros: every output and cache equals stock's.
     stock, lily = engines
+    if mode == "layers":
+        lily.language_model.model.__dict__["_lily_segments_ok"] = False
+    path = "lily decode segments" if mode == "segments" else "lily fused decode"
 
     def run(model):
         cache = _server_cache(model, 0, 0)
@@ -179,7 +188,7 @@ def test_a_masked_decode_step_keeps_the_state_as_stock_does(engines):
     paths.start()
     try:
         got, got_cache, before, kept = run(lily)
-        assert "Gated DeltaNet" in _fused_kinds()
+        assert "Gated DeltaNet" in _fused_kinds(path)
     finally:
         paths.stop()
     assert all(mx.array_equal(b, k).item() for b, k in zip(before, kept))

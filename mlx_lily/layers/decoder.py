@@ -80,6 +80,13 @@ def _plain_quantized(*linears) -> bool:
     )
 
 
+def next_position(cache: Any) -> mx.array:
+    """The next token's position in a KV cache, as an array [1] (so a compiled
+    step serves every position); a BatchKVCache's offset already is one (its
+    row's position, left padding counted negative)."""
+    return cache.offset if type(cache) is BatchKVCache else mx.array([cache.offset], dtype=mx.int32)
+
+
 def _one_step_mask(mask: Any) -> bool:
     """A DeltaNet padding mask for one step of one row: [1, 1] bool."""
     return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and tuple(mask.shape) == (1, 1)
@@ -252,11 +259,9 @@ class LilyDecoderLayer(DecoderLayer):
             return out
         # The KV cache's write and the attention read the cache at a length
         # that changes every token, so they run as they are; what comes before
-        # and after them has fixed shapes and is compiled. A BatchKVCache's
-        # offset is already an array (its row's position: left padding
-        # counts negative).
+        # and after them has fixed shapes and is compiled.
         sa = self.self_attn
-        position = cache.offset if type(cache) is BatchKVCache else mx.array([cache.offset], dtype=mx.int32)
+        position = next_position(cache)
         queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in, key)(x, position)
         keys, values = cache.update_and_fetch(keys, values)
         out = K.attention(queries, keys, values, sa.scale, mask)

@@ -11,17 +11,20 @@ last. For Qwen3.6-35B-A3B (attention every 4th layer) that is 11 compiled
 calls and 10 attention steps per token instead of 50 compiled calls.
 
 The segments compute exactly what the per-layer path computes (the same
-layer methods, in the same order), so the two give the same bits. Every call
-the segmented path does not take (prefill, batches, masks, other caches,
-pipeline parallelism, compilation off, a layer that is not fused) runs the
-stock stack of lily's layers. A failing segmented step restores the KV
+layer methods, in the same order), so the two give the same bits. They take
+``mlx_lm.generate``'s caches and the server's batch caches of one row, with
+the masks stock builds from those (the DeltaNet padding mask enters the
+segments, the attention mask the attention steps). Every call the segmented
+path does not take (prefill, batches of several rows, pipeline parallelism,
+compilation off, a layer that is not fused) runs the stock stack of lily's
+layers. A failing segmented step restores the KV
 offsets it advanced, assigns no state, prints one notice, and the model
 decodes per layer from then on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -29,19 +32,22 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
-from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step
+from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step, next_position
 from .fast_path import record
 
 
 class LilyTextModel(Qwen3_5TextModel):
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
-        if input_embeddings is None and self._takes_segments(inputs, cache):
+        masks = self._segment_masks(inputs, cache) if input_embeddings is None else None
+        if masks is not None:
             touched: List[Any] = []
             try:
-                return self._decode_segments(inputs, cache, touched)
+                return self._decode_segments(inputs, cache, touched, *masks)
             except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
-                for c, offset in touched:
+                for c, offset, index in touched:
                     c.offset = offset
+                    if index is not None:
+                        c._idx = index
                 self.__dict__["_lily_segments_ok"] = False
                 notice_once(
                     f"segments-failed:{type(exc).__name__}",
@@ -52,32 +58,36 @@ class LilyTextModel(Qwen3_5TextModel):
 
     # -- which calls ----------------------------------------------------------------
 
-    def _takes_segments(self, inputs: mx.array, cache: Any) -> bool:
+    def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[Tuple[Any, Any]]:
+        """(attention mask, DeltaNet mask), as stock builds them from the
+        caches, when the segmented step takes this call; else None."""
         if cache is None or inputs.ndim != 2 or inputs.shape != (1, 1):
-            return False
+            return None
         if self.__dict__.get("_lily_segments_ok") is False or not compile_enabled():
-            return False
+            return None
         if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
-            return False
-        # The masks stock would build: None for one token without padding.
+            return None
+        # None for one token without padding; the server's batch caches of
+        # one row give arrays, which the layers' fused steps take.
         one = _ONE_TOKEN
-        if self.fa_idx is not None and create_attention_mask(one, cache[self.fa_idx]) is not None:
-            return False
-        if self.ssm_idx is not None and create_ssm_mask(one, cache[self.ssm_idx]) is not None:
-            return False
-        return all(
-            type(layer) is LilyDecoderLayer and layer._takes_decode(one, None, c)
+        fa_mask = create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
+        ssm_mask = create_ssm_mask(one, cache[self.ssm_idx]) if self.ssm_idx is not None else None
+        fits = all(
+            type(layer) is LilyDecoderLayer and layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
             for layer, c in zip(self.layers, cache)
         )
+        return (fa_mask, ssm_mask) if fits else None
 
     # -- the segments ---------------------------------------------------------------
 
     def _cuts(self) -> List[int]:
         return [i for i, layer in enumerate(self.layers) if not layer.is_linear]
 
-    def _decode_segments(self, inputs: mx.array, cache: Any, touched: list) -> mx.array:
-        record("Gated DeltaNet", "lily decode segments", _ONE_TOKEN, None, None)
-        record("full attention", "lily decode segments", _ONE_TOKEN, None, None)
+    def _decode_segments(self, inputs: mx.array, cache: Any, touched: list, fa_mask: Any, ssm_mask: Any) -> mx.array:
+        if self.ssm_idx is not None:
+            record("Gated DeltaNet", "lily decode segments", _ONE_TOKEN, ssm_mask, cache[self.ssm_idx])
+        if self.fa_idx is not None:
+            record("full attention", "lily decode segments", _ONE_TOKEN, fa_mask, cache[self.fa_idx])
         record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
         cuts = self._cuts()
         bounds = [-1] + cuts + [len(self.layers)]
@@ -93,9 +103,12 @@ class LilyTextModel(Qwen3_5TextModel):
             args = list(carry)
             for i in linear:
                 args += [cache[i][0], cache[i][1]]
+            masked = bool(linear) and ssm_mask is not None
+            if masked:
+                args.append(ssm_mask)
             if closes:
-                args.append(mx.array([cache[last].offset], dtype=mx.int32))
-            outputs = self._segment(s, first, last, keys)(*args)
+                args.append(next_position(cache[last]))
+            outputs = self._segment(s, first, last, keys, masked)(*args)
             n = 2 * len(linear)
             new_states += list(zip(linear, outputs[:n:2], outputs[1:n:2]))
             if not closes:
@@ -103,23 +116,24 @@ class LilyTextModel(Qwen3_5TextModel):
                 break
             queries, keys, values, gate, x = outputs[n:]
             c = cache[last]
-            touched.append((c, c.offset))
+            touched.append((c, c.offset, getattr(c, "_idx", None)))
             keys, values = c.update_and_fetch(keys, values)
-            out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, None)
+            out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, fa_mask)
             carry = [out, gate, x]
         for i, conv, state in new_states:
             cache[i][0], cache[i][1] = conv, state
             cache[i].advance(1)
         return hidden
 
-    def _segment(self, s: int, first: int, last: int, keys: List[tuple]) -> Callable:
+    def _segment(self, s: int, first: int, last: int, keys: List[tuple], masked: bool) -> Callable:
         """Segment s (after attention layer ``first``, up to attention layer
         ``last``), compiled per the weights' identities of its layers
-        (``keys``, one per layer); a new one runs eagerly once first (its
-        kernels' first-use checks)."""
+        (``keys``, one per layer) and whether its DeltaNet steps take a
+        padding mask; a new one runs eagerly once first (its kernels'
+        first-use checks)."""
         key = tuple(keys[max(first, 0): last + 1]) + self._edges_key()
         store = self.__dict__.setdefault("_lily_segments", {})
-        return compiled_step(store, s, key, lambda: self._segment_fn(first, last))
+        return compiled_step(store, (s, masked), key, lambda: self._segment_fn(first, last, masked))
 
     def _edges_key(self) -> tuple:
         """Identities of the embedding's and the final norm's modules and arrays."""
@@ -131,7 +145,7 @@ class LilyTextModel(Qwen3_5TextModel):
                 tuple(map(id, modules)), _places(*modules))
         return held[0] + _identities(held[1])
 
-    def _segment_fn(self, first: int, last: int) -> Callable:
+    def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
         layers = self.layers
         linear = list(range(first + 1, last))
         closes = last < len(layers)
@@ -142,9 +156,10 @@ class LilyTextModel(Qwen3_5TextModel):
             else:
                 out, gate, x = args[:3]
                 h, rest = layers[first]._attention_out(out, gate, x), args[3:]
+            mask = rest[2 * len(linear)] if masked else None
             states = []
             for j, i in enumerate(linear):
-                h, conv, state = layers[i]._linear_step(h, rest[2 * j], rest[2 * j + 1])
+                h, conv, state = layers[i]._linear_step(h, rest[2 * j], rest[2 * j + 1], mask)
                 states += [conv, state]
             if not closes:
                 return (*states, self.norm(h))
