@@ -269,8 +269,17 @@ def run_same_process(args: argparse.Namespace, lengths: List[int]) -> Dict[str, 
 def _same_process_arm(model, n: int, vocab: int, args: argparse.Namespace) -> Dict[str, Any]:
     from bench.measure import measure_arm, warmup
 
-    warmup_s = warmup(model, n, vocab) if args.warmup_each else None
-    result = measure_arm(model, n, vocab, args.decode_steps)
+    depth = args.depth_from is not None and n > args.depth_from
+    tail = min(args.depth_tail, n)
+    warmup_s = warmup(model, tail if depth else n, vocab) if args.warmup_each else None
+    if not depth:
+        result = measure_arm(model, n, vocab, args.decode_steps)
+    else:
+        from bench.measure import lily_prefilled_cache
+
+        cache = lily_prefilled_cache(model, n - tail, vocab)
+        result = measure_arm(model, n, vocab, args.decode_steps, cache=cache, timed_from=n - tail)
+        result["prefill_method"] = f"last {tail} tokens at depth {n - tail} (lily prefilled the rest, untimed)"
     result["warmup_s"] = warmup_s
     return result
 
@@ -336,6 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
                           "length, capped at 4K)")
     how.add_argument("--warmup-each", action="store_true",
                      help="--same-process: also warm up at each arm's exact length")
+    how.add_argument("--depth-from", type=str, default=None,
+                     help="--same-process: lengths above this (K = 1024) time the prefill of "
+                          "their last --depth-tail tokens only, after the rest is prefilled by "
+                          "lily (untimed) for both engines; decode as usual. For long contexts, "
+                          "where stock's whole prefill would take minutes (bench/README.md)")
+    how.add_argument("--depth-tail", type=int, default=PREFILL_STEP,
+                     help=f"--depth-from: tokens timed at depth (default: {PREFILL_STEP}, one chunk)")
     how.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
                      help=f"measured decode steps per arm (default: {DECODE_STEPS}, the "
                           "method's; change only for tests and quick checks)")
@@ -394,6 +410,8 @@ def _settings(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
         ),
         "numerics": args.numerics,
         "numerics_tokens": args.numerics_tokens,
+        "depth_from": args.depth_from,
+        "depth_tail": args.depth_tail if args.depth_from is not None else None,
     }
 
 
@@ -421,6 +439,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.warmup_length = parse_lengths(args.warmup_length)[0]
     if args.rounds < 1 or args.decode_steps < 1:
         raise SystemExit("--rounds and --decode-steps must be at least 1")
+    if args.depth_from is not None:
+        if not args.same_process:
+            raise SystemExit("--depth-from needs --same-process (lily prefills for both engines)")
+        args.depth_from = parse_lengths(args.depth_from)[0]
+        if args.depth_tail < 1:
+            raise SystemExit("--depth-tail must be at least 1")
     if args.numerics and args.numerics_tokens < MIN_NUMERICS_TOKENS:
         raise SystemExit(f"--numerics-tokens must be at least {MIN_NUMERICS_TOKENS}")
     if args.decode_steps != DECODE_STEPS:

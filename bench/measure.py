@@ -74,16 +74,19 @@ def warmup(model: Any, length: int, vocab_size: int) -> float:
     return time.perf_counter() - start
 
 
-def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> Dict[str, Any]:
+def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
+                cache: Any = None, timed_from: int = 0) -> Dict[str, Any]:
     """One measured prefill of ``length`` tokens then ``decode_steps`` decode
     steps; throughputs, the tokens (and their digest), peak memory, and the
     kernels and bytes of one more decode step on the run's cache
-    (``bench.counts``; counted after the measurement, so it costs it nothing)."""
+    (``bench.counts``; counted after the measurement, so it costs it nothing).
+    With ``cache`` already holding the prompt's first ``timed_from`` tokens,
+    only the rest is prefilled and timed (``lily_prefilled_cache``)."""
     prompt = prompt_array(length, vocab_size)
     mx.clear_cache()
     mx.reset_peak_memory()
-    cache = make_prompt_cache(model)
-    run = generate(model, prompt, decode_steps, cache)
+    cache = make_prompt_cache(model) if cache is None else cache
+    run = generate(model, prompt[timed_from:], decode_steps, cache)
     peak = mx.get_peak_memory()
     host_ms = host_ms_per_decode_token(model, cache, run["tokens"][-1])
     counts = _counts(model, cache, run["tokens"][-1])
@@ -91,7 +94,7 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int) -> 
     mx.clear_cache()
     return {
         "prefill_s": run["prefill_s"],
-        "prefill_tps": length / run["prefill_s"],
+        "prefill_tps": (length - timed_from) / run["prefill_s"],
         "decode_s": run["decode_s"],
         "decode_tps": decode_steps / run["decode_s"],
         "tokens": run["tokens"],
@@ -114,6 +117,28 @@ def host_ms_per_decode_token(model: Any, cache: Any, token: int, steps: int = HO
     When this is near the time per decode token, decode is bound by the host,
     not by the GPU's kernels. Advances ``cache`` by ``steps`` tokens."""
     return decode_step_times(model, cache, token, steps)[0]
+
+
+def lily_prefilled_cache(model: Any, context: int, vocab_size: int) -> Any:
+    """A prompt cache holding the prompt's first ``context`` tokens, prefilled
+    by lily's engine in mlx-lm's chunks (each chunk's cache evaluated), the
+    model switched back to the engine it ran. Lily and stock share the cache
+    types, so either engine goes on from it: long-context arms time only
+    their last chunk and the decode (``--depth-from``)."""
+    from .engines import switch
+
+    engine = "lily" if lily_layer_count(model) else "stock"
+    switch(model, "lily")
+    try:
+        cache = make_prompt_cache(model)
+        prompt = prompt_array(context, vocab_size)
+        for start in range(0, context, PREFILL_STEP):
+            model(prompt[None, start:start + PREFILL_STEP], cache=cache)
+            mx.eval([c.state for c in cache])
+    finally:
+        switch(model, engine)
+    mx.clear_cache()
+    return cache
 
 
 def prefilled_cache(model: Any, vocab_size: int, context: int) -> Any:

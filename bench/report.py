@@ -81,9 +81,12 @@ def summarize(arms: List[Dict[str, Any]], lengths: List[int]) -> List[Dict[str, 
             if per[e]["rounds_failed"]:
                 flags.append(f"{e}: {per[e]['rounds_failed']} round(s) failed: {per[e]['errors'][0]}")
         lily_d, stock_d = per["lily"]["digests"], per["stock"]["digests"]
+        methods = sorted({a["prefill_method"] for a in arms if a["length"] == n and a.get("prefill_method")})
         rows.append({
             "length": n,
             "label": length_label(n),
+            # --depth-from: the prefill figures time the last chunk at depth only.
+            "prefill_method": methods[0] if methods else None,
             "lily": per["lily"],
             "stock": per["stock"],
             "decode_ratio": _ratio(per["lily"]["decode_tps_median"], per["stock"]["decode_tps_median"]),
@@ -146,10 +149,11 @@ def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
     ]
     for r in rows:
         mark = " ⚠" if r["flags"] else ""
+        depth = " †" if r.get("prefill_method") else ""
         lines.append(
             f"| {r['label']}{mark} | {_num(r['lily']['decode_tps_median'])} | "
             f"{_num(r['stock']['decode_tps_median'])} | {_num(r['decode_ratio'], 3)} | "
-            f"{_num(r['lily']['prefill_tps_median'], 1)} | {_num(r['stock']['prefill_tps_median'], 1)} | "
+            f"{_num(r['lily']['prefill_tps_median'], 1)}{depth} | {_num(r['stock']['prefill_tps_median'], 1)}{depth} | "
             f"{_num(r['prefill_ratio'], 3)} | "
             f"{_count_cell(r['lily'].get('kernels_per_decode_token'))} | "
             f"{_count_cell(r['stock'].get('kernels_per_decode_token'))} | "
@@ -204,6 +208,10 @@ def ab_markdown(doc: Dict[str, Any]) -> str:
         *ab_table(doc["summary"]),
         "",
     ]
+    depth = [f"- {r['label']}: {r['prefill_method']}" for r in doc["summary"] if r.get("prefill_method")]
+    if depth:
+        lines += ["† Prefill at depth (`--depth-from`): tokens/s of the last tokens only, for both "
+                  "engines, after the same earlier tokens were prefilled by lily, untimed:", "", *depth, ""]
     flags = [f"- {r['label']}: {f}" for r in doc["summary"] for f in r["flags"]]
     if flags:
         lines += ["Flags (⚠):", "", *flags, ""]

@@ -270,3 +270,35 @@ def test_oracle_mode(tmp_path, monkeypatch):
         assert 0 <= r["routing_agreement"] <= 1
     assert doc["oracle"]["criterion"]["met"] and doc["settings"]["conditioned"]
     assert files["md"].count("\n| ") >= 2 + 2 + len(layers)
+
+
+def test_prefill_at_depth_continues_the_same_prompt(tmp_path):
+    # --depth-from: lily prefills the prompt's head for both engines, the
+    # engine times the tail and decodes; on the reference path that gives
+    # the tokens a whole prefill gives, for either engine.
+    from bench.engines import load_shared, switch
+    from bench.measure import lily_prefilled_cache, measure_arm
+
+    model, vocab, _, _ = load_shared({"model": None, "shape": "demo", "seed": 0, "conditioned": False})
+    for engine in ("stock", "lily"):
+        switch(model, engine)
+        whole = measure_arm(model, 96, vocab, 4)
+        cache = lily_prefilled_cache(model, 64, vocab)
+        assert sum(c.offset for c in cache if hasattr(c, "keys")) > 0
+        tail = measure_arm(model, 96, vocab, 4, cache=cache, timed_from=64)
+        assert tail["digest"] == whole["digest"], engine
+        assert tail["prefill_tps"] == pytest.approx(32 / tail["prefill_s"])
+        assert (model.layers[0].__class__.__name__.startswith("Lily")) == (engine == "lily")  # switched back
+
+
+def test_ab_depth_arms_are_marked(tmp_path):
+    run_bench(tmp_path, "--same-process", "--lengths", "32,96", "--depth-from", "64", "--depth-tail", "32",
+              "--rounds", "1", "--decode-steps", "2", "--no-numerics", "--no-plot")
+    out = outputs(tmp_path, "ab")
+    doc, md = out["json"], out["md"]
+    assert doc["settings"]["depth_from"] == 64 and doc["settings"]["depth_tail"] == 32
+    rows = {r["length"]: r for r in doc["summary"]}
+    assert rows[32]["prefill_method"] is None
+    assert rows[96]["prefill_method"] == "last 32 tokens at depth 64 (lily prefilled the rest, untimed)"
+    assert "| 96 |" in md and " †" in md and "Prefill at depth" in md
+    assert rows[96]["engines_tokens_match"]
