@@ -68,6 +68,28 @@ def test_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residua
     assert same >= rows - max(1, rows // 20)
 
 
+@pytest.mark.parametrize("rows_per_simdgroup", [1, 2, 4])
+@pytest.mark.parametrize("simdgroups", [1, 3, 8])
+def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgroups):
+    # The launch's tuning choices (bench/diagnostics/gemv_sweep.py) move rows
+    # between SIMD groups and threadgroups, never their sums.
+    emulator_or_skip()
+    args, kwargs = make_call(320, (37, 5, 70), (4, 8, 4), "norm", seed=rows_per_simdgroup + simdgroups)
+    tuned = quantized_matvec_kernel.emulate(
+        *args, rows_per_simdgroup=rows_per_simdgroup, simdgroups=simdgroups, **kwargs)
+    default = quantized_matvec_kernel.emulate(*args, **kwargs)
+    assert all(mx.array_equal(t, d).item() for t, d in zip(tuned, default))
+    assert quantized_matvec_agree(tuned, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+
+
+def test_tuning_choices_out_of_range_are_refused():
+    args, kwargs = make_call(64, (5,), (4,))
+    with pytest.raises(ValueError, match="rows_per_simdgroup"):
+        quantized_matvec_kernel.launch(*args, rows_per_simdgroup=8, **kwargs)
+    with pytest.raises(ValueError, match="simdgroups"):
+        quantized_matvec_kernel.launch(*args, simdgroups=33, **kwargs)
+
+
 def test_fp32_norm_weight_keeps_fp32_like_stock():
     emulator_or_skip()
     args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3)
@@ -226,12 +248,32 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
             },
         ),
         "fp32_norm": (x2k, _zeros_weights(2048, (64, 7), (8, 4)), {"norm_weight": mx.ones((2048,)), "eps": 1e-6}),
+        # The tuning choices' extremes (bench/diagnostics/gemv_sweep.py).
+        "rows_1": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)),
+                   {**norm, "rows_per_simdgroup": 1, "simdgroups": 16}),
+        "rows_2": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)),
+                   {**norm, "rows_per_simdgroup": 2, "simdgroups": 32}),
     }
     units = {}
     for name, (x, weights, kwargs) in calls.items():
-        assert quantized_matvec_supports(x, weights, **kwargs) is None, name
+        tuning = ("rows_per_simdgroup", "simdgroups")
+        assert quantized_matvec_supports(x, weights, **{k: v for k, v in kwargs.items() if k not in tuning}) is None
         units[name] = quantized_matvec_kernel.cuda_translation_unit(x, weights, **kwargs)
     for name, text in nvcc_ptx(tmp_path, units).items():
         # A lane's values and rows stay in registers; weights move 16 bytes a load.
         assert "ld.local" not in text and "st.local" not in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
+
+
+def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeypatch):
+    emulator_or_skip()
+    from bench.diagnostics import gemv_sweep
+
+    monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False)})
+    monkeypatch.setattr(gemv_sweep, "SIMDGROUPS", (1, 2))
+    monkeypatch.setattr(gemv_sweep, "time_call", lambda fn, args, kwargs: {"ms": 0.01})
+    assert gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator"]) == 0
+    (row,) = __import__("json").loads((tmp_path / "gemv-sweep.json").read_text())["rows"]
+    assert {v for v in row if isinstance(row[v], dict)} == {"chosen", "r1x1", "r1x2", "r2x1", "r2x2", "r4x1", "r4x2"}
+    assert all(row[v]["agrees"] for v in row if isinstance(row[v], dict))
+    assert "| small |" in (tmp_path / "gemv-sweep.md").read_text()

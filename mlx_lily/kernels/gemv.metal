@@ -28,7 +28,8 @@
 // Template: XT (the matmul's input and output dtype: bfloat16, or float32 when
 //           the norm weight is), OutT (the output's dtype), K (a multiple of
 //           64), S (segments, 1..4), BITS0..BITS3 (4 or 8; 0 past S), NSG (SIMD
-//           groups per threadgroup), PROLOGUE (0, 1, 2), RESIDUAL (bool).
+//           groups per threadgroup), ROWS (rows per SIMD group), PROLOGUE (0,
+//           1, 2), RESIDUAL (bool).
 // Inputs:   x [1, 1, K] bf16 (strided); w<s> [N_s, K * BITS<s> / 32] uint32
 //           (row-contiguous; value j of a word in bits BITS*j ...), scales<s>,
 //           biases<s> [N_s, K / 64] bf16 (row-contiguous); norm_weight [K]
@@ -39,10 +40,11 @@
 // Output:   out [sum N_s] OutT, segment s at its first output row.
 // Grid:     (threadgroups * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
 
-// Rows per SIMD group: each lane keeps this many 16-byte loads in flight per
-// step and reuses its xin values (read once from threadgroup memory) for all
-// of them; 4 keeps enough bytes in flight per lane without spilling registers.
-constexpr uint ROWS_PER_SIMDGROUP = 4;
+// Rows per SIMD group (ROWS): each lane keeps this many 16-byte loads in
+// flight per step and reuses its xin values (read once from threadgroup
+// memory) for all of them (the launcher's default, 4, keeps enough bytes in
+// flight per lane without spilling registers).
+constexpr uint ROWS_PER_SIMDGROUP = ROWS;
 constexpr uint SIMD_WIDTH = 32;
 constexpr uint THREADS = NSG * SIMD_WIDTH;
 constexpr uint GROUP_SIZE = 64;

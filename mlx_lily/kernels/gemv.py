@@ -70,8 +70,11 @@ MAX_SEGMENTS = 4
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
 MAX_K_FLOAT = 4096
-# Must match ROWS_PER_SIMDGROUP in gemv.metal.
+# Rows per SIMD group (the body's ROWS): the default; the launcher takes
+# others (bench/diagnostics/gemv_sweep.py times them). 8 spills a lane's
+# double-buffered words to local memory on CUDA (nvcc, sm_90).
 ROWS_PER_SIMDGROUP = 4
+ROWS_CHOICES = (1, 2, 4)
 # The body indexes with 32-bit unsigned integers.
 MAX_WORDS = 2**31
 # Occupancy targets for the SIMD groups per threadgroup: big calls (lm_head,
@@ -213,11 +216,12 @@ def _dummies() -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(rows: tuple) -> mx.array:
-    """Per segment: end in row blocks, rows, first output row (4 each)."""
+def _layout(rows: tuple, per_block: int = ROWS_PER_SIMDGROUP) -> mx.array:
+    """Per segment: end in row blocks (of ``per_block`` rows), rows, first
+    output row (4 each)."""
     ends, offsets, blocks, offset = [], [], 0, 0
     for n in rows:
-        blocks += -(-n // ROWS_PER_SIMDGROUP)
+        blocks += -(-n // per_block)
         ends.append(blocks)
         offsets.append(offset)
         offset += n
@@ -237,13 +241,21 @@ def simdgroups_for(blocks: int) -> int:
     return NSG_FOR_BLOCKS[-1][1]
 
 
-def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Launch:
+def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
+            rows_per_simdgroup: int = ROWS_PER_SIMDGROUP, simdgroups: Optional[int] = None) -> Launch:
+    """The call's launch; ``rows_per_simdgroup`` (ROWS_CHOICES) and
+    ``simdgroups`` (per threadgroup, 1-32; default by NSG_FOR_BLOCKS) are
+    tuning choices that compute the same values."""
+    if rows_per_simdgroup not in ROWS_CHOICES:
+        raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")
     K = x.shape[-1]
     S = len(weights)
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     bits = [int(w.shape[1]) * 32 // K for w, _, _ in weights]
-    blocks = sum(-(-n // ROWS_PER_SIMDGROUP) for n in rows)
-    nsg = simdgroups_for(blocks)
+    blocks = sum(-(-n // rows_per_simdgroup) for n in rows)
+    nsg = simdgroups_for(blocks) if simdgroups is None else int(simdgroups)
+    if not 1 <= nsg <= 32:
+        raise ValueError(f"simdgroups {nsg}: 1 to 32")
     threadgroups = -(-blocks // nsg)
     dummy_w, dummy_h, dummy_gate, dummy_res = _dummies()
     prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
@@ -258,7 +270,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> 
         norm_weight if norm_weight is not None else dummy_h,
         gate if gate is not None else dummy_gate,
         residual if residual is not None else dummy_res,
-        _layout(rows),
+        _layout(rows, rows_per_simdgroup),
         _scalars(float(eps)),
     ]
     total = sum(rows)
@@ -285,6 +297,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> 
             ("S", S),
             *((f"BITS{s}", bits[s] if s < S else 0) for s in range(MAX_SEGMENTS)),
             ("NSG", nsg),
+            ("ROWS", rows_per_simdgroup),
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
         ],

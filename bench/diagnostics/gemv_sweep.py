@@ -1,0 +1,118 @@
+"""The decode GEMV's launch choices at the model's shapes: the data to tune them.
+
+For each merged projection a decode token runs through ``quantized_matvec``
+(random weights at the real Qwen3.6-35B-A3B shapes, 4-bit group 64; the router
+8-bit), times stock's op sequence (its reference), the kernel as the launcher
+chooses it ("chosen"), and the kernel at every rows-per-SIMD-group choice and
+several SIMD groups per threadgroup; each result is checked against the
+contract. GB/s is the weights' bytes (words, scales, biases) over the time:
+the HBM-speed figure the kernel should approach.
+
+    python3 -m bench.diagnostics.gemv_sweep --out DIR
+
+Writes DIR/gemv-sweep.json and DIR/gemv-sweep.md (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_lily.kernels  # noqa: F401  (registers the ops)
+from bench.common import log, machine_info, now_iso, software_info
+from bench.ops import time_call
+from mlx_lily.kernels.gemv import (
+    ROWS_CHOICES,
+    make_call,
+    quantized_matvec_agree,
+    quantized_matvec_kernel,
+    quantized_matvec_reference,
+)
+from mlx_lily.toolchain.registry import gpu_backend
+
+SIMDGROUPS = (2, 4, 8, 16, 32)
+
+# name -> (K, rows per segment, bits per segment, prologue, residual): what one
+# decode token of the real model runs (per layer, or once for lm_head).
+CALLS = {
+    "deltanet in (qkv, z, b, a)": (2048, (8192, 4096, 32, 32), (4, 4, 4, 4), "norm", False),
+    "attention in (q+gate, k, v)": (2048, (8192, 512, 512), (4, 4, 4), "norm", False),
+    "router + shared gate": (2048, (256, 1), (8, 8), "norm", False),
+    "deltanet out + residual": (4096, (2048,), (4,), "none", True),
+    "attention out (gated) + residual": (4096, (2048,), (4,), "gate", True),
+}
+
+
+def weight_bytes(args) -> int:
+    _, weights = args
+    return sum(w.nbytes + s.nbytes + b.nbytes for w, s, b in weights)
+
+
+def sweep(name: str, spec: tuple, backend: str) -> dict:
+    K, rows, bits, prologue, residual = spec
+    args, kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
+    mx.eval(args, kwargs)
+    nbytes = weight_bytes(args)
+    want = quantized_matvec_reference(*args, **kwargs)
+    row = {"call": name, "weight_bytes": nbytes,
+           "stock_us": 1e3 * time_call(quantized_matvec_reference, args, kwargs)["ms"]}
+    variants = {"chosen": {}}
+    variants.update({f"r{r}x{g}": dict(rows_per_simdgroup=r, simdgroups=g)
+                     for r in ROWS_CHOICES for g in SIMDGROUPS})
+    for variant, options in variants.items():
+        def fn(*a, options=options, **k):
+            return quantized_matvec_kernel.run_on(backend, *a, **options, **k)
+        us = 1e3 * time_call(fn, args, kwargs)["ms"]
+        agrees = quantized_matvec_agree(fn(*args, **kwargs), want, *args, **kwargs) is None
+        row[variant] = {"us": us, "gb_s": nbytes / us / 1e3, "agrees": agrees}
+    best = min((v for v in variants if v != "chosen"), key=lambda v: row[v]["us"])
+    row["best"] = best
+    log(f"{name}: stock {row['stock_us']:.1f} us, chosen {row['chosen']['us']:.1f} us, "
+        f"best {best} {row[best]['us']:.1f} us ({row[best]['gb_s']:.0f} GB/s)")
+    return row
+
+
+def markdown(rows: list) -> str:
+    lines = ["| call | weights MB | stock us | chosen us | best | best us | best GB/s |",
+             "|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        best = r[r["best"]]
+        flag = "" if all(r[v]["agrees"] for v in r if isinstance(r[v], dict)) else " (A RESULT DISAGREES)"
+        lines.append(f"| {r['call']}{flag} | {r['weight_bytes'] / 1e6:.1f} | {r['stock_us']:.1f} | "
+                     f"{r['chosen']['us']:.1f} | {r['best']} | {best['us']:.1f} | {best['gb_s']:.0f} |")
+    lines += ["", "Every variant, us (rows per SIMD group x SIMD groups per threadgroup):", ""]
+    variants = [v for v in rows[0] if isinstance(rows[0][v], dict) and v != "chosen"] if rows else []
+    lines.append("| call | " + " | ".join(variants) + " |")
+    lines.append("|---" * (len(variants) + 1) + "|")
+    for r in rows:
+        lines.append(f"| {r['call']} | " + " | ".join(f"{r[v]['us']:.1f}" for v in variants) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for gemv-sweep.json/.md")
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
+    args = parser.parse_args(argv)
+    backend = args.backend or gpu_backend()
+    if backend is None:
+        raise SystemExit("needs a GPU (Metal or CUDA)")
+    rows = [sweep(name, spec, backend) for name, spec in CALLS.items()]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
+           "software": software_info(), "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS},
+           "rows": rows}
+    (out / "gemv-sweep.json").write_text(json.dumps(doc, indent=1))
+    text = markdown(rows)
+    (out / "gemv-sweep.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
