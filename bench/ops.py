@@ -102,17 +102,12 @@ def _attention(d, T, ctx) -> Inputs:
     return (q, k, v, D**-0.5, "causal" if T > 1 else None), {}
 
 
-def _conv1d_silu(d, T, ctx) -> Inputs:
+def _conv_qk_norm(d, T, ctx) -> Inputs:
     conv_dim = 2 * d["hk"] * d["dk"] + d["hv"] * d["dv"]
-    x = _normal((1, d["conv_k"] - 1 + T, conv_dim), 6)
+    qkv = _normal((1, T, conv_dim), 6)
+    state = _normal((1, d["conv_k"] - 1, conv_dim), 8)
     w = _normal((conv_dim, d["conv_k"], 1), 7)
-    return (x, w), {}
-
-
-def _l2norm_qk(d, T, ctx) -> Inputs:
-    q = _normal((1, T, d["hk"], d["dk"]), 8)
-    k = _normal((1, T, d["hk"], d["dk"]), 9)
-    return (q, k, d["dk"] ** -0.5), {}
+    return (qkv, state, w, d["hk"], d["hv"], d["dk"], d["dv"]), {}
 
 
 def _gated_delta(d, T, ctx) -> Inputs:
@@ -198,8 +193,7 @@ FLOPS: Dict[str, Callable[[tuple], float]] = {"matmul_nt": _gemm_flops}
 BUILDERS: Dict[str, Tuple[Callable[..., Inputs], bool]] = {
     "qk_norm_rope": (_qk_norm_rope, True),
     "attention": (_attention, True),
-    "conv1d_silu": (_conv1d_silu, False),
-    "l2norm_qk": (_l2norm_qk, False),
+    "conv_qk_norm": (_conv_qk_norm, False),
     "gated_delta": (_gated_delta, False),
     "gated_rms_norm": (_gated_rms_norm, False),
     "router_topk": (_router_topk, False),

@@ -2,8 +2,8 @@
 chooses between its custom kernel and its pure-MLX reference."""
 
 from .attention import attention, qk_norm_rope
-from .conv import conv1d_silu
-from .gated_delta import gated_delta, l2norm_qk
+from .conv import conv_qk_norm
+from .gated_delta import gated_delta
 from .gated_delta_decode import gated_delta_decode
 from .gemv import quantized_matvec
 from .matmul import matmul_nt
@@ -15,7 +15,7 @@ from .router import router_topk
 
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
-    "attention", "qk_norm_rope", "conv1d_silu", "gated_delta", "l2norm_qk", "gated_delta_decode",
+    "attention", "qk_norm_rope", "conv_qk_norm", "gated_delta", "gated_delta_decode",
     "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
     "quantized_matvec",
 ]

@@ -1,11 +1,55 @@
-"""Gated DeltaNet's causal depthwise convolution followed by SiLU."""
+"""Gated DeltaNet's causal depthwise convolution, SiLU, and (for prompt
+chunks) the q/k L2 norm after it: ``conv_qk_norm``.
+
+The layer's prologue between its projections and the recurrence::
+
+    conv_qk_norm(qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv) -> (q, k, v)
+
+* ``qkv`` [B, T, C] (C = 2 Hk Dk + Hv Dv: q, k, v channels, as the in
+  projection writes them), ``conv_state`` [B, K-1, C] (the previous call's
+  last K-1 input rows), ``conv_weight`` [C, K, 1].
+* q, k [B, T, Hk, Dk] L2-normalised per head, the readout scale Dk^-1/2
+  folded into q (mlx-lm's ``normalize_qk``); v [B, T, Hv, Dv].
+
+The reference is the layer's own sequence (the concatenation, ``mx.conv1d``
++ ``nn.silu``, the split and ``normalize_qk``), so on the reference path the
+layer stays stock's to the bit. The kernel (``conv_qk_norm.metal``) does it
+in one dispatch: one SIMD group per (batch, token, head), no intermediate
+conv output, no concatenated copy of the chunk. It takes bf16 activations
+and weights, head dims that are multiples of 32 up to 256, any batch; other
+calls (and decode, which ``gated_delta_decode`` covers) run the reference.
+
+Contract (``conv_qk_norm_agree``), per output element against the reference:
+``|got - want| <= 2^-5 |want| + 2^-9 max|want|``, and at most 1% of the
+elements differ at all. Why: the kernel rounds where MLX's ops round (the
+convolution's fp32 sum, the sigmoid, SiLU's product, rms_norm's product and
+the scale's, each to bf16), but its fp32 sums of the taps and of the squares
+run in another order, which can tip a rounding by one step; three roundings
+in a row make at most three steps (2^-7 |want| each at worst in bf16). A
+shifted tap, a wrong head or a missing scale moves far more elements by far
+more.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
+from .gated_delta import l2norm_qk_reference
+
+# The stock L2 norm's epsilon (added to sum(x^2)), as the layer passes it.
+L2_EPS = 1e-6
+# SIMD groups per threadgroup: the rows are independent, this only sizes the launch.
+SIMD_GROUPS = 8
+MAX_HEAD_DIM = 256
+# The body indexes with 32-bit unsigned integers.
+MAX_ELEMENTS = 2**31
 
 
 def conv1d_silu_reference(x: mx.array, weight: mx.array) -> mx.array:
@@ -13,13 +57,124 @@ def conv1d_silu_reference(x: mx.array, weight: mx.array) -> mx.array:
     return nn.silu(mx.conv1d(x, weight, groups=x.shape[-1]))
 
 
+def conv_qk_norm_reference(qkv, conv_state, conv_weight, num_k_heads, num_v_heads, head_k_dim, head_v_dim):
+    """The layer's sequence (module docstring) -> (q, k, v)."""
+    B, T, _ = qkv.shape
+    key_dim = num_k_heads * head_k_dim
+    conv_out = conv1d_silu_reference(mx.concatenate([conv_state, qkv], axis=1), conv_weight)
+    q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
+    q = q.reshape(B, T, num_k_heads, head_k_dim)
+    k = k.reshape(B, T, num_k_heads, head_k_dim)
+    v = v.reshape(B, T, num_v_heads, head_v_dim)
+    q, k = l2norm_qk_reference(q, k, head_k_dim**-0.5, L2_EPS)
+    return q, k, v
+
+
+def conv_qk_norm_supports(qkv, conv_state, conv_weight, num_k_heads, num_v_heads, head_k_dim, head_v_dim) -> Optional[str]:
+    """None when the kernel takes this call, else why not."""
+    if qkv.ndim != 3 or conv_state is None or conv_state.ndim != 3:
+        return f"qkv {tuple(qkv.shape)} (kernel: [B, T, C] with a conv state [B, K-1, C])"
+    B, T, C = qkv.shape
+    Hk, Hv, Dk, Dv = (int(n) for n in (num_k_heads, num_v_heads, head_k_dim, head_v_dim))
+    if C != 2 * Hk * Dk + Hv * Dv or min(Hk, Hv, Dk, Dv, B, T) < 1:
+        return f"qkv width {C} is not 2 x {Hk} x {Dk} + {Hv} x {Dv}"
+    if Dk % SIMD_WIDTH or Dv % SIMD_WIDTH or max(Dk, Dv) > MAX_HEAD_DIM:
+        return f"head dims {Dk}, {Dv} (kernel: multiples of {SIMD_WIDTH}, at most {MAX_HEAD_DIM})"
+    K = conv_state.shape[1] + 1
+    if tuple(conv_state.shape) != (B, K - 1, C) or tuple(conv_weight.shape) != (C, K, 1):
+        return f"conv state {tuple(conv_state.shape)}, weight {tuple(conv_weight.shape)} (kernel: [B, K-1, C], [C, K, 1])"
+    for name, a in (("qkv", qkv), ("conv_state", conv_state), ("conv_weight", conv_weight)):
+        if a.dtype != mx.bfloat16:
+            return f"{name} dtype {a.dtype} (kernel: bfloat16)"
+    if B * (T + K) * C >= MAX_ELEMENTS:
+        return "too large for 32-bit indexing"
+    return None
+
+
+def _launch(qkv, conv_state, conv_weight, num_k_heads, num_v_heads, head_k_dim, head_v_dim) -> Launch:
+    B, T, _ = qkv.shape
+    Hk, Hv, Dk, Dv = (int(n) for n in (num_k_heads, num_v_heads, head_k_dim, head_v_dim))
+    inv_scale = Dk**-0.5
+    rows = B * T * (2 * Hk + Hv)
+    threads = SIMD_GROUPS * SIMD_WIDTH
+    return Launch(
+        inputs=[qkv, conv_state, conv_weight,
+                mx.array([L2_EPS * inv_scale**2, inv_scale**2, inv_scale], dtype=mx.float32)],
+        grid=(math.ceil(rows / SIMD_GROUPS) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(B, T, Hk, Dk), (B, T, Hk, Dk), (B, T, Hv, Dv)],
+        output_dtypes=[qkv.dtype] * 3,
+        template=[("InT", qkv.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+                  ("CONV_K", conv_state.shape[1] + 1)],
+        finish=tuple,
+    )
+
+
+def conv_qk_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """None when the kernel's (q, k, v) meet the contract (module docstring),
+    else which output is off and by how much."""
+    for name, g, w in zip("qkv", got, want):
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"{name}: {tuple(g.shape)} {g.dtype} (reference: {tuple(w.shape)} {w.dtype})"
+        gf = np.array(g.astype(mx.float32), dtype=np.float64)
+        wf = np.array(w.astype(mx.float32), dtype=np.float64)
+        err = np.abs(gf - wf)
+        bound = 2.0**-5 * np.abs(wf) + 2.0**-9 * np.abs(wf).max(initial=0.0)
+        if not (err <= bound).all():
+            at = int(np.argmax(err - bound))
+            return (f"{name}: {int((err > bound).sum())} of {err.size} off, e.g. "
+                    f"{gf.reshape(-1)[at]:.6g} against {wf.reshape(-1)[at]:.6g}")
+        differ = int((err > 0).sum())
+        if differ > 0.01 * err.size:
+            return f"{name}: {differ} of {err.size} elements differ (at most 1%)"
+    return None
+
+
+def make_call(B, T, Hk, Hv, Dk, Dv, K=4, rng=None, seed=0):
+    """A prompt chunk's prologue call at these shapes: random bf16 activations,
+    conv state and conv weights (as the model holds them)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv = normal(B, T, C).astype(mx.bfloat16)
+    conv_state = normal(B, K - 1, C).astype(mx.bfloat16)
+    conv_weight = (0.5 * normal(C, K, 1)).astype(mx.bfloat16)
+    return (qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv), {}
+
+
 def _sample():
-    x = mx.random.normal((1, 3 + 5, 48), key=mx.random.key(1)).astype(mx.bfloat16)
-    w = mx.random.normal((48, 4, 1), key=mx.random.key(2)).astype(mx.bfloat16)
-    return (x, w), {}
+    return make_call(2, 5, 2, 4, 32, 32, seed=3)
 
 
-conv1d_silu = register(
-    LilyOp("conv1d_silu", conv1d_silu_reference, description="depthwise causal conv + SiLU")
+def _fuzz(rng):
+    """A random chunk: batch 1-2, 1-40 tokens (fewer than the taps too), value/key
+    head ratio 1-3, head dims 32-128, conv widths 2-4."""
+    Hk = int(rng.integers(1, 3))
+    return make_call(int(rng.integers(1, 3)), int(rng.integers(1, 41)), Hk, Hk * int(rng.integers(1, 4)),
+                     int(rng.choice([32, 64, 128])), int(rng.choice([32, 64, 96])),
+                     K=int(rng.choice([2, 3, 4])), rng=rng)
+
+
+conv_qk_norm_kernel = Kernel(
+    name="conv_qk_norm",
+    input_names=("qkv", "conv_state", "conv_weight", "scalars"),
+    output_names=("q", "k", "v"),
+    body="conv_qk_norm.metal",
+    launch=_launch,
+    reference=conv_qk_norm_reference,
+    sample=_sample,
+    agree=conv_qk_norm_agree,
 )
-conv1d_silu.sample = _sample
+
+
+conv_qk_norm = register(
+    LilyOp(
+        "conv_qk_norm",
+        conv_qk_norm_reference,
+        kernel=conv_qk_norm_kernel,
+        supports=conv_qk_norm_supports,
+        description="DeltaNet prologue: causal conv + SiLU, q/k L2 norm with the readout scale",
+        sample=_sample,
+        fuzz=_fuzz,
+    )
+)

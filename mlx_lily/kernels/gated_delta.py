@@ -78,12 +78,6 @@ def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
 
 
-def _sample_qk():
-    q = mx.random.normal((1, 4, 2, 32), key=mx.random.key(3)).astype(mx.bfloat16)
-    k = mx.random.normal((1, 4, 2, 32), key=mx.random.key(4)).astype(mx.bfloat16)
-    return (q, k, 32**-0.5), {}
-
-
 def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16, seed=5):
     keys = mx.random.split(mx.random.key(seed), 6)
     q, k = mx.random.normal((2, B, T, Hk, Dk), key=keys[0]).astype(mx.bfloat16)
@@ -384,11 +378,6 @@ class GatedDeltaKernels(KernelGroup):
 
 gated_delta_kernels = GatedDeltaKernels(gated_delta_kernel)
 
-
-l2norm_qk = register(
-    LilyOp("l2norm_qk", l2norm_qk_reference, description="q/k L2 norm with readout scale")
-)
-l2norm_qk.sample = _sample_qk
 
 gated_delta = register(
     LilyOp(

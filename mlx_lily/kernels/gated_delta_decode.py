@@ -1,13 +1,13 @@
 """Gated DeltaNet decode step: everything between the layer's projections and
 its output projection, for one token of one sequence, in one dispatch.
 
-The step: the conv state's update and the causal depthwise convolution + SiLU
-(``conv1d_silu``), the q/k L2 norm with the readout scale (``l2norm_qk``), the
-gates and the recurrence on the fp32 state (``gated_delta``), and the gated
-RMSNorm (``gated_rms_norm``). The reference composes those ops' references
-exactly as the layer does, so on the reference path the layer stays stock's to
-the bit. The kernel (``gated_delta_decode.metal``) takes bf16 decode calls
-(B = 1, T = 1, no padding mask); other calls go through the separate ops.
+The step: the conv state's update, the causal depthwise convolution + SiLU
+and the q/k L2 norm with the readout scale (``conv_qk_norm``), the gates and
+the recurrence on the fp32 state (``gated_delta``), and the gated RMSNorm
+(``gated_rms_norm``). The reference composes those ops' references exactly as
+the layer does, so on the reference path the layer stays stock's to the bit.
+The kernel (``gated_delta_decode.metal``) takes bf16 decode calls (B = 1, T =
+1, no padding mask); other calls go through the separate ops.
 
 Contract (``gated_delta_decode_agree``): the conv state is copied, so it is
 the reference's exactly; the output within 3e-2 and the state within 2e-2 of

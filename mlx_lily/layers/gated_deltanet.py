@@ -76,16 +76,15 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         conv_state = cache[0] if cache is not None and cache[0] is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
         if cache is not None:
-            cache[0] = next_conv_state(conv_input, n_keep, cache.lengths)
-        conv_out = K.conv1d_silu(conv_input, self.conv1d.weight)
-
-        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
-        q, k = K.l2norm_qk(q, k, self.head_k_dim**-0.5)
+            # The rows the next call's convolution starts from: without
+            # lengths the last K-1 of [state; qkv], so no copy of the chunk.
+            tail = qkv if cache.lengths is not None else qkv[:, -n_keep:]
+            cache[0] = next_conv_state(mx.concatenate([conv_state, tail], axis=1), n_keep, cache.lengths)
+        q, k, v = K.conv_qk_norm(
+            qkv, conv_state, self.conv1d.weight, self.num_k_heads, self.num_v_heads,
+            self.head_k_dim, self.head_v_dim,
+        )
 
         # Masked steps leave the recurrent state untouched.
         state = cache[1] if cache is not None else None

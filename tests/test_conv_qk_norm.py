@@ -1,0 +1,85 @@
+"""The Gated DeltaNet prefill prologue (mlx_lily/kernels/conv.py):
+``conv_qk_norm``'s kernel in the CPU emulator against its reference, the
+layer's own op sequence; the contract's judge; what the kernel refuses; the
+CUDA build; the layer calling it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlx_lily
+from mlx_lily import kernels as K
+from mlx_lily.kernels.conv import (
+    conv_qk_norm_agree,
+    conv_qk_norm_kernel,
+    conv_qk_norm_reference,
+    conv_qk_norm_supports,
+    make_call,
+)
+
+from test_toolchain import emulator_or_skip, nvcc_ptx
+
+# (B, T, Hk, value heads per key head, Dk, Dv, conv width): fewer tokens than
+# the taps, a batch of two, ratios 1-3, head dims 32-128, widths 2-4.
+SHAPES = [
+    (1, 1, 1, 1, 32, 32, 4),
+    (1, 2, 2, 3, 64, 32, 4),
+    (2, 7, 1, 2, 32, 96, 3),
+    (1, 33, 2, 2, 128, 128, 4),
+    (2, 5, 3, 1, 64, 64, 2),
+]
+
+
+@pytest.mark.parametrize("B, T, Hk, ratio, Dk, Dv, width", SHAPES)
+def test_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, Dv, width):
+    emulator_or_skip()
+    args, _ = make_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk)
+    assert conv_qk_norm_supports(*args) is None
+    got = conv_qk_norm_kernel.emulate(*args)
+    want = conv_qk_norm_reference(*args)
+    assert conv_qk_norm_agree(got, want) is None
+    # Most elements equal the reference to the bit.
+    same = sum(int(mx.sum(g == w).item()) for g, w in zip(got, want))
+    assert same >= 0.99 * sum(w.size for w in want)
+
+
+def test_the_judge_catches_a_shifted_tap_and_a_missing_scale():
+    args, _ = make_call(1, 9, 2, 4, 32, 32, seed=5)
+    q, k, v = conv_qk_norm_reference(*args)
+    assert conv_qk_norm_agree((q, k, v), (q, k, v)) is None
+    assert "q" in conv_qk_norm_agree((q * 1.1, k, v), (q, k, v))
+    # The convolution one row late: its own state's last row first.
+    qkv, state, weight = args[:3]
+    late = conv_qk_norm_reference(qkv[:, :-1], state, weight, *args[3:])
+    shifted = tuple(mx.concatenate([w[:, :1], l], axis=1) for w, l in zip((q, k, v), late))
+    assert conv_qk_norm_agree(shifted, (q, k, v)) is not None
+
+
+def test_refuses_what_it_does_not_take():
+    args, _ = make_call(1, 4, 1, 2, 32, 32)
+    half = (args[0].astype(mx.float16),) + args[1:]
+    assert "bfloat16" in conv_qk_norm_supports(*half)
+    odd, _ = make_call(1, 4, 1, 1, 48, 32)
+    assert "head dims" in conv_qk_norm_supports(*odd)
+    wrong = args[:3] + (2,) + args[4:]
+    assert "width" in conv_qk_norm_supports(*wrong)
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    # The real shape (16 key heads, 32 value heads, dims 128, width 4) and an odd one.
+    units = {f"conv_{Hk}": conv_qk_norm_kernel.cuda_translation_unit(*make_call(1, 8, Hk, Hv, Dk, Dv, K=w)[0])
+             for Hk, Hv, Dk, Dv, w in ((16, 32, 128, 128, 4), (3, 9, 64, 96, 3))}
+    for text in nvcc_ptx(tmp_path, units).values():
+        assert "ld.local" not in text and "st.local" not in text
+
+
+def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
+    emulator_or_skip()
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    K.conv_qk_norm.last_path = None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
+    assert K.conv_qk_norm.last_path == "kernel", K.conv_qk_norm.last_reason
