@@ -1,11 +1,42 @@
-"""Gated RMSNorm: the norm that closes each Gated DeltaNet layer."""
+"""Gated RMSNorm: the norm that closes each Gated DeltaNet layer,
+``gated_rms_norm``.
+
+    gated_rms_norm(x, z, weight, eps) -> rms_norm(x, weight, eps) * silu(z)
+
+x, z [..., Dv] (the recurrence's output and the z projection, per head),
+weight [Dv]. The reference is stock's (``mx.fast.rms_norm``, then mlx-lm's
+``precise_swiglu``: silu and the product in fp32), so on the reference path
+the layer stays stock's to the bit. The kernel (``gated_rms_norm.metal``)
+does it in one dispatch, one SIMD group per row, for any number of rows (a
+prompt chunk's, or a batch's decode step); it takes bf16 x and z, a bf16 or
+fp32 weight, Dv a multiple of 32 up to 256. Decode steps of one sequence do
+this inside ``gated_delta_decode``.
+
+Contract (``gated_rms_norm_agree``), per element against the reference:
+``|got - want| <= 2^-6 |want| + 2^-10 max|want|``, and at most 1% of the
+elements differ at all. Why: the kernel rounds where MLX's ops round, but its
+fp32 sum of squares runs in another order and its exp is the backend's, which
+can tip the norm's two roundings and the last one by one step each (2^-7 |want|
+at worst in bf16 for the last; the norm's steps reach the output scaled by
+silu(z)); a wrong weight, gate or norm moves far more elements by far more.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.activations import precise_swiglu
 
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, register
+
+SIMD_GROUPS = 8
+MAX_DV = 256
+WEIGHT_DTYPES = (mx.bfloat16, mx.float32)
+MAX_ELEMENTS = 2**31
 
 
 def gated_rms_norm_reference(x: mx.array, z: mx.array, weight: mx.array, eps: float):
@@ -13,15 +44,95 @@ def gated_rms_norm_reference(x: mx.array, z: mx.array, weight: mx.array, eps: fl
     return precise_swiglu(x, z, mx.fast.rms_norm(x, weight, eps))
 
 
-def _sample():
-    keys = mx.random.split(mx.random.key(6), 3)
-    x = mx.random.normal((1, 3, 4, 32), key=keys[0]).astype(mx.bfloat16)
-    z = mx.random.normal((1, 3, 4, 32), key=keys[1]).astype(mx.bfloat16)
-    w = 1 + 0.1 * mx.random.normal((32,), key=keys[2])
+def gated_rms_norm_supports(x, z, weight, eps) -> Optional[str]:
+    """None when the kernel takes this call, else why not."""
+    if x.ndim < 1 or x.shape != z.shape:
+        return f"x {tuple(x.shape)}, z {tuple(z.shape)} (kernel: the same shape [..., Dv])"
+    Dv = x.shape[-1]
+    if Dv % SIMD_WIDTH or Dv > MAX_DV:
+        return f"Dv={Dv} (kernel: a multiple of {SIMD_WIDTH}, at most {MAX_DV})"
+    if x.dtype != mx.bfloat16 or z.dtype != mx.bfloat16:
+        return f"dtypes {x.dtype}, {z.dtype} (kernel: bfloat16)"
+    if weight.ndim != 1 or weight.shape[0] != Dv or weight.dtype not in WEIGHT_DTYPES:
+        return f"weight {tuple(weight.shape)} {weight.dtype} (kernel: [{Dv}] bfloat16 or float32)"
+    if x.size >= MAX_ELEMENTS:
+        return "too large for 32-bit indexing"
+    return None
+
+
+def _launch(x, z, weight, eps) -> Launch:
+    Dv = x.shape[-1]
+    rows = x.size // Dv
+    threads = SIMD_GROUPS * SIMD_WIDTH
+    return Launch(
+        inputs=[x.reshape(rows, Dv), z.reshape(rows, Dv), weight, mx.array([eps], dtype=mx.float32)],
+        grid=(max(1, math.ceil(rows / SIMD_GROUPS)) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, Dv)],
+        output_dtypes=[x.dtype],
+        template=[("InT", x.dtype), ("NormT", mx.result_type(x.dtype, weight.dtype)), ("Dv", Dv)],
+        finish=lambda outputs: outputs[0].reshape(x.shape),
+    )
+
+
+def gated_rms_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """None when the kernel's output meets the contract (module docstring)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{tuple(got.shape)} {got.dtype} (reference: {tuple(want.shape)} {want.dtype})"
+    g = np.array(got.astype(mx.float32), dtype=np.float64)
+    w = np.array(want.astype(mx.float32), dtype=np.float64)
+    err = np.abs(g - w)
+    bound = 2.0**-6 * np.abs(w) + 2.0**-10 * np.abs(w).max(initial=0.0)
+    if not (err <= bound).all():
+        at = int(np.argmax(err - bound))
+        return f"{int((err > bound).sum())} of {err.size} off, e.g. {g.reshape(-1)[at]:.6g} against {w.reshape(-1)[at]:.6g}"
+    differ = int((err > 0).sum())
+    if differ > 0.01 * err.size:
+        return f"{differ} of {err.size} elements differ (at most 1%)"
+    return None
+
+
+def make_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0):
+    """x, z of this shape (bf16), a weight near 1 (as trained norms are)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    x = normal(*shape).astype(mx.bfloat16)
+    z = (2 * normal(*shape)).astype(mx.bfloat16)
+    w = (1 + 0.1 * normal(shape[-1])).astype(weight_dtype)
     return (x, z, w, 1e-6), {}
 
 
-gated_rms_norm = register(
-    LilyOp("gated_rms_norm", gated_rms_norm_reference, description="RMSNorm * SiLU(gate)")
+def _sample():
+    return make_call((1, 3, 4, 32), seed=6)
+
+
+def _fuzz(rng):
+    """A random call: batch 1-2, 1-40 tokens, 1-5 heads, Dv 32-128, a bf16 or fp32 weight."""
+    shape = (int(rng.integers(1, 3)), int(rng.integers(1, 41)), int(rng.integers(1, 6)),
+             int(rng.choice([32, 64, 96, 128])))
+    return make_call(shape, WEIGHT_DTYPES[int(rng.integers(2))], rng=rng)
+
+
+gated_rms_norm_kernel = Kernel(
+    name="gated_rms_norm",
+    input_names=("x", "z", "weight", "scalars"),
+    output_names=("out",),
+    body="gated_rms_norm.metal",
+    launch=_launch,
+    reference=gated_rms_norm_reference,
+    sample=_sample,
+    agree=gated_rms_norm_agree,
 )
-gated_rms_norm.sample = _sample
+
+
+gated_rms_norm = register(
+    LilyOp(
+        "gated_rms_norm",
+        gated_rms_norm_reference,
+        kernel=gated_rms_norm_kernel,
+        supports=gated_rms_norm_supports,
+        description="RMSNorm * SiLU(gate)",
+        sample=_sample,
+        fuzz=_fuzz,
+    )
+)

@@ -1,0 +1,72 @@
+"""The Gated DeltaNet's closing norm (mlx_lily/kernels/norms.py):
+``gated_rms_norm``'s kernel in the CPU emulator against stock's sequence;
+the contract's judge; what the kernel refuses; the CUDA build; the layer
+calling it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_lily
+from mlx_lily import kernels as K
+from mlx_lily.kernels.norms import (
+    gated_rms_norm_agree,
+    gated_rms_norm_kernel,
+    gated_rms_norm_reference,
+    gated_rms_norm_supports,
+    make_call,
+)
+
+from test_toolchain import emulator_or_skip, nvcc_ptx
+
+
+@pytest.mark.parametrize("shape, weight_dtype", [
+    ((1, 1, 1, 32), mx.bfloat16),
+    ((2, 7, 3, 64), mx.bfloat16),
+    ((1, 33, 5, 128), mx.float32),  # an fp32 weight keeps rms_norm's output fp32
+    ((3, 96), mx.bfloat16),
+])
+def test_matches_stock_s_sequence_in_the_emulator(shape, weight_dtype):
+    emulator_or_skip()
+    args, _ = make_call(shape, weight_dtype, seed=sum(shape))
+    assert gated_rms_norm_supports(*args) is None
+    got = gated_rms_norm_kernel.emulate(*args)
+    want = gated_rms_norm_reference(*args)
+    assert got.shape == want.shape and got.dtype == want.dtype == mx.bfloat16
+    assert gated_rms_norm_agree(got, want) is None
+    assert mx.sum(got == want).item() >= 0.99 * want.size
+
+
+def test_the_judge_catches_a_wrong_weight_and_a_missing_gate():
+    x, z, w, eps = make_call((1, 4, 2, 32), seed=2)[0]
+    want = gated_rms_norm_reference(x, z, w, eps)
+    assert gated_rms_norm_agree(want, want) is None
+    assert gated_rms_norm_agree(gated_rms_norm_reference(x, z, w * 1.1, eps), want) is not None
+    assert gated_rms_norm_agree(mx.fast.rms_norm(x, w, eps), want) is not None
+
+
+def test_refuses_what_it_does_not_take():
+    x, z, w, eps = make_call((1, 2, 2, 32))[0]
+    assert "bfloat16" in gated_rms_norm_supports(x.astype(mx.float16), z, w, eps)
+    x48, z48, w48, _ = make_call((1, 2, 2, 48))[0]
+    assert "Dv=48" in gated_rms_norm_supports(x48, z48, w48, eps)
+    assert "weight" in gated_rms_norm_supports(x, z, w[:16], eps)
+    assert "same shape" in gated_rms_norm_supports(x, z[:, :1], w, eps)
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    units = {f"norm_{dv}_{str(dt).split('.')[-1]}": gated_rms_norm_kernel.cuda_translation_unit(
+        *make_call((1, 8, 32, dv), dt)[0]) for dv, dt in ((128, mx.bfloat16), (64, mx.float32))}
+    for text in nvcc_ptx(tmp_path, units).values():
+        assert "ld.local" not in text and "st.local" not in text
+
+
+def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
+    emulator_or_skip()
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    K.gated_rms_norm.last_path = None
+    mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
+    assert K.gated_rms_norm.last_path == "kernel", K.gated_rms_norm.last_reason
