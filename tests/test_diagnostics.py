@@ -1,5 +1,7 @@
-"""bench/diagnostics/turned_off.py: it finds the kernel instances a first-use
-check turned off, and judges a captured call against the fp32 oracle."""
+"""Two diagnostics that run on any machine: turned_off.py finds the kernel
+instances a first-use check turned off and judges a captured call against
+the fp32 oracle; host_cost.py measures a decode step's host work with the
+kernels stubbed."""
 
 from __future__ import annotations
 
@@ -40,3 +42,16 @@ def test_capture_finds_an_instance_its_check_turned_off(monkeypatch):
     kernel, args, kwargs, why = captured["gated_delta_decode"]
     assert kernel is gated_delta_decode_kernel and "always off" in why
     assert args[0].shape[:2] == (1, 1)  # a decode call: one token
+
+
+def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
+    from bench.diagnostics import host_cost
+    from mlx_lily.toolchain import build, registry
+
+    before = (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on)
+    assert host_cost.main(["--layers", "4", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on) == before
+    table = (tmp_path / "host_cost.txt").read_text()
+    # The stubbed step took lily's default decode path, as on a GPU.
+    assert "whole step (lily decode segments)" in table
+    assert "without the weights checks" in table and "without the attention ops" in table

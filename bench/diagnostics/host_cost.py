@@ -1,0 +1,165 @@
+"""The host's share of a lily decode step, measured on any machine.
+
+    python3 -m bench.diagnostics.host_cost [--layers 40] [--steps 30] [--out DIR]
+
+On an NVIDIA GPU through MLX, lily's decode is bound by the host: building a
+step's graph (the model's Python and MLX's graph construction) and launching
+its kernels take longer than the kernels run (bench/README.md). This
+measures the first part without a GPU: every lily kernel op is made to take
+its kernel path "on CUDA", but each kernel launch is replaced by a stub that
+returns an output of the right shape and dtype (a zero-cost graph node), so
+only the host's work remains. The model has the real model's layer stack
+(40 layers, attention every 4th) at the demo shape's widths: the host's work
+per layer does not depend on the widths.
+
+Rows: the whole step on lily's default path (compiled segments), then the
+same step with one part of the host's work taken away (its result held
+fixed), so the difference is that part's cost: the per-layer weights check
+of the compiled steps, and the attention steps between the segments (the KV
+cache write, the attention op's choice, its launches). The numbers are this
+machine's CPU; a faster host scales them down, not their proportions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Iterator, List
+
+import mlx.core as mx
+
+from bench.common import write_report
+
+
+@contextlib.contextmanager
+def stubbed_kernels() -> Iterator[None]:
+    """Every kernel op takes its kernel path as on CUDA; every launch returns
+    outputs of the right shapes without running anything."""
+    from mlx_lily.toolchain import build, registry
+
+    def fake_build(self, backend):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None, **kw):
+            # One cheap node that depends on an input, like a launch does.
+            seed = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
+            return [mx.broadcast_to(seed, s).astype(d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    def ready(self, backend):
+        return True, "stub"
+
+    def unchecked(self, backend, *args, **kwargs):
+        return self.run_on(backend, *args, **kwargs), None
+
+    patched = []
+
+    def patch(owner, name, value):
+        patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    patch(registry, "gpu_backend", lambda: "cuda")
+    patch(build.Kernel, "_build", fake_build)
+    classes = {type(op.kernel) for op in registry.OPS.values() if op.kernel is not None} | {build.Kernel}
+    for cls in classes:
+        for name in ("ready_on", "chunked_ready_on"):
+            if hasattr(cls, name):
+                patch(cls, name, ready)
+        if hasattr(cls, "run_checked"):
+            patch(cls, "run_checked", unchecked)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(patched):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+_MISSING = object()
+
+
+def host_ms(model: Any, cache: Any, steps: int) -> float:
+    """Median milliseconds to build one decode step's graph (each step
+    evaluated, untimed, before the next)."""
+    token = mx.array([[3]])
+    times: List[float] = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = model(token, cache=cache)
+        times.append(time.perf_counter() - start)
+        mx.eval(out, [c.state for c in cache])
+    return 1e3 * statistics.median(times)
+
+
+@contextlib.contextmanager
+def held(owner: Any, name: str, value: Callable) -> Iterator[None]:
+    before = owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--out", help="also write DIR/host_cost.txt")
+    args = p.parse_args(argv)
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily import paths
+    from mlx_lily.checkpoints import SHAPES, build_model
+    from mlx_lily.layers import decoder, text_model
+    from mlx_lily.models.qwen3_5_moe import Model
+
+    shape = dict(SHAPES["demo"], num_hidden_layers=args.layers)
+    model, _ = build_model(shape, seed=0, model_class=Model)
+    text = model.language_model.model
+    rows = []
+    with stubbed_kernels():
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
+        host_ms(model, cache, 3)  # compiles the segments
+        paths.start()
+        host_ms(model, cache, 1)
+        taken = sorted({r["path"] for r in paths.seen()})
+        paths.stop()
+        whole = host_ms(model, cache, args.steps)
+        rows.append(("whole step (" + ", ".join(taken) + ")", whole))
+        keys = {id(layer): layer._weights_key() for layer in model.layers}
+        edges = text._edges_key()
+        with held(decoder.LilyDecoderLayer, "_weights_key", lambda self: keys[id(self)]), \
+                held(text_model.LilyTextModel, "_edges_key", lambda self: edges):
+            rows.append(("without the weights checks", host_ms(model, cache, args.steps)))
+
+        class NoAttention:
+            def __getattr__(self, name):
+                return getattr(text_model.K, name)
+
+            @staticmethod
+            def attention(queries, keys, values, scale, mask):
+                return queries
+
+        real = text_model.K
+        text_model.K = NoAttention()
+        try:
+            rows.append(("without the attention ops", host_ms(model, cache, args.steps)))
+        finally:
+            text_model.K = real
+    lines = [f"Host ms to build one decode step ({args.layers} layers, demo widths, kernels stubbed "
+             f"as on CUDA; median of {args.steps})", "",
+             "| step | host ms | part's cost |", "|---|---:|---:|"]
+    for name, ms in rows:
+        part = "" if ms == whole else f"{whole - ms:.2f}"
+        lines.append(f"| {name} | {ms:.2f} | {part} |")
+    write_report(args.out, "host_cost.txt", "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
