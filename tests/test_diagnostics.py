@@ -49,9 +49,9 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     from mlx_lily.toolchain import build, registry
 
     before = (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on)
-    assert host_cost.main(["--layers", "4", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert host_cost.main(["--layers", "4", "--steps", "2", "--rounds", "2", "--out", str(tmp_path)]) == 0
     assert (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on) == before
     table = (tmp_path / "host_cost.txt").read_text()
     # The stubbed step took lily's default decode path, as on a GPU.
-    assert "whole step (lily decode segments)" in table
+    assert "path: lily decode segments" in table and "| whole step |" in table
     assert "without the weights checks" in table and "without the attention ops" in table

@@ -106,7 +106,10 @@ def held(owner: Any, name: str, value: Callable) -> Iterator[None]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=40)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=20, help="decode steps per measurement (default 20)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="rounds; each measures every variant once, in turn, and the median "
+                        "over rounds is reported (default 7)")
     p.add_argument("--out", help="also write DIR/host_cost.txt")
     args = p.parse_args(argv)
 
@@ -120,43 +123,61 @@ def main(argv=None) -> int:
     shape = dict(SHAPES["demo"], num_hidden_layers=args.layers)
     model, _ = build_model(shape, seed=0, model_class=Model)
     text = model.language_model.model
-    rows = []
+
+    class NoAttention:
+        def __getattr__(self, name):
+            return getattr(text_model.K, name)
+
+        @staticmethod
+        def attention(queries, keys, values, scale, mask):
+            return queries
+
+    @contextlib.contextmanager
+    def as_is():
+        yield
+
+    @contextlib.contextmanager
+    def keys_held():
+        keys = {id(layer): layer._weights_key() for layer in model.layers}
+        edges = text._edges_key()
+        with held(decoder.LilyDecoderLayer, "_weights_key", lambda self: keys[id(self)]), \
+                held(text_model.LilyTextModel, "_edges_key", lambda self: edges):
+            yield
+
+    @contextlib.contextmanager
+    def no_attention():
+        real = text_model.K
+        text_model.K = NoAttention()
+        try:
+            yield
+        finally:
+            text_model.K = real
+
+    variants = {"whole step": as_is, "without the weights checks": keys_held,
+                "without the attention ops": no_attention}
+    times = {name: [] for name in variants}
     with stubbed_kernels():
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
         host_ms(model, cache, 3)  # compiles the segments
         paths.start()
         host_ms(model, cache, 1)
-        taken = sorted({r["path"] for r in paths.seen()})
+        taken = ", ".join(sorted({r["path"] for r in paths.seen()}))
         paths.stop()
-        whole = host_ms(model, cache, args.steps)
-        rows.append(("whole step (" + ", ".join(taken) + ")", whole))
-        keys = {id(layer): layer._weights_key() for layer in model.layers}
-        edges = text._edges_key()
-        with held(decoder.LilyDecoderLayer, "_weights_key", lambda self: keys[id(self)]), \
-                held(text_model.LilyTextModel, "_edges_key", lambda self: edges):
-            rows.append(("without the weights checks", host_ms(model, cache, args.steps)))
-
-        class NoAttention:
-            def __getattr__(self, name):
-                return getattr(text_model.K, name)
-
-            @staticmethod
-            def attention(queries, keys, values, scale, mask):
-                return queries
-
-        real = text_model.K
-        text_model.K = NoAttention()
-        try:
-            rows.append(("without the attention ops", host_ms(model, cache, args.steps)))
-        finally:
-            text_model.K = real
+        for _ in range(args.rounds):
+            for name, variant in variants.items():
+                with variant():
+                    times[name].append(host_ms(model, cache, args.steps))
+    median = {name: statistics.median(ts) for name, ts in times.items()}
+    whole = median["whole step"]
     lines = [f"Host ms to build one decode step ({args.layers} layers, demo widths, kernels stubbed "
-             f"as on CUDA; median of {args.steps})", "",
-             "| step | host ms | part's cost |", "|---|---:|---:|"]
-    for name, ms in rows:
-        part = "" if ms == whole else f"{whole - ms:.2f}"
-        lines.append(f"| {name} | {ms:.2f} | {part} |")
+             f"as on CUDA; path: {taken}; median over {args.rounds} rounds of {args.steps} steps, "
+             "variants interleaved)", "",
+             "| step | host ms | part's cost | spread over rounds |", "|---|---:|---:|---:|"]
+    for name, ms in median.items():
+        part = "" if name == "whole step" else f"{whole - ms:.2f}"
+        spread = (max(times[name]) - min(times[name])) / ms
+        lines.append(f"| {name} | {ms:.2f} | {part} | {spread:.0%} |")
     write_report(args.out, "host_cost.txt", "\n".join(lines) + "\n")
     return 0
 
