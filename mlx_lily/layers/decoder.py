@@ -218,7 +218,8 @@ class LilyDecoderLayer(DecoderLayer):
                 and (mask is None or _one_step_mask(mask))
         if type(cache) is KVCache:
             return mask is None
-        return type(cache) is BatchKVCache and cache.offset.size == 1 and (mask is None or isinstance(mask, mx.array))
+        return (type(cache) is BatchKVCache and isinstance(cache.offset, mx.array) and cache.offset.size == 1
+                and (mask is None or isinstance(mask, mx.array)))
 
     def _layer_fits(self) -> bool:
         """Once per layer: the parts the fused path reads are there."""
