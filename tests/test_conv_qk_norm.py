@@ -83,3 +83,14 @@ def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
 
     mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
     assert K.conv_qk_norm.last_path == "kernel", K.conv_qk_norm.last_reason
+
+
+def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():
+    # As gated_delta_decode's: a first-use check on a GPU passes the GPU's own
+    # reference, which may round SiLU's steps otherwise; the CPU's is the judge.
+    args, _ = make_call(1, 6, 1, 2, 32, 32, seed=9)
+    q, k, v = conv_qk_norm_reference(*args)
+    off = (q * 1.5, k, v)
+    assert conv_qk_norm_agree((q, k, v), off) is not None
+    assert conv_qk_norm_agree((q, k, v), off, *args) is None
+    assert conv_qk_norm_agree(off, (q, k, v), *args) is not None

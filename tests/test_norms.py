@@ -70,3 +70,11 @@ def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
     K.gated_rms_norm.last_path = None
     mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
     assert K.gated_rms_norm.last_path == "kernel", K.gated_rms_norm.last_reason
+
+
+def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():
+    args, _ = make_call((1, 3, 2, 32), seed=4)
+    want = gated_rms_norm_reference(*args)
+    assert gated_rms_norm_agree(want, want * 1.5) is not None
+    assert gated_rms_norm_agree(want, want * 1.5, *args) is None
+    assert gated_rms_norm_agree(want * 1.5, want, *args) is not None

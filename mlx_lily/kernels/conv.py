@@ -19,7 +19,9 @@ conv output, no concatenated copy of the chunk. It takes bf16 activations
 and weights, head dims that are multiples of 32 up to 256, any batch; other
 calls (and decode, which ``gated_delta_decode`` covers) run the reference.
 
-Contract (``conv_qk_norm_agree``), per output element against the reference:
+Contract (``conv_qk_norm_agree``), per output element against the reference
+evaluated on the CPU (whose ops round where the kernel rounds; see
+``gated_delta_decode`` for what MLX's CUDA ops did to such a contract):
 ``|got - want| <= 2^-5 |want| + 2^-9 max|want|``, and at most 1% of the
 elements differ at all. Why: the kernel rounds where MLX's ops round (the
 convolution's fp32 sum, the sigmoid, SiLU's product, rms_norm's product and
@@ -39,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, on_cpu
 from ..toolchain.registry import LilyOp, register
 from .gated_delta import l2norm_qk_reference
 
@@ -112,7 +114,11 @@ def _launch(qkv, conv_state, conv_weight, num_k_heads, num_v_heads, head_k_dim, 
 
 def conv_qk_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     """None when the kernel's (q, k, v) meet the contract (module docstring),
-    else which output is off and by how much."""
+    else which output is off and by how much. With the call's arguments the
+    reference is evaluated on the CPU (``on_cpu``: MLX's CUDA ops round
+    SiLU's bf16 steps otherwise); without them, ``want`` is used as given."""
+    if args:
+        want = on_cpu(conv_qk_norm_reference, *args, **kwargs)
     for name, g, w in zip("qkv", got, want):
         if g.shape != w.shape or g.dtype != w.dtype:
             return f"{name}: {tuple(g.shape)} {g.dtype} (reference: {tuple(w.shape)} {w.dtype})"

@@ -32,7 +32,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, contiguous
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, contiguous, on_cpu
 from ..toolchain.registry import LilyOp, register
 from .conv import conv1d_silu_reference
 from .gated_delta import (
@@ -170,21 +170,13 @@ def _launch(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_w
     )
 
 
-def cpu_reference(*args, **kwargs):
-    """The reference evaluated on the CPU (the module docstring says why)."""
-    with mx.stream(mx.cpu):
-        want = gated_delta_decode_reference(*args, **kwargs)
-        mx.eval(want)
-    return want
-
-
 def gated_delta_decode_agree(got, want, *args, **kwargs) -> Optional[str]:
     """None when the kernel's (out, conv state, state) meet the contract
     (module docstring), else which output is off and by how much. With the
     call's arguments, ``want`` is the CPU's reference; without them (doctor's
     comparison), the one given."""
     if args:
-        want = cpu_reference(*args, **kwargs)
+        want = on_cpu(gated_delta_decode_reference, *args, **kwargs)
     (out, conv, s), (out_ref, conv_ref, s_ref) = got, want
     if conv.shape != conv_ref.shape or not mx.array_equal(conv, conv_ref).item():
         return "conv state: not the reference's rows"

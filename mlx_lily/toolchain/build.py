@@ -99,6 +99,17 @@ def tracing() -> bool:
     return _TRACING.active
 
 
+def on_cpu(fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` evaluated on the CPU stream: a reference whose
+    MLX ops round bf16 where the kernels (and Metal) round, for contracts that
+    must not depend on another backend's element-wise rounding (MLX's CUDA
+    ops round some bf16 steps differently)."""
+    with mx.stream(mx.cpu):
+        result = fn(*args, **kwargs)
+        mx.eval(result)
+    return result
+
+
 def contiguous(a: mx.array) -> mx.array:
     """``mx.contiguous(a)``; in a traced graph, where export cannot serialize
     that primitive, an element-wise copy (``a * 1``, the same values) stands

@@ -342,3 +342,26 @@ def test_moe_combine_at_real_shapes(backend):
     got = moe_combine(y, s, shared, gate)
     assert moe_combine.last_path == "kernel", moe_combine.last_reason
     assert moe_combine_agree(got, moe_combine_reference(y, s, shared, gate), y, s, shared, gate) is None
+
+
+# -- the DeltaNet prologue and closing norm at the real shapes ---------------------------
+
+
+@pytest.mark.parametrize("T", [1, 193, 2048])
+def test_conv_qk_norm_at_real_shapes(backend, T):
+    from mlx_lily.kernels.conv import conv_qk_norm_agree, conv_qk_norm_kernel, make_call
+
+    args, _ = make_call(1, T, 16, 32, 128, 128, seed=T)  # Qwen3.6: 16 key, 32 value heads
+    got = conv_qk_norm_kernel.run_on(backend, *args)
+    mx.eval(got)
+    assert conv_qk_norm_agree(got, None, *args) is None  # judged against the CPU's reference
+
+
+@pytest.mark.parametrize("T", [1, 2048])
+def test_gated_rms_norm_at_real_shapes(backend, T):
+    from mlx_lily.kernels.norms import gated_rms_norm_agree, gated_rms_norm_kernel, make_call
+
+    args, _ = make_call((1, T, 32, 128), seed=T)
+    got = gated_rms_norm_kernel.run_on(backend, *args)
+    mx.eval(got)
+    assert gated_rms_norm_agree(got, None, *args) is None
