@@ -87,6 +87,20 @@ def next_position(cache: Any) -> mx.array:
     return cache.offset if type(cache) is BatchKVCache else mx.array([cache.offset], dtype=mx.int32)
 
 
+def kv_position(cache: Any) -> tuple:
+    """What undoes a KV cache's write: its offset (and a BatchKVCache's write
+    index). A failed step restores it (``restore_kv_position``); the retry
+    rewrites that slot."""
+    return cache, cache.offset, getattr(cache, "_idx", None)
+
+
+def restore_kv_position(saved: tuple) -> None:
+    cache, offset, index = saved
+    cache.offset = offset
+    if index is not None:
+        cache._idx = index
+
+
 def _one_step_mask(mask: Any) -> bool:
     """A DeltaNet padding mask for one step of one row: [1, 1] bool."""
     return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and tuple(mask.shape) == (1, 1)
@@ -185,15 +199,13 @@ class LilyDecoderLayer(DecoderLayer):
         if self._takes_decode(x, mask, cache):
             # A failed step leaves the cache as it found it: the recurrent
             # states are assigned only at the end, and the KV cache's write is
-            # undone by restoring its position (the retry rewrites that slot).
-            position = None if self.is_linear else (cache.offset, getattr(cache, "_idx", None))
+            # undone by restoring its position.
+            position = None if self.is_linear else kv_position(cache)
             try:
                 return self._decode(x, mask, cache)
             except Exception as exc:  # noqa: BLE001 - a failing fused step must not stop generation
                 if position is not None:
-                    cache.offset, index = position
-                    if index is not None:
-                        cache._idx = index
+                    restore_kv_position(position)
                 self._fused_failed(exc)
         out = super().__call__(x, mask, cache)
         if x.shape[1] > 1 and x.shape[0] * x.shape[1] >= PACE_MIN_ROWS:

@@ -32,7 +32,10 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
-from .decoder import LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step, next_position
+from .decoder import (
+    LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step, kv_position, next_position,
+    restore_kv_position,
+)
 from .fast_path import record
 
 
@@ -44,10 +47,8 @@ class LilyTextModel(Qwen3_5TextModel):
             try:
                 return self._decode_segments(inputs, cache, touched, *masks)
             except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
-                for c, offset, index in touched:
-                    c.offset = offset
-                    if index is not None:
-                        c._idx = index
+                for position in touched:
+                    restore_kv_position(position)
                 self.__dict__["_lily_segments_ok"] = False
                 notice_once(
                     f"segments-failed:{type(exc).__name__}",
@@ -116,7 +117,7 @@ class LilyTextModel(Qwen3_5TextModel):
                 break
             queries, keys, values, gate, x = outputs[n:]
             c = cache[last]
-            touched.append((c, c.offset, getattr(c, "_idx", None)))
+            touched.append(kv_position(c))
             keys, values = c.update_and_fetch(keys, values)
             out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, fa_mask)
             carry = [out, gate, x]
