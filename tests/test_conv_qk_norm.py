@@ -74,15 +74,20 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         assert "ld.local" not in text and "st.local" not in text
 
 
-def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
+def test_the_layer_s_prompt_calls_take_its_prologue_and_closing_norm_kernels(demo_checkpoint, monkeypatch):
+    # conv_qk_norm here, gated_rms_norm (tests/test_norms.py): the DeltaNet
+    # layer's kernels around its recurrence.
     emulator_or_skip()
-    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
-    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
-    K.conv_qk_norm.last_path = None
     from mlx_lm.models.cache import make_prompt_cache
 
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    ops = (K.conv_qk_norm, K.gated_rms_norm)
+    for op in ops:
+        op.last_path = None
     mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
-    assert K.conv_qk_norm.last_path == "kernel", K.conv_qk_norm.last_reason
+    for op in ops:
+        assert op.last_path == "kernel", (op.name, op.last_reason)
 
 
 def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():

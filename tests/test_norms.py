@@ -1,16 +1,13 @@
 """The Gated DeltaNet's closing norm (mlx_lily/kernels/norms.py):
 ``gated_rms_norm``'s kernel in the CPU emulator against stock's sequence;
-the contract's judge; what the kernel refuses; the CUDA build; the layer
-calling it."""
+the contract's judge; what the kernel refuses; the CUDA build. The layer
+calling it: tests/test_conv_qk_norm.py."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
-import mlx_lily
-from mlx_lily import kernels as K
 from mlx_lily.kernels.norms import (
     gated_rms_norm_agree,
     gated_rms_norm_kernel,
@@ -61,15 +58,6 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         *make_call((1, 8, 32, dv), dt)[0]) for dv, dt in ((128, mx.bfloat16), (64, mx.float32))}
     for text in nvcc_ptx(tmp_path, units).values():
         assert "ld.local" not in text and "st.local" not in text
-
-
-def test_the_layer_s_prompt_calls_take_the_kernel(demo_checkpoint, monkeypatch):
-    emulator_or_skip()
-    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
-    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
-    K.gated_rms_norm.last_path = None
-    mx.eval(model(mx.array([[5, 9, 300, 41, 7, 12]]), cache=make_prompt_cache(model)))
-    assert K.gated_rms_norm.last_path == "kernel", K.gated_rms_norm.last_reason
 
 
 def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():

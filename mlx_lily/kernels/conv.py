@@ -41,7 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, on_cpu
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
 from ..toolchain.registry import LilyOp, register
 from .gated_delta import l2norm_qk_reference
 
@@ -120,19 +120,9 @@ def conv_qk_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     if args:
         want = on_cpu(conv_qk_norm_reference, *args, **kwargs)
     for name, g, w in zip("qkv", got, want):
-        if g.shape != w.shape or g.dtype != w.dtype:
-            return f"{name}: {tuple(g.shape)} {g.dtype} (reference: {tuple(w.shape)} {w.dtype})"
-        gf = np.array(g.astype(mx.float32), dtype=np.float64)
-        wf = np.array(w.astype(mx.float32), dtype=np.float64)
-        err = np.abs(gf - wf)
-        bound = 2.0**-5 * np.abs(wf) + 2.0**-9 * np.abs(wf).max(initial=0.0)
-        if not (err <= bound).all():
-            at = int(np.argmax(err - bound))
-            return (f"{name}: {int((err > bound).sum())} of {err.size} off, e.g. "
-                    f"{gf.reshape(-1)[at]:.6g} against {wf.reshape(-1)[at]:.6g}")
-        differ = int((err > 0).sum())
-        if differ > 0.01 * err.size:
-            return f"{name}: {differ} of {err.size} elements differ (at most 1%)"
+        mismatch = elementwise_mismatch(g, w, rel=2.0**-5, of_max=2.0**-9)
+        if mismatch is not None:
+            return f"{name}: {mismatch}"
     return None
 
 

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import precise_swiglu
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, on_cpu
+from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
 from ..toolchain.registry import LilyOp, register
 
 SIMD_GROUPS = 8
@@ -82,19 +82,7 @@ def gated_rms_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     (``on_cpu``), as the other DeltaNet contracts."""
     if args:
         want = on_cpu(gated_rms_norm_reference, *args, **kwargs)
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"{tuple(got.shape)} {got.dtype} (reference: {tuple(want.shape)} {want.dtype})"
-    g = np.array(got.astype(mx.float32), dtype=np.float64)
-    w = np.array(want.astype(mx.float32), dtype=np.float64)
-    err = np.abs(g - w)
-    bound = 2.0**-6 * np.abs(w) + 2.0**-10 * np.abs(w).max(initial=0.0)
-    if not (err <= bound).all():
-        at = int(np.argmax(err - bound))
-        return f"{int((err > bound).sum())} of {err.size} off, e.g. {g.reshape(-1)[at]:.6g} against {w.reshape(-1)[at]:.6g}"
-    differ = int((err > 0).sum())
-    if differ > 0.01 * err.size:
-        return f"{differ} of {err.size} elements differ (at most 1%)"
-    return None
+    return elementwise_mismatch(got, want, rel=2.0**-6, of_max=2.0**-10)
 
 
 def make_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0):
