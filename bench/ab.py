@@ -277,7 +277,7 @@ def _same_process_arm(model, n: int, vocab: int, args: argparse.Namespace) -> Di
     else:
         from bench.measure import lily_prefilled_cache
 
-        cache = lily_prefilled_cache(model, n - tail, vocab)
+        cache = lily_prefilled_cache(model, vocab, n - tail)
         result = measure_arm(model, n, vocab, args.decode_steps, cache=cache, timed_from=n - tail)
         result["prefill_method"] = f"last {tail} tokens at depth {n - tail} (lily prefilled the rest, untimed)"
     result["warmup_s"] = warmup_s

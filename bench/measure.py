@@ -119,22 +119,28 @@ def host_ms_per_decode_token(model: Any, cache: Any, token: int, steps: int = HO
     return decode_step_times(model, cache, token, steps)[0]
 
 
-def lily_prefilled_cache(model: Any, context: int, vocab_size: int) -> Any:
-    """A prompt cache holding the prompt's first ``context`` tokens, prefilled
-    by lily's engine in mlx-lm's chunks (each chunk's cache evaluated), the
-    model switched back to the engine it ran. Lily and stock share the cache
-    types, so either engine goes on from it: long-context arms time only
-    their last chunk and the decode (``--depth-from``)."""
+def _chunked_prefill(model: Any, vocab_size: int, context: int) -> Any:
+    """A fresh prompt cache holding the prompt's first ``context`` tokens,
+    prefilled in mlx-lm's chunks (each chunk's cache evaluated)."""
+    cache = make_prompt_cache(model)
+    prompt = prompt_array(context, vocab_size)
+    for start in range(0, context, PREFILL_STEP):
+        model(prompt[None, start:start + PREFILL_STEP], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def lily_prefilled_cache(model: Any, vocab_size: int, context: int) -> Any:
+    """``context`` prompt tokens prefilled by lily's engine, the model switched
+    back to the engine it ran. Lily and stock share the cache types, so either
+    engine goes on from it: long-context arms time only their last chunk and
+    the decode (``--depth-from``)."""
     from .engines import switch
 
     engine = "lily" if lily_layer_count(model) else "stock"
     switch(model, "lily")
     try:
-        cache = make_prompt_cache(model)
-        prompt = prompt_array(context, vocab_size)
-        for start in range(0, context, PREFILL_STEP):
-            model(prompt[None, start:start + PREFILL_STEP], cache=cache)
-            mx.eval([c.state for c in cache])
+        cache = _chunked_prefill(model, vocab_size, context)
     finally:
         switch(model, engine)
     mx.clear_cache()
@@ -142,14 +148,9 @@ def lily_prefilled_cache(model: Any, context: int, vocab_size: int) -> Any:
 
 
 def prefilled_cache(model: Any, vocab_size: int, context: int) -> Any:
-    """A fresh prompt cache holding ``context`` prompt tokens, prefilled in
-    mlx-lm's chunks (each chunk's cache evaluated), then three decode steps
+    """``context`` prompt tokens prefilled, then three decode steps
     (compilation and first-use checks), for timing decode at that context."""
-    cache = make_prompt_cache(model)
-    prompt = mx.array(prompt_ids(context, vocab_size))
-    for start in range(0, context, PREFILL_STEP):
-        model(prompt[None, start:start + PREFILL_STEP], cache=cache)
-        mx.eval([c.state for c in cache])
+    cache = _chunked_prefill(model, vocab_size, context)
     decode_step_times(model, cache, 1, 3)
     return cache
 

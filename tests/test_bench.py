@@ -283,7 +283,7 @@ def test_prefill_at_depth_continues_the_same_prompt(tmp_path):
     for engine in ("stock", "lily"):
         switch(model, engine)
         whole = measure_arm(model, 96, vocab, 4)
-        cache = lily_prefilled_cache(model, 64, vocab)
+        cache = lily_prefilled_cache(model, vocab, 64)
         assert sum(c.offset for c in cache if hasattr(c, "keys")) > 0
         tail = measure_arm(model, 96, vocab, 4, cache=cache, timed_from=64)
         assert tail["digest"] == whole["digest"], engine
