@@ -26,7 +26,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Iterator, List
+from typing import Any, Iterator, List
 
 import mlx.core as mx
 
@@ -52,32 +52,33 @@ def stubbed_kernels() -> Iterator[None]:
     def unchecked(self, backend, *args, **kwargs):
         return self.run_on(backend, *args, **kwargs), None
 
-    patched = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(held(registry, "gpu_backend", lambda: "cuda"))
+        stack.enter_context(held(build.Kernel, "_build", fake_build))
+        classes = {type(op.kernel) for op in registry.OPS.values() if op.kernel is not None} | {build.Kernel}
+        for cls in classes:
+            for name in ("ready_on", "chunked_ready_on"):
+                if hasattr(cls, name):
+                    stack.enter_context(held(cls, name, ready))
+            if hasattr(cls, "run_checked"):
+                stack.enter_context(held(cls, "run_checked", unchecked))
+        yield
 
-    def patch(owner, name, value):
-        patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
-        setattr(owner, name, value)
 
-    patch(registry, "gpu_backend", lambda: "cuda")
-    patch(build.Kernel, "_build", fake_build)
-    classes = {type(op.kernel) for op in registry.OPS.values() if op.kernel is not None} | {build.Kernel}
-    for cls in classes:
-        for name in ("ready_on", "chunked_ready_on"):
-            if hasattr(cls, name):
-                patch(cls, name, ready)
-        if hasattr(cls, "run_checked"):
-            patch(cls, "run_checked", unchecked)
+@contextlib.contextmanager
+def held(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """``owner.name`` set to ``value`` for the block, then as it was (an
+    attribute the owner only inherited is removed again)."""
+    missing = object()
+    before = owner.__dict__.get(name, missing)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        for owner, name, value in reversed(patched):
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
-_MISSING = object()
+        if before is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
 
 
 def host_ms(model: Any, cache: Any, steps: int) -> float:
@@ -91,16 +92,6 @@ def host_ms(model: Any, cache: Any, steps: int) -> float:
         times.append(time.perf_counter() - start)
         mx.eval(out, [c.state for c in cache])
     return 1e3 * statistics.median(times)
-
-
-@contextlib.contextmanager
-def held(owner: Any, name: str, value: Callable) -> Iterator[None]:
-    before = owner.__dict__[name]
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, before)
 
 
 def main(argv=None) -> int:

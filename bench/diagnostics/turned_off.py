@@ -28,6 +28,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_report  # noqa: E402
+from mlx_lily.toolchain.build import on_cpu  # noqa: E402
 
 
 def capture_turned_off(tokens: int, decode_steps: int) -> dict:
@@ -72,13 +73,10 @@ def judge(kernel, args, kwargs, backend: str) -> dict:
     runs = {
         "kernel": _outputs(kernel.run_on(backend, *args, **kwargs)),
         "reference on this GPU": _outputs(kernel.reference(*args, **kwargs)),
+        "reference on the CPU": _outputs(on_cpu(kernel.reference, *args, **kwargs)),
+        "fp32 oracle": _outputs(on_cpu(kernel.reference, *map(_wide, args),
+                                       **{k: _wide(v) for k, v in kwargs.items()})),
     }
-    with mx.stream(mx.cpu):
-        runs["reference on the CPU"] = _outputs(kernel.reference(*args, **kwargs))
-        wide_args = [_wide(a) for a in args]
-        wide_kwargs = {k: _wide(v) for k, v in kwargs.items()}
-        runs["fp32 oracle"] = _outputs(kernel.reference(*wide_args, **wide_kwargs))
-        mx.eval(runs)
     mx.eval(runs)
     return runs
 
