@@ -564,7 +564,7 @@ def markdown(report: Dict[str, Any]) -> str:
                 lines.append(f"{name}, {n} streams: errors: {'; '.join(w['errors'][:3])}")
     paths = report["engines"].get("lily", {}).get("layer_paths")
     if paths is not None:
-        stock = [r for r in paths if r["path"] != "lily"]
+        stock = [r for r in paths if r["path"] == "stock"]
         kinds = sorted({(r["layer"], r["step"], r["batch"]) for r in paths})
         lines.append(
             f"Lily's layer paths under the server: {len(paths)} kinds of call, "

@@ -61,3 +61,20 @@ def test_conditioned_random_checkpoints_for_the_greedy_check(tmp_path):
     weights = lambda p: sorted((tmp_path / p).glob("*.safetensors"))  # noqa: E731
     assert weights(path) and weights(plain)
     assert (tmp_path / path / "model.safetensors").read_bytes() != (tmp_path / plain / "model.safetensors").read_bytes()
+
+
+def test_the_report_counts_only_stock_paths_as_stock():
+    # The compiled decode segments record their own path name; the report
+    # counted them as stock (H200, 2ad7608e93: "3 on stock").
+    report = {
+        "settings": {"shape": "demo", "model": None, "prompt_tokens": 8, "max_tokens": 2},
+        "machine": {}, "software": {"mlx": "x", "mlx_lm": "y", "git_revision": "z"},
+        "engines": {"lily": {"layer_paths": [
+            {"layer": "MoE", "path": "lily", "batch": 1, "step": "prefill"},
+            {"layer": "MoE", "path": "lily decode segments", "batch": 1, "step": "decode"},
+            {"layer": "MoE", "path": "lily fused decode", "batch": 1, "step": "decode"},
+        ]}},
+    }
+    assert "3 kinds of call, all on lily" in serve.markdown(report)
+    report["engines"]["lily"]["layer_paths"].append({"layer": "MoE", "path": "stock", "batch": 4, "step": "decode"})
+    assert "1 on stock" in serve.markdown(report)
