@@ -272,6 +272,7 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False)})
     monkeypatch.setattr(gemv_sweep, "SIMDGROUPS", (1, 2))
     monkeypatch.setattr(gemv_sweep, "time_call", lambda fn, args, kwargs: {"ms": 0.01})
+    monkeypatch.setattr(gemv_sweep, "time_in_graph", lambda fn, args, kwargs: 10.0)
     assert gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator"]) == 0
     (row,) = __import__("json").loads((tmp_path / "gemv-sweep.json").read_text())["rows"]
     variants = {v for v in row if isinstance(row[v], dict)} - {"copy"}
@@ -279,3 +280,18 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert all(row[v]["agrees"] for v in variants)
     assert row["copy"]["gb_s"] > 0 and row["one_eval_us"] > 0
     assert "| small |" in (tmp_path / "gemv-sweep.md").read_text()
+
+
+def test_the_sweep_times_only_the_evaluation_of_calls_built_before():
+    from bench.diagnostics import gemv_sweep
+
+    built = []
+
+    def call(x):
+        built.append(1)
+        return x + 1
+
+    us = gemv_sweep.time_in_graph(call, (mx.zeros((4,)),), {})
+    # One warm-up graph and GRAPHS_TIMED timed ones, each of CALLS_PER_GRAPH calls.
+    assert len(built) == gemv_sweep.CALLS_PER_GRAPH * (gemv_sweep.GRAPHS_TIMED + 1)
+    assert us > 0
