@@ -179,3 +179,25 @@ def test_an_unpadded_prompt_under_the_batch_generator_drops_its_all_true_mask(mo
     masks.clear()
     tokens_of(lily, tokenizer, [long, long[:40]], max_tokens=2)  # padded: the mask stays
     assert any(masked for batch, _, masked in masks if batch == 2)
+
+
+def test_one_model_call_reads_its_padding_mask_once(models, monkeypatch):
+    # Reading the mask waits on the GPU; the same mask reaches every DeltaNet
+    # layer of a call, so the layers share one read.
+    from mlx_lily.kernels.gated_delta import CHUNKED_FROM
+    from mlx_lily.layers import gated_deltanet
+
+    _, lily, tokenizer = models
+    reads = []
+    real_all = mx.all
+    monkeypatch.setattr(gated_deltanet.mx, "all", lambda *a, **k: reads.append(1) or real_all(*a, **k))
+    long = [(7 * i) % 500 + 1 for i in range(CHUNKED_FROM + 8)]
+    tokens_of(lily, tokenizer, [long], max_tokens=2)
+    layers = sum(1 for layer in lily.layers if layer.is_linear)
+    assert layers > 1 and 0 < len(reads) < layers
+    mask = mx.array([[True] * CHUNKED_FROM])
+    reads.clear()
+    assert gated_deltanet._padding_only(mask, CHUNKED_FROM) is None
+    assert gated_deltanet._padding_only(mask, CHUNKED_FROM) is None and len(reads) == 1
+    padded = mx.array([[False] + [True] * (CHUNKED_FROM - 1)])
+    assert gated_deltanet._padding_only(padded, CHUNKED_FROM) is padded and len(reads) == 2

@@ -26,6 +26,13 @@ def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.arra
     return mx.take_along_axis(conv_input, positions, axis=1)
 
 
+# The last mask _padding_only read and its answer. One model call passes the
+# same mask object to all its DeltaNet layers, so one read (a wait on the GPU)
+# serves the call, not one per layer; holding the mask keeps its identity
+# from being reused.
+_last_read: list = [None, None]
+
+
 def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
     """None for a prompt chunk's mask that masks no step, else the mask.
 
@@ -37,7 +44,9 @@ def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
     long enough for the chunked kernels."""
     if mask is None or steps < CHUNKED_FROM:
         return mask
-    return None if mx.all(mask).item() else mask
+    if _last_read[0] is not mask:
+        _last_read[:] = [mask, None if mx.all(mask).item() else mask]
+    return _last_read[1]
 
 
 class LilyGatedDeltaNet(GatedDeltaNet):
