@@ -40,10 +40,13 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     paths = report["engines"]["lily"]["layer_paths"]
     assert paths and all(r["path"].startswith("lily") for r in paths)
     assert any(r["step"] == "decode" and r["batch"] > 1 for r in paths)
-    ratio = report["prefill_vs_generate"]
-    assert ratio is not None and ratio["ratio"] > 0
+    # Both engines' server prefill against their own generate run.
+    ratios = report["prefill_vs_generate"]
+    assert set(ratios) == {"lily", "mlx"} and all(r["ratio"] > 0 for r in ratios.values())
+    assert all(report["generate_check"][e]["measured"]["prompt_tokens"] > 0 for e in ("lily", "mlx"))
     table = md_file.read_text()
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
+    assert "Prefill, one request, lily:" in table and "Prefill, one request, mlx:" in table
     assert capsys.readouterr().out.strip() == table.strip()
 
 
