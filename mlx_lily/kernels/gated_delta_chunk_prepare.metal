@@ -18,7 +18,7 @@
 // where W and U lose precision; the solve and U stay fp32.
 //
 // Threadgroup memory (C = 64, 256 threads): the solve's fp32 square, lower
-// triangle A and upper triangle L^T (16 KiB), and two bf16 staging blocks
+// triangle A and upper triangle L^T (16.3 KiB with its padded rows), and two bf16 staging blocks
 // reused across phases: under Metal's 32 KiB.
 //
 // Template: SumT, BetaT (the gates' rounding, as gated_delta.metal), Dk, Dv
@@ -37,13 +37,17 @@ constexpr int CHUNK8 = 8;          // bf16 values per 16-byte move
 constexpr int KS = 32;             // feature columns per staged q/k block
 constexpr int LDS = KS + 8;        // row stride of a staged q/k block
 constexpr int LDT = C + 8;         // row stride of A' and of the transposed k/v blocks
+// Row stride of the solve's square: odd, so that the lanes of one step, each
+// reading L[t][j] = solve[j][t] for its own j, hit different banks (with a
+// stride of C = 64 they all hit bank t % 32, one lane at a time).
+constexpr int LDA = C + 1;
 constexpr int QK_STEP = Hk * Dk;   // elements between tokens of q/k
 constexpr int V_STEP = Hv * Dv;
 constexpr int VALUE_HEADS_PER_KEY_HEAD = Hv / Hk;
 
 threadgroup bfloat16_t tile_x[C * LDT];  // q block [C][LDS], then A' [C][LDT]
 threadgroup bfloat16_t tile_y[C * LDS];  // k block [C][LDS], then k^T / v^T block [KS][LDT]
-threadgroup float solve[C * C];          // lower: A (unit diagonal implied); upper: L^T
+threadgroup float solve[C * LDA];        // lower: A (unit diagonal implied); upper: L^T
 threadgroup float cum[C];                // G_t
 threadgroup float beta_s[C];
 
@@ -143,7 +147,7 @@ for (int j = 0; j < 2; ++j) {
     const float decay = c <= r ? metal::precise::exp(cum[r] - cum[c]) : 0.0f;
     p_out[p_base + uint(r * C + c)] = static_cast<bfloat16_t>(lily_tile_acc_get(acc_qk[j], e) * decay);
     if (c < r) {
-      solve[c * C + r] = beta_s[r] * decay * lily_tile_acc_get(acc_kk[j], e);
+      solve[c * LDA + r] = beta_s[r] * decay * lily_tile_acc_get(acc_kk[j], e);
     }
   }
 }
@@ -158,13 +162,13 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
     float s = 0.0f;
     if (col < t) {
       for (int j = col + 1 + part; j < t; j += 4) {
-        s += solve[j * C + t] * solve[j * C + col];
+        s += solve[j * LDA + t] * solve[j * LDA + col];
       }
     }
     s += simd_shuffle_xor(s, 1);
     s += simd_shuffle_xor(s, 2);
     if (col < t && part == 0) {
-      solve[t * C + col] = -(solve[col * C + t] + s);
+      solve[t * LDA + col] = -(solve[col * LDA + t] + s);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
@@ -181,16 +185,17 @@ for (int pass = 0; pass < 2; ++pass) {
   for (int i = tid; i < C * C; i += THREADS) {
     const int r = i / C;
     const int c = i % C;
-    const float a_rc = c < r ? solve[r * C + c] : (c == r ? 1.0f : 0.0f);
+    const float a_rc = c < r ? solve[r * LDA + c] : (c == r ? 1.0f : 0.0f);
     const float scale = for_w ? beta_s[c] * metal::precise::exp(cum[c]) : beta_s[c];
     tile_x[r * LDT + c] = static_cast<bfloat16_t>(a_rc * scale);
   }
   const int width = for_w ? Dk : Dv;
   for (int d0 = 0; d0 < width; d0 += KS) {
-    // The block's k (or v) transposed: [KS features][C tokens].
+    // The block's k (or v) transposed: [KS features][C tokens]. Lanes read
+    // one token's features side by side (a SIMD group reads whole rows).
     for (int i = tid; i < KS * C; i += THREADS) {
-      const int r = i % C;
-      const int d = i / C;
+      const int d = i % KS;
+      const int r = i / KS;
       const bool live = t0 + r < n_tokens;
       float x = 0.0f;
       if (live) {
@@ -198,12 +203,18 @@ for (int pass = 0; pass < 2; ++pass) {
                   : static_cast<float>(v[v_base + uint(t0 + r) * V_STEP + uint(d0 + d)]);
       }
       tile_y[d * LDT + r] = static_cast<bfloat16_t>(x);
-      if (for_w) {
-        kd_out[kd_base + uint((d0 + d) * C + r)] =
-            static_cast<bfloat16_t>(x * metal::precise::exp(cum[C - 1] - cum[r]));
-      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (for_w) {
+      // Kd^T from the staged block (k exactly, as bf16), lanes along tokens:
+      // whole rows of kd_out per SIMD group.
+      for (int i = tid; i < KS * C; i += THREADS) {
+        const int r = i % C;
+        const int d = i / C;
+        kd_out[kd_base + uint((d0 + d) * C + r)] = static_cast<bfloat16_t>(
+            static_cast<float>(tile_y[d * LDT + r]) * metal::precise::exp(cum[C - 1] - cum[r]));
+      }
+    }
     lily_tile_acc acc;
     lily_tile_acc_zero(acc);
     for (int kk = 0; kk < C; kk += 16) {

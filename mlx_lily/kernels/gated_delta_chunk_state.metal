@@ -14,8 +14,9 @@
 // bf16 operands; W, D and Kd are bf16 (W and Kd from pass 1, D rounded here
 // once, as the output pass reads it too).
 //
-// The next operand block (Kd^T while D is multiplied, the next chunk's W
-// while the state is updated) is fetched into registers ahead of its use.
+// The next operand block (Kd^T while D is multiplied, the next chunk's W,
+// its U values and its total decay while the state is updated) is fetched
+// into registers ahead of its use: a chunk waits on no load of its own.
 //
 // Template: Dk (a multiple of 64, <= 128), Dv (a multiple of 16), C (64),
 //           HAS_STATE (false: the state starts at zero; state_in is a dummy).
@@ -76,9 +77,22 @@ for (int m = 0; m < W_MOVES; ++m) {
   const int cc = (at % (Dk / CHUNK8)) * CHUNK8;
   next_w[m] = lily_tile_load16(&w[(seq * uint(padded) + uint(r)) * uint(Dk) + uint(cc)]);
 }
+// This thread's U values of D's tile (rows group * 16.., columns of the
+// slice) and the chunk's total decay, for chunk 0; then fetched a chunk ahead.
+float next_u[LILY_TILE_ACC_ELEMS];
+for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+  const uint row = seq * uint(padded) + uint(group * 16 + lily_tile_acc_row(e, lane));
+  next_u[e] = u[row * uint(dv_total) + uint(dv0 + lily_tile_acc_col(e, lane))];
+}
+float next_log_decay = gcum[seq * uint(padded) + uint(C - 1)];
 
 for (int n = 0; n < n_chunks; ++n) {
   const uint chunk_at = seq * uint(n_chunks) + uint(n);
+  float u_now[LILY_TILE_ACC_ELEMS];
+  for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+    u_now[e] = next_u[e];
+  }
+  const float log_decay = next_log_decay;
   // The state as bf16 hi + lo operands, and hi for the output pass.
   for (int i = 0; i < STATE_TILES; ++i) {
     for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
@@ -121,8 +135,7 @@ for (int n = 0; n < n_chunks; ++n) {
     for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
       const int t = group * 16 + lily_tile_acc_row(e, lane);
       const int c = lily_tile_acc_col(e, lane);
-      const uint row = seq * uint(padded) + uint(n * C + t);
-      const float d = u[row * uint(dv_total) + uint(dv0 + c)] - lily_tile_acc_get(ws, e);
+      const float d = u_now[e] - lily_tile_acc_get(ws, e);
       const bfloat16_t d16 = static_cast<bfloat16_t>(d);
       d_t[c * LDK + t] = d16;
       d_out[(chunk_at * uint(dv_total) + uint(dv0 + c)) * uint(C) + uint(t)] = d16;
@@ -143,10 +156,15 @@ for (int n = 0; n < n_chunks; ++n) {
       const int cc = (at % (Dk / CHUNK8)) * CHUNK8;
       next_w[m] = lily_tile_load16(&w[(seq * uint(padded) + uint((n + 1) * C + r)) * uint(Dk) + uint(cc)]);
     }
+    for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+      const uint row = seq * uint(padded) + uint((n + 1) * C + group * 16 + lily_tile_acc_row(e, lane));
+      next_u[e] = u[row * uint(dv_total) + uint(dv0 + lily_tile_acc_col(e, lane))];
+    }
+    next_log_decay = gcum[seq * uint(padded) + uint((n + 1) * C + C - 1)];
   }
 
   // S = gamma_C S + D^T Kd.
-  const float decay_total = metal::precise::exp(gcum[seq * uint(padded) + uint(n * C + C - 1)]);
+  const float decay_total = metal::precise::exp(log_decay);
   for (int i = 0; i < STATE_TILES; ++i) {
     for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
       lily_tile_acc_set(S[i], e, lily_tile_acc_get(S[i], e) * decay_total);
