@@ -87,26 +87,38 @@ for (int g = 0; g < G; ++g) {
 }
 
 // Every lane of a SIMD group runs the same passes (the shuffles need all 32);
-// lanes past k_end load nothing and skip the update.
-for (int base = k_begin + sg * ROWS_PER_PASS; base < k_end; base += NSG * ROWS_PER_PASS) {
+// lanes past k_end load nothing and skip the update. Iteration i fetches
+// pass i's rows and scores pass i - 1's, fetched by the iteration before, so
+// a SIMD group always has a pass's loads in flight while it computes.
+const int first = k_begin + sg * ROWS_PER_PASS;
+const int step = NSG * ROWS_PER_PASS;
+uint4 next_kw = nothing;
+uint4 next_vw = nothing;
+for (int base = first - step; base < k_end; base += step) {
   const int row = base + sub;
-  const bool live = row < k_end;
-  const device bfloat16_t* k_row = k_head + int64_t(row) * k_row_stride;
-  const device bfloat16_t* v_row = v_head + int64_t(row) * v_row_stride;
-  uint4 kw = nothing;
-  uint4 vw = nothing;
-  if (live && rows_aligned) {
-    kw = lily_tile_load16(k_row);
-    vw = lily_tile_load16(v_row);
-  } else if (live) {
-    kw.x = lily_tile_pack2(static_cast<float>(k_row[0]), static_cast<float>(k_row[k_dim_stride]));
-    kw.y = lily_tile_pack2(static_cast<float>(k_row[2 * k_dim_stride]), static_cast<float>(k_row[3 * k_dim_stride]));
-    kw.z = lily_tile_pack2(static_cast<float>(k_row[4 * k_dim_stride]), static_cast<float>(k_row[5 * k_dim_stride]));
-    kw.w = lily_tile_pack2(static_cast<float>(k_row[6 * k_dim_stride]), static_cast<float>(k_row[7 * k_dim_stride]));
-    vw.x = lily_tile_pack2(static_cast<float>(v_row[0]), static_cast<float>(v_row[v_dim_stride]));
-    vw.y = lily_tile_pack2(static_cast<float>(v_row[2 * v_dim_stride]), static_cast<float>(v_row[3 * v_dim_stride]));
-    vw.z = lily_tile_pack2(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
-    vw.w = lily_tile_pack2(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
+  const bool live = base >= first && row < k_end;
+  const uint4 kw = next_kw;
+  const uint4 vw = next_vw;
+  const int fetch = row + step;
+  const device bfloat16_t* k_row = k_head + int64_t(fetch) * k_row_stride;
+  const device bfloat16_t* v_row = v_head + int64_t(fetch) * v_row_stride;
+  next_kw = nothing;
+  next_vw = nothing;
+  if (fetch < k_end && rows_aligned) {
+    next_kw = lily_tile_load16(k_row);
+    next_vw = lily_tile_load16(v_row);
+  } else if (fetch < k_end) {
+    next_kw.x = lily_tile_pack2(static_cast<float>(k_row[0]), static_cast<float>(k_row[k_dim_stride]));
+    next_kw.y = lily_tile_pack2(static_cast<float>(k_row[2 * k_dim_stride]), static_cast<float>(k_row[3 * k_dim_stride]));
+    next_kw.z = lily_tile_pack2(static_cast<float>(k_row[4 * k_dim_stride]), static_cast<float>(k_row[5 * k_dim_stride]));
+    next_kw.w = lily_tile_pack2(static_cast<float>(k_row[6 * k_dim_stride]), static_cast<float>(k_row[7 * k_dim_stride]));
+    next_vw.x = lily_tile_pack2(static_cast<float>(v_row[0]), static_cast<float>(v_row[v_dim_stride]));
+    next_vw.y = lily_tile_pack2(static_cast<float>(v_row[2 * v_dim_stride]), static_cast<float>(v_row[3 * v_dim_stride]));
+    next_vw.z = lily_tile_pack2(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
+    next_vw.w = lily_tile_pack2(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
+  }
+  if (base < first) {
+    continue;  // the first iteration only fetches
   }
   float k[CHUNK];
   for (int e = 0; e < CHUNK; ++e) {
