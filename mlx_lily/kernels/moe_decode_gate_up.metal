@@ -49,6 +49,7 @@ constexpr uint UNITS = D / UNIT;
 constexpr uint ROW_WORDS = D / 8;
 constexpr uint ROW_GROUPS = D / 64;
 constexpr uint XS_STRIDE = UNIT + 1;      // a unit's values, then one pad word
+constexpr uint H_PER_THREAD = (uint(D) + THREADS - 1) / THREADS;
 
 threadgroup float xs[UNITS * XS_STRIDE];
 threadgroup float partial[SIMD_GROUPS];
@@ -60,6 +61,16 @@ const uint block = threadgroup_position_in_grid.x;
 const uint slot = threadgroup_position_in_grid.y;
 const bool is_shared = slot == uint(K);
 const uint rows = is_shared ? uint(IS) : uint(I);
+
+// h, read once into registers: its loads go out before the top-k, whose
+// shuffles need no threadgroup memory, so the two latencies overlap.
+float h_mine[H_PER_THREAD];
+float squares = 0.0f;
+for (uint j = 0; j < H_PER_THREAD; ++j) {
+  const uint i = tid + j * THREADS;
+  h_mine[j] = i < uint(D) ? static_cast<float>(h[i]) : 0.0f;
+  squares += h_mine[j] * h_mine[j];
+}
 
 // -- routing: every SIMD group, identically ------------------------------------
 uint pick = 0u;
@@ -74,11 +85,6 @@ if (block == 0 && slot == 0 && sg == 0 && lane < uint(K)) {
 const uint expert = min(simd_shuffle(pick, is_shared ? 0u : slot), uint(E - 1));
 
 // -- RMSNorm of h into threadgroup memory --------------------------------------
-float squares = 0.0f;
-for (uint i = tid; i < uint(D); i += THREADS) {
-  float v = static_cast<float>(h[i]);
-  squares += v * v;
-}
 squares = simd_sum(squares);
 if (lane == 0) {
   partial[sg] = squares;
@@ -89,10 +95,13 @@ for (uint s = 0; s < SIMD_GROUPS; ++s) {
   total += partial[s];
 }
 const float inv_rms = metal::precise::rsqrt(total / float(D) + eps[0]);
-for (uint i = tid; i < uint(D); i += THREADS) {
-  float n = static_cast<float>(static_cast<bfloat16_t>(static_cast<float>(h[i]) * inv_rms));
-  xs[(i / UNIT) * XS_STRIDE + i % UNIT] =
-      static_cast<float>(static_cast<bfloat16_t>(static_cast<float>(norm_weight[i]) * n));
+for (uint j = 0; j < H_PER_THREAD; ++j) {
+  const uint i = tid + j * THREADS;
+  if (i < uint(D)) {
+    float n = static_cast<float>(static_cast<bfloat16_t>(h_mine[j] * inv_rms));
+    xs[(i / UNIT) * XS_STRIDE + i % UNIT] =
+        static_cast<float>(static_cast<bfloat16_t>(static_cast<float>(norm_weight[i]) * n));
+  }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
