@@ -561,6 +561,9 @@ def markdown(report: Dict[str, Any]) -> str:
             f"Prefill, one request, {name}: server {p['server_prefill_tps']:,.0f} tok/s ({p['server_prompt_tokens']} tokens) "
             f"vs mlx_lm generate {p['generate_prefill_tps']:,.0f} tok/s: ratio {p['ratio']:.2f}."
         )
+    for name, g in (report.get("generate_check") or {}).items():
+        if g.get("error") or g.get("skipped"):
+            lines.append(f"Prefill check, {name}: {g.get('skipped') or 'error: ' + ' '.join(g['error'])}.")
     for name, e in report["engines"].items():
         if e.get("error"):
             lines.append(f"{name}: error: {e['error']}")

@@ -79,5 +79,9 @@ def test_the_report_counts_only_stock_paths_as_stock():
         ]}},
     }
     assert "3 kinds of call, all on lily" in serve.markdown(report)
+    # A prefill check that did not run says why.
+    report["generate_check"] = {"mlx": {"skipped": "time budget"}, "lily": {"error": ["OSError: no"]}}
+    text = serve.markdown(report)
+    assert "Prefill check, mlx: time budget." in text and "Prefill check, lily: error: OSError: no." in text
     report["engines"]["lily"]["layer_paths"].append({"layer": "MoE", "path": "stock", "batch": 4, "step": "decode"})
     assert "1 on stock" in serve.markdown(report)
