@@ -38,6 +38,12 @@ DEFAULT_CONTEXTS = "256,4K,32K"
 # Timing loop: a few untimed calls, then at least MIN_ITERS timed calls and
 # more until TARGET_S seconds have been spent (at most MAX_ITERS).
 WARMUP_ITERS, MIN_ITERS, MAX_ITERS, TARGET_S = 2, 5, 50, 0.5
+# In-graph timing (GPU backends only): GRAPH_CALLS calls built first and
+# evaluated together, GRAPHS_TIMED times. One evaluation's launch and sync
+# overhead (about 0.05 ms on CUDA) is then spread over the calls, as it is
+# over a model's layers. Calls slower than IN_GRAPH_UP_TO_MS alone are not
+# timed so (the overhead is noise there).
+GRAPH_CALLS, GRAPHS_TIMED, IN_GRAPH_UP_TO_MS = 8, 9, 20.0
 
 Inputs = Tuple[tuple, dict]
 
@@ -248,6 +254,30 @@ def time_call(fn: Callable, args: tuple, kwargs: dict) -> Dict[str, float]:
     return {"ms": 1000 * times[len(times) // 2], "min_ms": 1000 * times[0], "iters": len(times)}
 
 
+def time_in_graph(fn: Callable, args: tuple, kwargs: dict, calls: int = GRAPH_CALLS,
+                  graphs: int = GRAPHS_TIMED) -> float:
+    """Median milliseconds per call of ``calls`` calls built first and then
+    evaluated together (building a graph is host work, not timed)."""
+    many = lambda: [fn(*args, **kwargs) for _ in range(calls)]  # noqa: E731
+    mx.eval(many())
+    times = []
+    for _ in range(graphs):
+        outs = many()
+        start = time.perf_counter()
+        mx.eval(outs)
+        times.append(time.perf_counter() - start)
+        del outs
+    return 1e3 * sorted(times)[len(times) // 2] / calls
+
+
+def _in_graph(row: Dict[str, Any], key: str, fn: Callable, args: tuple, kwargs: dict, alone_ms: float) -> None:
+    """row[key]: fn's in-graph milliseconds, where that timing applies."""
+    from mlx_lily.toolchain.registry import gpu_backend
+
+    if gpu_backend() is not None and alone_ms <= IN_GRAPH_UP_TO_MS:
+        row[key] = time_in_graph(fn, args, kwargs)
+
+
 def _declined_kernel_path(op, args, kwargs) -> Optional[Tuple[str, str]]:
     """(backend, kernel path) when the op's kernel takes this call but the op
     prefers its reference on this backend (``LilyOp.prefers_reference``)."""
@@ -287,10 +317,12 @@ def run_case(name: str, phase: str, T: int, ctx: Optional[int], dims: Dict[str, 
         row["kernels"] = path_for(fn.args[0], *args, **kwargs)
     stock = time_call(op.reference, args, kwargs)
     row.update(stock_ms=stock["ms"], stock_min_ms=stock["min_ms"], stock_iters=stock["iters"])
+    _in_graph(row, "stock_graph_ms", op.reference, args, kwargs, stock["ms"])
     if path == "kernel":
         lily = time_call(fn, args, kwargs)
         row.update(lily_ms=lily["ms"], lily_min_ms=lily["min_ms"], lily_iters=lily["iters"],
                    speedup=stock["ms"] / lily["ms"])
+        _in_graph(row, "lily_graph_ms", fn, args, kwargs, lily["ms"])
     else:
         row.update(lily_ms=None, speedup=None)
         kernel_path = _declined_kernel_path(op, args, kwargs)
@@ -345,7 +377,9 @@ def run_ops(args: argparse.Namespace) -> int:
         "software": software,
         "settings": {"shape": shape, "dims": dims, "chunk": args.ops_chunk, "contexts": contexts,
                      "timing": {"warmup_iters": WARMUP_ITERS, "min_iters": MIN_ITERS,
-                                "max_iters": MAX_ITERS, "target_s": TARGET_S, "statistic": "median"}},
+                                "max_iters": MAX_ITERS, "target_s": TARGET_S, "statistic": "median",
+                                "graph_calls": GRAPH_CALLS, "graphs_timed": GRAPHS_TIMED,
+                                "in_graph_up_to_ms": IN_GRAPH_UP_TO_MS}},
         "op_paths": op_paths(),
         "rows": rows,
     }

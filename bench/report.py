@@ -351,13 +351,13 @@ def finish_ab(doc: Dict[str, Any], out: Path, plot: bool = True) -> Dict[str, st
 
 def ops_table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
-        "| op | phase | context | tokens | path | lily ms | stock ms | speedup |",
-        "|---|---|---:|---:|---|---:|---:|---:|",
+        "| op | phase | context | tokens | path | lily ms | stock ms | speedup | lily ms in a graph | stock ms in a graph |",
+        "|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ctx = length_label(r["context"]) if r.get("context") else "-"
         if "error" in r:
-            lines.append(f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | error | - | - | - |")
+            lines.append(f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | error | - | - | - | - | - |")
             continue
         lily = "reference only" if r["lily_ms"] is None else _num(r["lily_ms"], 3)
         if r.get("declined_kernel_ms") is not None:
@@ -365,7 +365,9 @@ def ops_table(rows: List[Dict[str, Any]]) -> List[str]:
         path = f"{r['path']} ({r['kernels']})" if r.get("kernels") and r["path"] == "kernel" else r["path"]
         lines.append(
             f"| {r['op']} | {r['phase']} | {ctx} | {r['tokens']} | {path} | {lily} | "
-            f"{_num(r['stock_ms'], 3)} | {_num(r['speedup'], 2) if r['speedup'] else '-'} |"
+            f"{_num(r['stock_ms'], 3)} | {_num(r['speedup'], 2) if r['speedup'] else '-'} | "
+            f"{_num(r['lily_graph_ms'], 3) if r.get('lily_graph_ms') else '-'} | "
+            f"{_num(r['stock_graph_ms'], 3) if r.get('stock_graph_ms') else '-'} |"
         )
     return lines
 
@@ -382,7 +384,11 @@ def ops_markdown(doc: Dict[str, Any]) -> str:
         "(its kernel where it has one and takes these shapes). speedup = stock / lily. "
         "'reference only': no kernel runs here, so only the reference is timed. "
         "'reference (its K kernel: ms)': the op chooses its reference for these shapes on this "
-        "backend (faster there), and its kernel K is timed beside it.",
+        "backend (faster there), and its kernel K is timed beside it. 'in a graph' (GPUs only, "
+        f"calls up to {doc['settings']['timing'].get('in_graph_up_to_ms', '-')} ms): "
+        f"{doc['settings']['timing'].get('graph_calls', '-')} calls built, then evaluated "
+        "together, per call: the evaluation's launch and sync overhead spread over them, as "
+        "over a model's layers.",
         "",
         *ops_table(doc["rows"]),
         "",

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -178,8 +179,10 @@ def test_ops_mode(tmp_path):
             assert row["lily_ms"] > 0 and row["speedup"] > 0
     attention = [r for r in doc["rows"] if r["op"] == "attention"]
     assert {(r["phase"], r["context"]) for r in attention} >= {("prefill", 32), ("decode", 64)}
-    header = "| op | phase | context | tokens | path | lily ms | stock ms | speedup |"
+    header = "| op | phase | context | tokens | path | lily ms | stock ms | speedup | lily ms in a graph |"
     assert header in md and header in proc.stdout
+    # No GPU here: nothing is timed in a graph.
+    assert not any("lily_graph_ms" in r or "stock_graph_ms" in r for r in doc["rows"])
     assert "reference only" in md
 
 
@@ -201,6 +204,32 @@ def test_ops_times_a_kernel_its_op_declines_beside_the_reference(monkeypatch):
     assert "| reference | reference (its prefill kernel: 2.000) |" in line
     monkeypatch.setattr(A.attention, "prefers_reference", lambda backend, *a, **k: None)
     assert ops._declined_kernel_path(A.attention, args, kwargs) is None
+
+
+def test_ops_times_short_calls_in_a_graph_on_a_gpu(monkeypatch):
+    # One evaluation per call holds its launch and sync overhead; on a GPU the
+    # short calls are also timed eight to a graph, as a model's layers run.
+    from bench import ops, report
+    from mlx_lily.toolchain import registry
+
+    monkeypatch.setattr(registry, "gpu_backend", lambda: "cuda")
+    timed = []
+    monkeypatch.setattr(ops, "time_in_graph", lambda fn, args, kwargs: timed.append(fn) or 0.25)
+    monkeypatch.setattr(ops, "time_call", lambda fn, args, kwargs: {"ms": 1.0, "min_ms": 1.0, "iters": 1})
+    row = ops.run_case("router_topk", "decode", 1, None, ops.dims_for("demo"))
+    assert row["stock_graph_ms"] == 0.25 and len(timed) == (2 if row["path"] == "kernel" else 1)
+    (line,) = [l for l in report.ops_table([row]) if l.startswith("| router_topk")]
+    assert line.endswith("| 0.250 |")
+    monkeypatch.setattr(ops, "time_call", lambda fn, args, kwargs: {"ms": 50.0, "min_ms": 50.0, "iters": 1})
+    assert "stock_graph_ms" not in ops.run_case("router_topk", "decode", 1, None, ops.dims_for("demo"))
+
+
+def test_in_graph_timing_builds_every_call_before_timing():
+    from bench import ops
+
+    built = []
+    ms = ops.time_in_graph(lambda x: built.append(1) or x + 1, (mx.zeros((4,)),), {}, calls=3, graphs=5)
+    assert len(built) == 3 * (5 + 1) and ms > 0
 
 
 # ----------------------------------------------------------- small pieces

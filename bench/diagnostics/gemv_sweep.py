@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import log, machine_info, now_iso, software_info
-from bench.ops import time_call
+from bench.ops import time_call, time_in_graph as ops_time_in_graph
 from mlx_lily.kernels.gemv import (
     ROWS_CHOICES,
     make_call,
@@ -63,18 +62,8 @@ def weight_bytes(args) -> int:
 
 
 def time_in_graph(fn, args, kwargs) -> float:
-    """Microseconds per call: CALLS_PER_GRAPH calls built first, then their
-    evaluation timed (building a call's graph is host work that decode's
-    compiled segments do not repeat per token)."""
-    many = lambda: [fn(*args, **kwargs) for _ in range(CALLS_PER_GRAPH)]  # noqa: E731
-    mx.eval(many())
-    times = []
-    for _ in range(GRAPHS_TIMED):
-        outs = many()
-        start = time.perf_counter()
-        mx.eval(outs)
-        times.append(time.perf_counter() - start)
-    return 1e6 * sorted(times)[len(times) // 2] / CALLS_PER_GRAPH
+    """Microseconds per call, CALLS_PER_GRAPH calls built, then evaluated together."""
+    return 1e3 * ops_time_in_graph(fn, args, kwargs, CALLS_PER_GRAPH, GRAPHS_TIMED)
 
 
 def copy_floor(args) -> dict:
