@@ -31,6 +31,9 @@ BACKEND_HELP = (
 # importing, which is how a request made while mlx_lily is itself importing
 # mlx_lm.utils still takes effect (no circular import).
 lily_requested = False
+# The mlx-lm program this process runs ("mlx_lm.server", "mlx_lm.generate",
+# ...), or None; mlx_lily reads it (e.g. to prime its kernels for a server).
+program = None
 
 
 def _is_mlx_lm_program():
@@ -44,6 +47,18 @@ def _is_mlx_lm_program():
         i = orig.index("-m")
         return i + 1 < len(orig) and orig[i + 1].split(".")[0] == "mlx_lm"
     return False
+
+
+def _program_name():
+    """'mlx_lm.server', 'mlx_lm.generate', ...: the console script, the module
+    run with -m, or the umbrella command ``mlx_lm <subcommand>``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if not name.startswith("mlx_lm"):
+        orig = getattr(sys, "orig_argv", [])
+        name = orig[orig.index("-m") + 1] if "-m" in orig and orig.index("-m") + 1 < len(orig) else ""
+    if name == "mlx_lm" and len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
+        name = f"mlx_lm.{sys.argv[1]}"
+    return name or None
 
 
 def _take_backend_flag(argv):
@@ -96,8 +111,10 @@ def request_lily():
 
 
 def _after_mlx_lm_utils():
+    global program
     if not _is_mlx_lm_program():
         return
+    program = _program_name()
     backend = _take_backend_flag(sys.argv)
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         add_backend_to_help()

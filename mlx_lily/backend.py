@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import mlx_lm.utils as mlx_utils
 
+from . import prime
 from ._notice import notice_once
 from .models import SPECIALIZED
 
@@ -47,7 +48,22 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
     # load_model(model_path, lazy, strict, model_config, get_model_classes, ...)
     if len(args) < 4:
         kwargs.setdefault("get_model_classes", resolve_classes)
-    return _stock_load_model(model_path, *args, **kwargs)
+    loaded = _stock_load_model(model_path, *args, **kwargs)
+    lazy = args[0] if args else kwargs.get("lazy", False)
+    if not lazy and prime.requested(_hook_program()):
+        # A lazy load (sharded and pipeline loads) has no weights yet.
+        _prime_quietly(loaded[0])
+    return loaded
+
+
+def _prime_quietly(model) -> None:
+    """Prime the kernels (``mlx_lily.prime``); a failure there is a notice,
+    and the kernels then build at their first use as they would anyway."""
+    try:
+        prime.prime(model)
+    except Exception as exc:  # noqa: BLE001 - priming is an optimization only
+        notice_once("prime-failed", f"priming the kernels failed ({type(exc).__name__}: {exc}); "
+                                    "each kernel builds at its first use instead")
 
 
 def enable() -> None:
@@ -81,6 +97,11 @@ def load(path_or_hf_repo: str, backend: str = "lily", **kwargs: Any):
     """``mlx_lm.load`` with the chosen backend; same arguments, same return value."""
     with using(backend):
         return mlx_utils.load(path_or_hf_repo, **kwargs)
+
+
+def _hook_program():
+    """The mlx-lm program the startup hook saw ('mlx_lm.server', ...), or None."""
+    return getattr(sys.modules.get("mlx_lily_hook"), "program", None)
 
 
 def _hook_requested_lily() -> bool:

@@ -14,6 +14,7 @@ so that a server's paths can be read while it runs. In a process,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -37,6 +38,20 @@ def stop() -> None:
     global _seen, _file
     with _lock:
         _seen, _file = None, None
+
+
+@contextlib.contextmanager
+def paused():
+    """Record nothing inside the block (priming's synthetic prompts are not
+    requests); what was recorded before stays."""
+    global _seen, _file
+    with _lock:
+        saved, (_seen, _file) = (_seen, _file), (None, None)
+    try:
+        yield
+    finally:
+        with _lock:
+            _seen, _file = saved
 
 
 def active() -> bool:

@@ -313,6 +313,9 @@ class Kernel:
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
     # (backend, template, input dtypes) -> None (passed) or why it is off.
     _instances: Dict[tuple, Optional[str]] = field(default_factory=dict, init=False, repr=False)
+    # (backend, template, input dtypes) of every launch so far: each is one
+    # build of the kernel (MLX caches builds by template arguments).
+    launched: set = field(default_factory=set, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self):
@@ -412,6 +415,7 @@ class Kernel:
     def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
+        self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs)))
         outputs = self._build(backend)(
             inputs=list(launch.inputs),
             template=list(launch.template) or None,
@@ -447,6 +451,7 @@ class Kernel:
             self._built.clear()
             self._checked.clear()
             self._instances.clear()
+            self.launched.clear()
 
     # -- sources -------------------------------------------------------------
 

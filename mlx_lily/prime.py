@@ -1,0 +1,149 @@
+"""Build and check every kernel instance a server will meet, at load time.
+
+A lily kernel is built for each set of template arguments it is launched
+with (the MoE GEMM's tile rows, whether a DeltaNet call carries a state or a
+padding mask, ...) and each instance runs a first-use check against its
+op's reference (``toolchain/build.py``). Which instances a request needs
+follows from its prompt's length: the MoE tile rows follow the rows per
+expert (a 10-token chunk takes 16-row tiles, 1K tokens 32, 2K tokens 64),
+the DeltaNet recurrence is sequential below ``CHUNKED_FROM`` tokens and
+chunked above. Under ``mlx_lm.server`` the first request of each kind paid
+for its instances mid-request: on CUDA, where NVRTC compiles each one, a
+4K-token prompt's 10-token tail waited 94 s (bench/results, 61cf218278).
+
+``prime(model)`` runs the model once over a few synthetic prompts chosen so
+that every such instance is met: chunks at each tile size, with and without
+an incoming state, a decode step, and a batch of two left-padded prompts
+through mlx-lm's own ``BatchGenerator`` (the server's path: masks, batched
+caches, multi-row decode). The tokens are discarded. Nothing is built twice:
+instances met here are cached for the process.
+
+It runs by default under ``mlx_lm.server --backend lily`` (the load happens
+before the first request is served); ``MLX_LILY_PRIME=1`` asks for it in any
+program that loads through lily, ``MLX_LILY_PRIME=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, List, Optional
+
+import mlx.core as mx
+
+from . import paths
+from ._notice import notice_once
+from .kernels.gated_delta import CHUNKED_FROM
+from .kernels.moe_routing import TILE_ROWS
+from .toolchain.registry import kernel_backend
+
+PRIME_ENV = "MLX_LILY_PRIME"
+# Tokens of a prompt's short tail chunk and of the batched prompts.
+SHORT_CHUNK = 10
+DECODE_TOKENS = 2
+
+
+def requested(program: Optional[str]) -> bool:
+    """Whether to prime: ``MLX_LILY_PRIME`` if set, else only under mlx_lm.server."""
+    value = os.environ.get(PRIME_ENV, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value:
+        notice_once(f"prime-env:{value}", f"{PRIME_ENV}={value!r} is not 0 or 1; ignored")
+    return program == "mlx_lm.server"
+
+
+def _moe_shape(model: Any) -> Optional[tuple]:
+    """(experts, top_k) of the model's routed MoE, or None if it has none."""
+    for layer in getattr(model, "layers", []):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None and hasattr(mlp, "num_experts") and hasattr(mlp, "top_k"):
+            return int(mlp.num_experts), int(mlp.top_k)
+    return None
+
+
+def chunk_lengths(experts: int, top_k: int) -> List[int]:
+    """Prompt chunk lengths that meet each MoE tile size and both DeltaNet
+    forms, in the order they run on one cache (the first has no incoming
+    state, the others do): the largest tile's chunk, then each smaller tile's
+    (chunked DeltaNet where the tile's range allows), then a short tail."""
+    def tokens_for(average_rows: float) -> int:
+        # The fewest tokens whose rows per expert exceed ``average_rows``.
+        return math.floor(average_rows * experts / top_k) + 1
+
+    lengths = [max(tokens_for(TILE_ROWS[-2]), CHUNKED_FROM)]
+    for below, tile in zip(TILE_ROWS[:-2], TILE_ROWS[1:-1]):
+        first, last = tokens_for(below), tokens_for(tile) - 1
+        lengths.append(max(first, min(CHUNKED_FROM, last)))
+    lengths.append(min(SHORT_CHUNK, CHUNKED_FROM - 1))
+    return lengths
+
+
+def _prompt(length: int, offset: int = 0) -> mx.array:
+    # Any ids a vocabulary of 100 or more holds; their values do not matter.
+    return (mx.arange(offset, offset + length) * 7919 % 97 + 3)[None]
+
+
+def prime(model: Any, log=None) -> Optional[dict]:
+    """Run ``model`` over synthetic prompts that meet every kernel instance a
+    server's requests can; returns what ran (None when nothing needed it)."""
+    backend, _ = kernel_backend()
+    shape = _moe_shape(model)
+    if backend is None or shape is None or not _is_lily(model):
+        return None
+    log = log or (lambda message: print(f"[mlx-lily] {message}", file=sys.stderr, flush=True))
+    lengths = chunk_lengths(*shape)
+    log(f"priming lily's kernels on {backend}: prompt chunks of {', '.join(map(str, lengths))} "
+        f"tokens, a decode step and a batch of two ({PRIME_ENV}=0 skips this)")
+    start = time.perf_counter()
+    with paths.paused():
+        _run(model, lengths, start, log)
+    mx.clear_cache()
+    seconds = time.perf_counter() - start
+    log(f"primed in {seconds:.1f}s")
+    return {"backend": backend, "chunks": lengths, "seconds": seconds}
+
+
+def _run(model: Any, lengths: List[int], start: float, log) -> None:
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    done = 0
+    for length in lengths:
+        logits = model(_prompt(length, done), cache=cache)
+        mx.eval(logits, [c.state for c in cache])
+        done += length
+        log(f"  primed a {length}-token chunk ({time.perf_counter() - start:.1f}s)")
+    token = mx.argmax(logits[:, -1:], axis=-1)
+    for _ in range(DECODE_TOKENS):
+        logits = model(token, cache=cache)
+        token = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(token, [c.state for c in cache])
+    # A short prompt alone: the sequential recurrence without a state.
+    mx.eval(model(_prompt(SHORT_CHUNK), cache=make_prompt_cache(model)))
+    del cache, logits
+
+    batch = [_prompt(SHORT_CHUNK)[0].tolist(), _prompt(SHORT_CHUNK // 2, 1)[0].tolist()]
+    gen = BatchGenerator(model, completion_batch_size=len(batch), prefill_batch_size=len(batch))
+    try:
+        gen.insert(batch, max_tokens=[DECODE_TOKENS + 1] * len(batch))
+        for _ in range(4 * DECODE_TOKENS + 4):
+            _, responses = gen.next()
+            if not responses:
+                break
+    finally:
+        gen.close()
+
+
+def _is_lily(model: Any) -> bool:
+    return any(type(m).__module__.startswith("mlx_lily") for _, m in _modules(model))
+
+
+def _modules(model: Any) -> Iterable:
+    named = getattr(model, "named_modules", None)
+    return named() if named is not None else ()

@@ -1,0 +1,121 @@
+"""Priming at load: every kernel instance a server's requests meet is built
+(and first-use checked) before the first request, not in the middle of one."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+import mlx_lily
+from mlx_lily import prime
+from mlx_lily.kernels.gated_delta import CHUNKED_FROM
+from mlx_lily.kernels.moe_routing import TILE_ROWS, tile_rows_for
+from mlx_lily.toolchain.build import Kernel
+
+
+def launched() -> set:
+    return {(k.name,) + key for k in gc.get_objects() if isinstance(k, Kernel) for key in k.launched}
+
+
+def serve(model, prompts, max_tokens=3):
+    """Run prompts as mlx_lm.server does: through mlx-lm's BatchGenerator."""
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    try:
+        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        for _ in range(20 * max_tokens):
+            _, responses = gen.next()
+            if not responses:
+                break
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("experts,top_k", [(256, 8), (8, 2), (16, 4), (24, 3), (512, 10)])
+def test_chunk_lengths_meet_every_tile_and_both_recurrences(experts, top_k):
+    lengths = prime.chunk_lengths(experts, top_k)
+    tiles = [tile_rows_for(n * top_k, experts) for n in lengths]
+    assert sorted(tiles) == sorted(TILE_ROWS)
+    assert lengths[0] >= CHUNKED_FROM  # the chunked form without a state
+    assert lengths[-1] < CHUNKED_FROM  # the sequential form with one
+
+
+def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, monkeypatch):
+    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    for k in (o for o in gc.get_objects() if isinstance(o, Kernel)):
+        k.launched.clear()
+    model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    primed = launched()
+    tiles = {dict(key[2]).get("TILE_M") for key in primed if key[0] == "moe_gate_up"}
+    assert tiles == set(TILE_ROWS)
+    states = {(dict(key[2])["HAS_STATE"], dict(key[2])["HAS_MASK"]) for key in primed if key[0] == "gated_delta"}
+    assert {(False, False), (True, False), (False, True)} <= states
+
+    # Single requests at each tile size, then a batch of mixed lengths.
+    ids = lambda n: [(7 * i) % 400 + 3 for i in range(n)]  # noqa: E731
+    for n in (5, 70, 200):
+        serve(model, [ids(n)])
+    serve(model, [ids(37), ids(150), ids(3)])
+    assert launched() - primed == set()
+
+
+def test_prime_is_asked_for_by_the_server_or_the_environment(monkeypatch):
+    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    assert prime.requested("mlx_lm.server")
+    assert not prime.requested("mlx_lm.generate")
+    assert not prime.requested(None)
+    monkeypatch.setenv(prime.PRIME_ENV, "0")
+    assert not prime.requested("mlx_lm.server")
+    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    assert prime.requested(None)
+
+
+def test_a_failed_prime_is_a_notice_and_the_model_loads(demo_checkpoint, monkeypatch, capsys, fresh_notices):
+    monkeypatch.setenv(prime.PRIME_ENV, "1")
+
+    def broken(model, log=None):
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(prime, "prime", broken)
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    assert model is not None
+    err = capsys.readouterr().err
+    assert "priming the kernels failed (RuntimeError: no room)" in err
+
+
+def test_nothing_to_prime_on_the_reference_path(demo_checkpoint, monkeypatch):
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    assert prime.prime(model) is None
+
+
+def test_priming_records_no_paths():
+    from mlx_lily import paths
+
+    paths.start()
+    try:
+        paths.record(layer="before")
+        with paths.paused():
+            paths.record(layer="primed")
+            assert not paths.active()
+        paths.record(layer="after")
+        assert [r["layer"] for r in paths.seen()] == ["before", "after"]
+    finally:
+        paths.stop()
+
+
+@pytest.mark.parametrize("argv,orig,program", [
+    (["/usr/bin/mlx_lm.server", "--model", "m"], None, "mlx_lm.server"),
+    (["/usr/bin/mlx_lm", "server", "--port", "8080"], None, "mlx_lm.server"),
+    (["-m", "--model", "m"], ["python", "-m", "mlx_lm.server", "--model", "m"], "mlx_lm.server"),
+    (["/usr/bin/mlx_lm.generate", "--prompt", "hi"], None, "mlx_lm.generate"),
+])
+def test_the_hook_names_the_mlx_lm_program(monkeypatch, argv, orig, program):
+    import sys
+
+    import mlx_lily_hook
+
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setattr(sys, "orig_argv", orig or ["python"] + argv)
+    assert mlx_lily_hook._program_name() == program
