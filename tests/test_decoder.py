@@ -10,6 +10,7 @@ test_model.py.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
@@ -222,6 +223,12 @@ def test_replaced_weights_are_not_served_from_a_stale_compiled_step(engines):
         gate.scales = gate.scales * 3  # a new array: the compiled step must notice
         norm = model.language_model.model.norm  # the last segment's final norm
         norm.weight = norm.weight * 2
+    assert mx.array_equal(_decode(lily), _decode(stock)).item()
+    for model in (stock, lily):  # a whole module swapped, in a later layer
+        layer = model.layers[-2]
+        old = layer.input_layernorm
+        layer.input_layernorm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
+        layer.input_layernorm.weight = old.weight * 3
     assert mx.array_equal(_decode(lily), _decode(stock)).item()
 
 

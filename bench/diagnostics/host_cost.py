@@ -14,8 +14,8 @@ per layer does not depend on the widths.
 
 Rows: the whole step on lily's default path (compiled segments), then the
 same step with one part of the host's work taken away (its result held
-fixed), so the difference is that part's cost: the per-layer weights check
-of the compiled steps, and the attention steps between the segments (the KV
+fixed), so the difference is that part's cost: the weights check of the
+compiled segments (one pass over every weight's identity), and the attention steps between the segments (the KV
 cache write, the attention op's choice, its launches). The numbers are this
 machine's CPU; a faster host scales them down, not their proportions.
 """
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
 
     from mlx_lily import paths
     from mlx_lily.checkpoints import SHAPES, build_model
-    from mlx_lily.layers import decoder, text_model
+    from mlx_lily.layers import text_model
     from mlx_lily.models.qwen3_5_moe import Model
 
     shape = dict(SHAPES["demo"], num_hidden_layers=args.layers)
@@ -129,10 +129,8 @@ def main(argv=None) -> int:
 
     @contextlib.contextmanager
     def keys_held():
-        keys = {id(layer): layer._weights_key() for layer in model.layers}
-        edges = text._edges_key()
-        with held(decoder.LilyDecoderLayer, "_weights_key", lambda self: keys[id(self)]), \
-                held(text_model.LilyTextModel, "_edges_key", lambda self: edges):
+        version = text._weights_version()
+        with held(text_model.LilyTextModel, "_weights_version", lambda self: version):
             yield
 
     @contextlib.contextmanager

@@ -92,9 +92,7 @@ class LilyTextModel(Qwen3_5TextModel):
         record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
         cuts = self._cuts()
         bounds = [-1] + cuts + [len(self.layers)]
-        # Each layer's weights' identities, once per token (an attention layer
-        # belongs to the segments on both sides of its cut).
-        keys = [layer._weights_key() for layer in self.layers]
+        version = self._weights_version()
         carry = [inputs]
         new_states = []
         for s in range(len(bounds) - 1):
@@ -109,7 +107,7 @@ class LilyTextModel(Qwen3_5TextModel):
                 args.append(ssm_mask)
             if closes:
                 args.append(next_position(cache[last]))
-            outputs = self._segment(s, first, last, keys, masked)(*args)
+            outputs = self._segment(s, first, last, version, masked)(*args)
             n = 2 * len(linear)
             new_states += list(zip(linear, outputs[:n:2], outputs[1:n:2]))
             if not closes:
@@ -126,25 +124,30 @@ class LilyTextModel(Qwen3_5TextModel):
             cache[i].advance(1)
         return hidden
 
-    def _segment(self, s: int, first: int, last: int, keys: List[tuple], masked: bool) -> Callable:
+    def _segment(self, s: int, first: int, last: int, version: int, masked: bool) -> Callable:
         """Segment s (after attention layer ``first``, up to attention layer
-        ``last``), compiled per the weights' identities of its layers
-        (``keys``, one per layer) and whether its DeltaNet steps take a
-        padding mask; a new one runs eagerly once first (its kernels'
-        first-use checks)."""
-        key = tuple(keys[max(first, 0): last + 1]) + self._edges_key()
+        ``last``), compiled per weights ``version`` and whether its DeltaNet
+        steps take a padding mask; a new one runs eagerly once first (its
+        kernels' first-use checks)."""
         store = self.__dict__.setdefault("_lily_segments", {})
-        return compiled_step(store, (s, masked), key, lambda: self._segment_fn(first, last, masked))
+        return compiled_step(store, (s, masked), version, lambda: self._segment_fn(first, last, masked))
 
-    def _edges_key(self) -> tuple:
-        """Identities of the embedding's and the final norm's modules and arrays."""
-        modules = (self.embed_tokens, self.norm)
-        held = self.__dict__.get("_lily_edge_places")
-        if held is None or held[0] != tuple(map(id, modules)):
-            # In __dict__: nn.Module would keep a tuple attribute as a child.
-            held = self.__dict__["_lily_edge_places"] = (
-                tuple(map(id, modules)), _places(*modules))
-        return held[0] + _identities(held[1])
+    def _weights_version(self) -> int:
+        """A number that changes whenever any array or submodule the segments
+        capture is replaced (load_weights, update, a new scale, a swapped
+        module): their identities, read in one C-level pass over where they
+        sit (``_places``) and compared with the last step's. Where they sit
+        is listed again only when something changed. The compiled segments
+        hold the arrays they captured, so an old array's identity cannot be
+        reused while a segment built on it lives."""
+        held = self.__dict__.get("_lily_weights")
+        if held is not None and _identities(held[0]) == held[1]:
+            return held[2]
+        # In __dict__: nn.Module would keep a tuple attribute as a child.
+        places = _places(*self.layers, self.embed_tokens, self.norm)
+        version = held[2] + 1 if held is not None else 0
+        self.__dict__["_lily_weights"] = (places, _identities(places), version)
+        return version
 
     def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
         layers = self.layers
