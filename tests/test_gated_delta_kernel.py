@@ -21,6 +21,7 @@ from mlx_lily.kernels.gated_delta import (
     gated_delta_kernel,
     gated_delta_reference,
     gated_delta_supports,
+    rows_per_simdgroup,
 )
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
@@ -132,6 +133,54 @@ def test_kernel_matches_reference_and_ground_truth(shape, T, with_state, dtype):
     Hk, Hv, Dk, Dv = shape
     args = make_inputs(1, T, Hk, Hv, Dk, Dv, dtype, with_state, seed=T * Hv + Dv)
     run_and_check(args, dtype)
+
+
+# Several state rows per SIMD group (Apple GPUs' shape for the scan): T = 1,
+# 63, 64, 65 tokens, value/key head ratios 1, 2 and 3, with and without a
+# state and a padding mask, each dtype; the result is the one-row kernel's
+# contract, and the rows' outputs land in their own places.
+@pytest.mark.parametrize("rows", [2, 4])
+@pytest.mark.parametrize("T,shape,dtype,with_state", [
+    (1, (2, 4, 64, 32), mx.bfloat16, True),
+    (63, (2, 2, 32, 8), mx.float32, False),
+    (64, (1, 3, 64, 12), mx.float16, True),
+    (65, (2, 4, 32, 16), mx.bfloat16, True),
+])
+def test_several_rows_per_simdgroup(rows, T, shape, dtype, with_state):
+    Hk, Hv, Dk, Dv = shape
+    assert rows_per_simdgroup(Dk, Dv, rows) == rows
+    args = make_inputs(1, T, Hk, Hv, Dk, Dv, dtype, with_state, seed=T + rows)
+    got = gated_delta_kernel.emulate(*args, rows=rows)
+    want = gated_delta_reference(*args)
+    assert gated_delta_agree(got, want, *args) is None
+    assert_matches_ground_truth(got, args, y_rtol={mx.bfloat16: 1e-2, mx.float16: 2e-3}.get(dtype, 1e-5))
+    one_row = gated_delta_kernel.emulate(*args, rows=1)
+    scale = float(mx.abs(one_row[1]).max())
+    assert float(mx.abs(got[1] - one_row[1]).max()) <= 1e-6 * scale
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_several_rows_per_simdgroup_with_a_padding_mask(rows):
+    args = make_inputs(2, 9, 2, 4, 32, 8, mx.bfloat16, True, seed=rows)
+    mask = mx.array([[False] * 3 + [True] * 6, [True] * 7 + [False] * 2])
+    got_y, got_state = gated_delta_kernel.emulate(*args, mask, rows=rows)
+    want_y, want_state = gated_delta_kernel.emulate(*args, mask, rows=1)
+    assert float(mx.abs(got_state - want_state).max()) <= 1e-6 * float(mx.abs(want_state).max())
+    # Masked steps' outputs are 0 whatever the rows; real ones agree.
+    assert mx.array_equal(got_y[0, :3], mx.zeros_like(got_y[0, :3])).item()
+    assert float(mx.abs(got_y.astype(mx.float32) - want_y.astype(mx.float32)).max()) <= 1e-2
+
+
+@pytest.mark.parametrize("Dk,Dv,wanted,rows", [
+    (128, 128, 4, 2),  # 128 x 4 / 32 = 16 state entries per lane: over the bound
+    (128, 128, 2, 2),
+    (64, 32, 4, 4),
+    (32, 5, 4, 1),     # Dv odd
+    (32, 6, 4, 2),
+    (256, 128, 2, 1),  # Dk 256 already holds 8 entries per lane at one row
+])
+def test_rows_per_simdgroup_fits_the_shape(Dk, Dv, wanted, rows):
+    assert rows_per_simdgroup(Dk, Dv, wanted) == rows
 
 
 @pytest.mark.parametrize("T", [64, 45], ids=["T64", "T45"])

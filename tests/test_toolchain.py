@@ -390,6 +390,16 @@ def _gated_delta_units() -> list[str]:
                     mx.zeros((Hv,)), mx.zeros((Hv,), dtype), state,
                 )
             )
+    # Several state rows per SIMD group: the real shape at two, Dk 64 at four.
+    for Hk, Hv, Dk, Dv, rows in [(16, 32, 128, 128, 2), (1, 3, 64, 32, 4)]:
+        qk = mx.zeros((1, 3, Hk, Dk), mx.bfloat16)
+        gate = mx.zeros((1, 3, Hv), mx.bfloat16)
+        units.append(
+            gated_delta_kernel.cuda_translation_unit(
+                qk, qk, mx.zeros((1, 3, Hv, Dv), mx.bfloat16), gate, gate,
+                mx.zeros((Hv,)), mx.zeros((Hv,), mx.bfloat16), mx.zeros((1, Hv, Dv, Dk)), rows=rows,
+            )
+        )
     return units
 
 

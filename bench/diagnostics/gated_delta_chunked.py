@@ -8,6 +8,9 @@ stock (the op's reference), the sequential kernel, the chunked kernels (and
 each of their three passes), and max |chunked - float64| / max |float64| for
 y and the state at T = 1000 (the float64 recurrence on the CPU). The length
 from which the chunked kernels win is gated_delta.CHUNKED_FROM's measurement.
+The sequential kernel is also timed with each number of state rows per SIMD
+group the real shape takes (``sequential_ms_by_rows``):
+gated_delta.SEQUENTIAL_ROWS is that measurement's choice.
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ def main() -> int:
         row = {"T": T,
                "stock_ms": median_ms(gd.gated_delta_reference, *args),
                "sequential_ms": median_ms(lambda *a: gd.gated_delta_kernel.run_on(backend, *a), *args)}
+        row["sequential_ms_by_rows"] = {
+            r: median_ms(lambda *a: gd.gated_delta_kernel.run_on(backend, *a, rows=r), *args)
+            for r in gd.ROW_CHOICES if gd.rows_per_simdgroup(HEADS[2], HEADS[3], r) == r}
         if ok and gdc.chunked_supports(*args) is None:
             row["chunked_ms"] = median_ms(lambda *a: gdc.gated_delta_chunked_run(backend, *a), *args)
             qb, kb, vb = args[:3]

@@ -9,18 +9,26 @@
 // q and k arrive L2-normalised (the readout scale folded into q); value head h
 // reads key head h / (Hv / Hk).
 //
-// Launcher: mlx_lily/kernels/gated_delta.py. One SIMD group per state row, a
-// row being one value dimension dv of one head of one batch entry (rows are
-// numbered batch, head, dv, so consecutive SIMD groups share a head's q and k).
-// Lane l keeps S[dv, l + 32 i] (i < Dk / 32) in registers for the whole call
-// and reads q and k at the same key positions, so every q/k/state access of a
-// SIMD group is one coalesced run. Each token needs two simd_sums: kv = S k
-// (on the recurrence's critical path) and y = S q.
+// Launcher: mlx_lily/kernels/gated_delta.py. ROWS state rows per SIMD group,
+// a row being one value dimension dv of one head of one batch entry (rows are
+// numbered batch, head, dv, so a SIMD group's rows, and consecutive SIMD
+// groups, share a head's q and k). Row r of a SIMD group takes its lanes
+// r * LANES .. r * LANES + LANES - 1 (LANES = 32 / ROWS); its lane l keeps
+// S[dv, l + LANES i] (i < Dk / LANES) in registers for the whole call and
+// reads q and k at the same key positions, so every q/k/state access is one
+// coalesced run. Each token needs two sums over a row's lanes: kv = S k (on
+// the recurrence's critical path) and y = S q: simd_sum for one row per SIMD
+// group, a log2(LANES)-step butterfly within each row's lanes for more. More
+// rows per SIMD group mean more state per lane and shorter sums (Apple GPUs'
+// shape for this scan, where one SIMD group per row leaves lanes waiting on
+// the full-width sums); one row keeps the most SIMD groups in flight.
 //
-// Gates: lane l computes g and beta of token t0 + l for a chunk of 32 tokens,
-// and token t0 + j takes lane j's with simd_shuffle: one exp/log/exp/exp per
-// 32 tokens instead of per token. y works the same way backwards: lane j keeps
-// token t0 + j's output, and the chunk's outputs leave in one store.
+// Gates: lane l computes g and beta of token t0 + l for a chunk of 32 tokens
+// (a SIMD group's rows share one head, so one set serves them all), and token
+// t0 + j takes lane j's with simd_shuffle: one exp/log/exp/exp per 32 tokens
+// instead of per token. y works the same way backwards: lane j keeps token
+// t0 + j's output of each of the SIMD group's rows, and the chunk's outputs
+// leave in one store per row.
 //
 // Padding (HAS_MASK): a masked step leaves the state exactly as it was, as
 // stock's does: its lane sets g = 1 and beta = 0, so S * 1 and S + k * 0 are
@@ -39,7 +47,8 @@
 // there a beta may differ by one unit, within gated_delta.py's tolerance.)
 //
 // Template: InT (q, k, v and y dtype), SumT, BetaT (see Rounding), Dk (a
-//           multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),
+//           multiple of 32 / ROWS), Dv (a multiple of ROWS), Hk, Hv (a
+//           multiple of Hk), ROWS (1, 2 or 4; Dk * ROWS / 32 <= 8),
 //           HAS_STATE (false: the state starts at zero; state_in is a dummy),
 //           HAS_MASK (false: every step is real; mask is a dummy).
 // Inputs:   q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv];
@@ -48,7 +57,8 @@
 // Outputs:  y [B, T, Hv, Dv] InT; state_out [B, Hv, Dv, Dk] fp32.
 
 constexpr uint SIMD_WIDTH = 32;
-constexpr int KEYS_PER_LANE = Dk / 32;
+constexpr uint LANES = SIMD_WIDTH / ROWS;
+constexpr int KEYS_PER_LANE = Dk / LANES;
 constexpr uint VALUE_HEADS_PER_KEY_HEAD = Hv / Hk;
 // Elements between consecutive tokens of q/k, of v/y, and of a/b.
 constexpr uint QK_STEP = Hk * Dk;
@@ -56,13 +66,15 @@ constexpr uint V_STEP = Hv * Dv;
 constexpr uint GATE_STEP = Hv;
 
 uint lane = thread_index_in_simdgroup;
-uint row = thread_position_in_grid.x / SIMD_WIDTH;
+uint row_lane = lane % LANES;
+uint row = (thread_position_in_grid.x / SIMD_WIDTH) * ROWS + lane / LANES;
 uint n_batch = uint(q_shape[0]);
 uint n_tokens = uint(q_shape[1]);
 uint n_rows = n_batch * Hv * Dv;
 
 // SIMD groups past the last row (CUDA runs the whole last block) still reach
 // every simd_shuffle and simd_sum below; they compute row 0 and store nothing.
+// (Dv is a multiple of ROWS: a SIMD group's rows are all live or all not.)
 bool live = row < n_rows;
 uint state_row = live ? row : 0;
 uint dv = state_row % Dv;
@@ -70,17 +82,17 @@ uint head = (state_row / Dv) % Hv;
 uint batch = state_row / (Dv * Hv);
 uint key_head = head / VALUE_HEADS_PER_KEY_HEAD;
 
-uint qk_at = batch * n_tokens * QK_STEP + key_head * Dk + lane;
+uint qk_at = batch * n_tokens * QK_STEP + key_head * Dk + row_lane;
 uint v_at = batch * n_tokens * V_STEP + head * Dv + dv;
 uint gate_at = batch * n_tokens * GATE_STEP + head;
 uint mask_at = batch * n_tokens;
-uint state_at = state_row * Dk + lane;
+uint state_at = state_row * Dk + row_lane;
 
 float S[KEYS_PER_LANE];
 for (int i = 0; i < KEYS_PER_LANE; ++i) {
   S[i] = 0.0f;
   if (HAS_STATE) {
-    S[i] = state_in[state_at + i * SIMD_WIDTH];
+    S[i] = state_in[state_at + i * LANES];
   }
 }
 
@@ -92,8 +104,8 @@ float bias = static_cast<float>(dt_bias[head]);
 float k_now[KEYS_PER_LANE];
 float q_now[KEYS_PER_LANE];
 for (int i = 0; i < KEYS_PER_LANE; ++i) {
-  k_now[i] = static_cast<float>(k[qk_at + i * SIMD_WIDTH]);
-  q_now[i] = static_cast<float>(q[qk_at + i * SIMD_WIDTH]);
+  k_now[i] = static_cast<float>(k[qk_at + i * LANES]);
+  q_now[i] = static_cast<float>(q[qk_at + i * LANES]);
 }
 float v_now = static_cast<float>(v[v_at]);
 
@@ -134,7 +146,11 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
 
   uint remaining = n_tokens - t0;
   uint chunk = remaining < SIMD_WIDTH ? remaining : SIMD_WIDTH;
-  float my_y = 0.0f;
+  // my_y[r]: row r's output at this lane's token.
+  float my_y[ROWS];
+  for (uint r = 0; r < ROWS; ++r) {
+    my_y[r] = 0.0f;
+  }
   for (uint j = 0; j < chunk; ++j) {
     uint t = t0 + j;
     // Next token's operands first (the last token again at the very end:
@@ -143,8 +159,8 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
     float k_next[KEYS_PER_LANE];
     float q_next[KEYS_PER_LANE];
     for (int i = 0; i < KEYS_PER_LANE; ++i) {
-      k_next[i] = static_cast<float>(k[qk_at + next * QK_STEP + i * SIMD_WIDTH]);
-      q_next[i] = static_cast<float>(q[qk_at + next * QK_STEP + i * SIMD_WIDTH]);
+      k_next[i] = static_cast<float>(k[qk_at + next * QK_STEP + i * LANES]);
+      q_next[i] = static_cast<float>(q[qk_at + next * QK_STEP + i * LANES]);
     }
     float v_next = static_cast<float>(v[v_at + next * V_STEP]);
 
@@ -157,7 +173,13 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
       S[i] = S[i] * g;
       kv += S[i] * k_now[i];
     }
-    kv = simd_sum(kv);
+    if (ROWS == 1) {
+      kv = simd_sum(kv);
+    } else {
+      for (uint m = LANES / 2; m > 0; m /= 2) {
+        kv += simd_shuffle_xor(kv, m);
+      }
+    }
 
     // Write the correction along k, then read out along q.
     float delta = (v_now - kv) * beta;
@@ -166,9 +188,18 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
       S[i] = S[i] + k_now[i] * delta;
       out += S[i] * q_now[i];
     }
-    out = simd_sum(out);
-    if (lane == j) {
-      my_y = out;
+    if (ROWS == 1) {
+      out = simd_sum(out);
+    } else {
+      for (uint m = LANES / 2; m > 0; m /= 2) {
+        out += simd_shuffle_xor(out, m);
+      }
+    }
+    for (uint r = 0; r < ROWS; ++r) {
+      float row_out = ROWS == 1 ? out : simd_shuffle(out, r * LANES);
+      if (lane == j) {
+        my_y[r] = row_out;
+      }
     }
 
     for (int i = 0; i < KEYS_PER_LANE; ++i) {
@@ -178,12 +209,16 @@ for (uint t0 = 0; t0 < n_tokens; t0 += SIMD_WIDTH) {
     v_now = v_next;
   }
   if (live && token_live) {
-    y[v_at + my_token * V_STEP] = static_cast<InT>(my_step_real ? my_y : 0.0f);
+    // The SIMD group's rows are consecutive dv of one head.
+    uint y_at = v_at - lane / LANES + my_token * V_STEP;
+    for (uint r = 0; r < ROWS; ++r) {
+      y[y_at + r] = static_cast<InT>(my_step_real ? my_y[r] : 0.0f);
+    }
   }
 }
 
 if (live) {
   for (int i = 0; i < KEYS_PER_LANE; ++i) {
-    state_out[state_at + i * SIMD_WIDTH] = S[i];
+    state_out[state_at + i * LANES] = S[i];
   }
 }

@@ -93,14 +93,21 @@ def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16, seed=5):
 
 # -- the kernel --------------------------------------------------------------
 
-# State rows (one SIMD group each) per threadgroup. Rows are numbered batch,
-# head, dv, so with Dv a multiple of 4 a threadgroup's rows share one head's q
-# and k in cache; four keep the real decode shape (32 heads x 128 rows) at
-# 1024 threadgroups, enough to fill a large GPU.
-ROWS_PER_THREADGROUP = 4
-# Each lane keeps Dk / 32 state entries, and as many of q and k (current and
-# next token), in registers: 8 per lane (Dk = 256) bounds that at 40 floats.
+# SIMD groups per threadgroup. Rows are numbered batch, head, dv, so with Dv
+# a multiple of 4 a threadgroup's rows share one head's q and k in cache; four
+# (of one row each) keep the real decode shape (32 heads x 128 rows) at 1024
+# threadgroups, enough to fill a large GPU.
+SIMDGROUPS_PER_THREADGROUP = 4
+# Each lane keeps Dk * ROWS / 32 state entries, and as many of q and k
+# (current and next token), in registers: 8 per lane bounds that at 40 floats.
 MAX_KEYS_PER_LANE = 8
+# State rows per SIMD group (the body's ROWS): 1, 2 or 4, where Dk and Dv
+# allow it (``rows_per_simdgroup``). One row is what the H200 measured (the
+# most SIMD groups in flight); more rows, with shorter sums, is the shape of
+# Apple GPUs' scans, not measured on one yet: ``python -m
+# bench.diagnostics.gated_delta_chunked`` times each choice.
+ROW_CHOICES = (1, 2, 4)
+SEQUENTIAL_ROWS = 1
 MAX_DK = SIMD_WIDTH * MAX_KEYS_PER_LANE
 KERNEL_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # The body indexes with 32-bit unsigned integers.
@@ -144,10 +151,23 @@ def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) -
     return None
 
 
-def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) -> Launch:
+def rows_per_simdgroup(Dk: int, Dv: int, wanted: int = SEQUENTIAL_ROWS) -> int:
+    """The most state rows per SIMD group, up to ``wanted``, that Dk (a
+    multiple of 32 / rows, at most MAX_KEYS_PER_LANE entries per lane) and Dv
+    (a multiple of rows) allow."""
+    rows = 1
+    for r in ROW_CHOICES:
+        if r <= wanted and Dk % (SIMD_WIDTH // r) == 0 and Dk * r <= SIMD_WIDTH * MAX_KEYS_PER_LANE and Dv % r == 0:
+            rows = r
+    return rows
+
+
+def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None,
+                        rows: int = SEQUENTIAL_ROWS) -> Launch:
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    rows = B * Hv * Dv
+    rows_per_group = rows_per_simdgroup(Dk, Dv, rows)
+    groups = B * Hv * Dv // rows_per_group
     has_state, has_mask = state is not None, mask is not None
     # Without a state (mask) the body never reads state_in (mask): a
     # one-element stand-in.
@@ -155,8 +175,8 @@ def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) ->
     mask_in = mask if has_mask else mx.zeros((1,), mx.bool_)
     return Launch(
         inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv), state_in, mask_in],
-        grid=(rows * SIMD_WIDTH, 1, 1),
-        threadgroup=(min(ROWS_PER_THREADGROUP, rows) * SIMD_WIDTH, 1, 1),
+        grid=(groups * SIMD_WIDTH, 1, 1),
+        threadgroup=(min(SIMDGROUPS_PER_THREADGROUP, groups) * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, T, Hv, Dv), (B, Hv, Dv, Dk)],
         output_dtypes=[q.dtype, mx.float32],
         template=[
@@ -171,6 +191,7 @@ def _launch_gated_delta(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) ->
             ("Hv", Hv),
             ("HAS_STATE", has_state),
             ("HAS_MASK", has_mask),
+            ("ROWS", rows_per_group),
         ],
         finish=lambda outputs: (outputs[0], outputs[1]),
     )
