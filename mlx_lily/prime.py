@@ -98,7 +98,7 @@ def prime(model: Any, log=None) -> Optional[dict]:
     log = log or (lambda message: print(f"[mlx-lily] {message}", file=sys.stderr, flush=True))
     lengths = chunk_lengths(*shape)
     log(f"priming lily's kernels on {backend}: prompt chunks of {', '.join(map(str, lengths))} "
-        f"tokens, a decode step and a batch of two ({PRIME_ENV}=0 skips this)")
+        f"tokens, decode steps and a batch of two ({PRIME_ENV}=0 skips this)")
     start = time.perf_counter()
     with paths.paused():
         _run(model, lengths, start, log)
