@@ -80,6 +80,22 @@ def prefill_pacing() -> str:
     return f"not paced ({PACE_ENV}=0, or not a GPU: nothing piles up)"
 
 
+def server_priming() -> str:
+    """Whether mlx_lm.server primes lily's kernels at load (README, the server)."""
+    import os
+
+    from .prime import PRIME_ENV, requested
+    from .toolchain.registry import kernel_backend
+
+    backend, why = kernel_backend()
+    if backend is None:
+        return f"nothing to prime: no kernels here ({why})"
+    if requested("mlx_lm.server"):
+        where = "in every program that loads through lily" if requested(None) else "under mlx_lm.server"
+        return f"{backend} kernel instances built and checked at load, {where} ({PRIME_ENV}=0 skips)"
+    return f"not primed ({PRIME_ENV}={os.environ.get(PRIME_ENV)}): each instance builds at its first use"
+
+
 def report_platform() -> None:
     import mlx_lm
 
@@ -105,6 +121,7 @@ def main(argv: List[str] | None = None) -> int:
         print(f"  {name:{width}s} {path:9s} {why}")
     print(f"\ndecode       {decode_path()}")
     print(f"prefill      {prefill_pacing()}")
+    print(f"server       {server_priming()}")
 
     print("\nself-check (small inputs):")
     failures = 0

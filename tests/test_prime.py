@@ -119,3 +119,17 @@ def test_the_hook_names_the_mlx_lm_program(monkeypatch, argv, orig, program):
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setattr(sys, "orig_argv", orig or ["python"] + argv)
     assert mlx_lily_hook._program_name() == program
+
+
+def test_doctor_says_whether_the_server_primes(monkeypatch):
+    from mlx_lily.doctor import server_priming
+
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
+    assert server_priming().startswith("nothing to prime")
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
+    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    assert "at load, under mlx_lm.server" in server_priming()
+    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    assert "in every program" in server_priming()
+    monkeypatch.setenv(prime.PRIME_ENV, "0")
+    assert server_priming().startswith("not primed")
