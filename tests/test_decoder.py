@@ -230,6 +230,12 @@ def test_replaced_weights_are_not_served_from_a_stale_compiled_step(engines):
         layer.input_layernorm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
         layer.input_layernorm.weight = old.weight * 3
     assert mx.array_equal(_decode(lily), _decode(stock)).item()
+    for model in (stock, lily):  # the final norm swapped on the text model itself
+        text = model.language_model.model
+        old = text.norm
+        text.norm = nn.RMSNorm(old.weight.shape[0], eps=old.eps)
+        text.norm.weight = old.weight * 0.5
+    assert mx.array_equal(_decode(lily), _decode(stock)).item()
 
 
 def test_unquantized_layers_take_the_stock_flow(engines):

@@ -135,18 +135,20 @@ class LilyTextModel(Qwen3_5TextModel):
     def _weights_version(self) -> int:
         """A number that changes whenever any array or submodule the segments
         capture is replaced (load_weights, update, a new scale, a swapped
-        module): their identities, read in one C-level pass over where they
-        sit (``_places``) and compared with the last step's. Where they sit
-        is listed again only when something changed. The compiled segments
-        hold the arrays they captured, so an old array's identity cannot be
-        reused while a segment built on it lives."""
+        module or layer): the identities of the layers, the embedding and the
+        final norm, and of everything they hold, read in one C-level pass over
+        where those sit (``_places``) and compared with the last step's. Where
+        they sit is listed again only when something changed. The compiled
+        segments hold the arrays they captured, so an old array's identity
+        cannot be reused while a segment built on it lives."""
+        roots = (*self.layers, self.embed_tokens, self.norm)
         held = self.__dict__.get("_lily_weights")
-        if held is not None and _identities(held[0]) == held[1]:
-            return held[2]
+        if held is not None and held[0] == tuple(map(id, roots)) and _identities(held[1]) == held[2]:
+            return held[3]
         # In __dict__: nn.Module would keep a tuple attribute as a child.
-        places = _places(*self.layers, self.embed_tokens, self.norm)
-        version = held[2] + 1 if held is not None else 0
-        self.__dict__["_lily_weights"] = (places, _identities(places), version)
+        places = _places(*roots)
+        version = held[3] + 1 if held is not None else 0
+        self.__dict__["_lily_weights"] = (tuple(map(id, roots)), places, _identities(places), version)
         return version
 
     def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
