@@ -13,7 +13,7 @@ for its instances mid-request: on CUDA, where NVRTC compiles each one, a
 
 ``prime(model)`` runs the model once over a few synthetic prompts chosen so
 that every such instance is met: chunks at each tile size, with and without
-an incoming state, a decode step, and a batch of two left-padded prompts
+an incoming state, decode steps, and a batch of two left-padded prompts
 through mlx-lm's own ``BatchGenerator`` (the server's path: masks, batched
 caches, multi-row decode). The tokens are discarded. Nothing is built twice:
 instances met here are cached for the process.
