@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         chosen = take_backend(rest, default="lily")
         module = importlib.import_module(MLX_LM_COMMANDS[command])
         backend.enable() if chosen == "lily" else backend.disable()
+        backend.running(MLX_LM_COMMANDS[command])
         if any(arg in ("-h", "--help") for arg in rest):
             add_backend_to_help()
         sys.argv = [f"mlx_lily {command}"] + rest

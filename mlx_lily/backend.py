@@ -50,7 +50,7 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
         kwargs.setdefault("get_model_classes", resolve_classes)
     loaded = _stock_load_model(model_path, *args, **kwargs)
     lazy = args[0] if args else kwargs.get("lazy", False)
-    if not lazy and prime.requested(_hook_program()):
+    if not lazy and prime.requested(current_program()):
         # A lazy load (sharded and pipeline loads) has no weights yet.
         _prime_quietly(loaded[0])
     return loaded
@@ -99,9 +99,20 @@ def load(path_or_hf_repo: str, backend: str = "lily", **kwargs: Any):
         return mlx_utils.load(path_or_hf_repo, **kwargs)
 
 
-def _hook_program():
-    """The mlx-lm program the startup hook saw ('mlx_lm.server', ...), or None."""
-    return getattr(sys.modules.get("mlx_lily_hook"), "program", None)
+_program = None
+
+
+def running(program: str) -> None:
+    """Record the mlx-lm program this process runs ('mlx_lm.server', ...),
+    for ``python -m mlx_lily serve`` and the like (the startup hook records
+    it for mlx-lm's own commands)."""
+    global _program
+    _program = program
+
+
+def current_program():
+    """The mlx-lm program this process runs ('mlx_lm.server', ...), or None."""
+    return _program or getattr(sys.modules.get("mlx_lily_hook"), "program", None)
 
 
 def _hook_requested_lily() -> bool:

@@ -18,9 +18,10 @@ through mlx-lm's own ``BatchGenerator`` (the server's path: masks, batched
 caches, multi-row decode). The tokens are discarded. Nothing is built twice:
 instances met here are cached for the process.
 
-It runs by default under ``mlx_lm.server --backend lily`` (the load happens
-before the first request is served); ``MLX_LILY_PRIME=1`` asks for it in any
-program that loads through lily, ``MLX_LILY_PRIME=0`` turns it off.
+It runs by default under ``mlx_lm.server --backend lily`` and ``python -m
+mlx_lily serve`` (the load happens before the first request is served);
+``MLX_LILY_PRIME=1`` asks for it in any program that loads through lily,
+``MLX_LILY_PRIME=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -133,3 +133,25 @@ def test_doctor_says_whether_the_server_primes(monkeypatch):
     assert "in every program" in server_priming()
     monkeypatch.setenv(prime.PRIME_ENV, "0")
     assert server_priming().startswith("not primed")
+
+
+def test_python_m_mlx_lily_serve_counts_as_the_server(monkeypatch):
+    import sys
+
+    import mlx_lm.server
+
+    from mlx_lily import __main__ as cli
+    from mlx_lily import backend
+
+    seen = []
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command rewrites it
+    monkeypatch.setattr(mlx_lm.server, "main", lambda: seen.append(backend.current_program()))
+    monkeypatch.setattr(backend, "_program", None)
+    was = backend.is_enabled()
+    try:
+        cli.main(["serve", "--model", "m"])
+    finally:
+        backend.enable() if was else backend.disable()
+    assert seen == ["mlx_lm.server"]
+    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    assert prime.requested(backend.current_program())
