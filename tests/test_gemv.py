@@ -282,6 +282,31 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert "| small |" in (tmp_path / "gemv-sweep.md").read_text()
 
 
+def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, monkeypatch):
+    from bench.diagnostics import gemv_sweep
+
+    calls = {"first": (128, (9,), (4,), "norm", False), "second": (128, (3,), (8,), "none", False),
+             "third": (128, (5,), (4,), "none", False)}
+    monkeypatch.setattr(gemv_sweep, "CALLS", calls)
+    done = []
+
+    def sweep(name, spec, backend):
+        if len(done) == 1:
+            raise KeyboardInterrupt  # the run is cut during its second call
+        done.append(name)
+        return {"call": name, "weight_bytes": 1, "stock_us": 1.0, "one_eval_us": 1.0,
+                "copy": {"us": 1.0, "gb_s": 1.0}, "chosen": {"us": 1.0, "gb_s": 1.0, "agrees": True},
+                "best": "chosen"}
+
+    monkeypatch.setattr(gemv_sweep, "sweep", sweep)
+    with pytest.raises(KeyboardInterrupt):
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--calls", "first,third"])
+    doc = __import__("json").loads((tmp_path / "gemv-sweep.json").read_text())
+    assert [r["call"] for r in doc["rows"]] == ["first"] and doc["calls_asked"] == 2
+    with pytest.raises(SystemExit, match="matches none"):
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--calls", "nothing"])
+
+
 def test_the_sweep_times_only_the_evaluation_of_calls_built_before():
     from bench.diagnostics import gemv_sweep
 

@@ -11,6 +11,11 @@ is far below the wall time, launching (the host, MLX's encoding) bounds
 decode; where it is close, the kernels do.
 
 Needs PyTorch with CUDA on the machine; without it, says so and exits 2.
+
+Time: a fresh process compiles every lily kernel it launches (MLX builds
+custom CUDA kernels through NVRTC in each process and keeps them on disk only
+for its own kernels), which on the H200 takes about two minutes before the
+first step; give a run at least four.
 """
 
 from __future__ import annotations
