@@ -23,8 +23,9 @@ the state in fp32), which the op checks once per backend against the reference
 and otherwise replaces by the sequential kernel below, with one notice.
 
 The sequential kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
-in one dispatch: one SIMD group per state row, the row in registers, looping
-over the call's tokens. Its contract with the reference, relative to the
+in one dispatch: one SIMD group per state row (or two or four rows per SIMD
+group, ``SEQUENTIAL_ROWS``), the rows in registers, looping over the call's
+tokens. Its contract with the reference, relative to the
 reference's largest value (``gated_delta_agree``): y within 3e-2 / 4e-3 / 1e-4
 and the final state within 2e-2 / 2.5e-3 / 1e-4 for bf16 / f16 / f32 gate
 inputs. The state is fp32, but beta and the gates' softplus are rounded in the
