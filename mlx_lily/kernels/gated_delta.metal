@@ -19,9 +19,9 @@
 // coalesced run. Each token needs two sums over a row's lanes: kv = S k (on
 // the recurrence's critical path) and y = S q: simd_sum for one row per SIMD
 // group, a log2(LANES)-step butterfly within each row's lanes for more. More
-// rows per SIMD group mean more state per lane and shorter sums (Apple GPUs'
-// shape for this scan, where one SIMD group per row leaves lanes waiting on
-// the full-width sums); one row keeps the most SIMD groups in flight.
+// rows per SIMD group mean more state per lane and shorter sums; one row keeps
+// the most SIMD groups in flight. Which is faster depends on the GPU
+// (bench/diagnostics/gated_delta_chunked.py times each).
 //
 // Gates: lane l computes g and beta of token t0 + l for a chunk of 32 tokens
 // (a SIMD group's rows share one head, so one set serves them all), and token
