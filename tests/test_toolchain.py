@@ -504,3 +504,50 @@ def test_unknown_kernel_backend_says_so_once(monkeypatch, auto_backend, fresh_no
     err = capsys.readouterr().err
     assert err.count("MLX_LILY_KERNEL_BACKEND='bogus' is not one of") == 1, err
     assert "run their references" in err
+
+
+# -- the CUDA build's compact source --------------------------------------------------
+
+
+def test_compact_source_drops_comments_and_keeps_the_program():
+    text = (
+        "// a comment line\n"
+        "#define TWICE(x) \\\n"
+        "    ((x) + (x))  // trailing\n"
+        "\n"
+        "    constexpr int N = 4; /* a block\n"
+        "   comment */ int m = N;\n"
+        '    asm("mma // not a comment /* either */\\n" : "+f"(d));\n'
+        "    char c = '/'; char q = '\"';\n"
+    )
+    assert toolchain.compact_source(text) == (
+        "#define TWICE(x) \\\n"
+        "((x) + (x))\n"
+        "constexpr int N = 4;   int m = N;\n"
+        'asm("mma // not a comment /* either */\\n" : "+f"(d));\n'
+        "char c = '/'; char q = '\"';\n"
+    )
+
+
+def test_the_cuda_build_gets_the_compact_source(monkeypatch):
+    seen = {}
+
+    def cuda_kernel(**kwargs):
+        seen.update(kwargs)
+        return lambda **kw: None
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel, raising=False)
+    gated_delta_kernel.forget()
+    try:
+        gated_delta_kernel._make("cuda", row_contiguous=True)
+        full = gated_delta_kernel.full_header("cuda") + gated_delta_kernel.body_text()
+        assert seen["header"] + seen["source"] == (
+            toolchain.compact_source(gated_delta_kernel.full_header("cuda"))
+            + toolchain.compact_source(gated_delta_kernel.body_text()))
+        # What MLX hashes at every launch: under two thirds of the commented text.
+        assert len(seen["header"]) + len(seen["source"]) < 0.67 * len(full)
+        monkeypatch.setenv(toolchain.FULL_SOURCE_ENV, "1")
+        gated_delta_kernel._make("cuda", row_contiguous=True)
+        assert seen["header"] + seen["source"] == full
+    finally:
+        gated_delta_kernel.forget()
