@@ -551,3 +551,14 @@ def test_the_cuda_build_gets_the_compact_source(monkeypatch):
         assert seen["header"] + seen["source"] == full
     finally:
         gated_delta_kernel.forget()
+
+
+def test_the_cuda_prelude_leaves_out_atomics_only_where_unused():
+    full = toolchain.cuda_prelude()
+    assert "atomic_fetch_add_explicit" in full
+    without = toolchain.cuda_prelude("float y = simd_sum(x);")
+    assert "atomic_fetch_add_explicit" not in without and "simd_sum" in without
+    assert len(without) < len(full)
+    assert toolchain.cuda_prelude("atomic_fetch_add_explicit(&c[0], 1u, memory_order_relaxed);") == full
+    # The other sections stay whole and in order.
+    assert without == full[:full.index("// Atomics") - 80] + full[full.index("// Math:") - 80:]

@@ -189,8 +189,24 @@ def body_path(body: str) -> Path:
     return path if path.is_absolute() else KERNELS_DIR / path
 
 
+_BANNER = "// " + "-" * 75 + "\n"
+_USES_ATOMICS = re.compile(r"\batomic|\bmemory_order")
+
+
+def cuda_prelude(for_text: Optional[str] = None) -> str:
+    """The CUDA prelude; for a kernel whose code (``for_text``) uses no
+    atomics, without its atomics section (less source for MLX to hash at
+    every launch, below)."""
+    text = _prelude_text()
+    if for_text is None or _USES_ATOMICS.search(for_text):
+        return text
+    start = text.index(_BANNER + "// Atomics")
+    end = text.index(_BANNER, text.index(_BANNER, start + len(_BANNER)) + len(_BANNER))
+    return text[:start] + text[end:]
+
+
 @functools.lru_cache(maxsize=None)
-def cuda_prelude() -> str:
+def _prelude_text() -> str:
     return CUDA_PRELUDE.read_text()
 
 
@@ -522,7 +538,7 @@ class Kernel:
         if self.tiles:
             text = tiles_source(backend) + text
         if backend == "cuda":
-            text = cuda_prelude() + text
+            text = cuda_prelude(text + self.body_text()) + text
         return text
 
     def body_text(self) -> str:
