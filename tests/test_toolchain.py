@@ -562,3 +562,37 @@ def test_the_cuda_prelude_leaves_out_atomics_only_where_unused():
     assert toolchain.cuda_prelude("atomic_fetch_add_explicit(&c[0], 1u, memory_order_relaxed);") == full
     # The other sections stay whole and in order.
     assert without == full[:full.index("// Atomics") - 80] + full[full.index("// Math:") - 80:]
+
+
+def test_every_kernel_computes_the_same_from_its_compact_source(monkeypatch):
+    """The GPU builds compile compacted text: run every op's sample in the
+    emulator from the compacted body and header, and from the full ones."""
+    emulator_or_skip()
+    from mlx_lily.kernels import OPS
+
+    def flat(out):
+        return [o for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+    def run_all():
+        for k in (o for o in __import__("gc").get_objects() if isinstance(o, Kernel)):
+            k.forget()
+        results = {}
+        for name, op in OPS.items():
+            if op.kernel is None or op.sample is None:
+                continue
+            args, kwargs = op.sample()
+            results[name] = flat(op.kernel.run_on("emulator", *args, **kwargs))
+            mx.eval(results[name])
+        return results
+
+    full = run_all()
+    body, header = Kernel.body_text, Kernel.full_header
+    monkeypatch.setattr(Kernel, "body_text", lambda self: toolchain.compact_source(body(self)))
+    monkeypatch.setattr(Kernel, "full_header", lambda self, backend: toolchain.compact_source(header(self, backend)))
+    compact = run_all()
+    monkeypatch.undo()
+    run_all()  # leave the kernels built from their own text
+    assert set(compact) == set(full) and len(full) >= 10
+    for name in full:
+        for got, want in zip(compact[name], full[name]):
+            assert mx.array_equal(got, want, equal_nan=True).item(), name

@@ -210,13 +210,14 @@ def _prelude_text() -> str:
     return CUDA_PRELUDE.read_text()
 
 
-# MLX's CUDA backend hashes a custom kernel's whole source (header included)
-# every time the kernel runs, to find its compiled module: with lily's prelude
-# that was ~30 KB per launch, ~5 us on a server CPU, ~290 times per decode
-# token. The CUDA build therefore gets its source without comments, blank
-# lines or indentation (``compact_source``); MLX_LILY_CUDA_FULL_SOURCE=1 keeps
-# them (readable NVRTC errors).
-FULL_SOURCE_ENV = "MLX_LILY_CUDA_FULL_SOURCE"
+# MLX hashes a custom kernel's whole source (header included) every time the
+# kernel runs, on Metal and on CUDA, to find its compiled library or module:
+# with lily's CUDA prelude that was ~30 KB per launch, ~5 us on a server CPU,
+# ~290 times per decode token. The GPU builds therefore get their source
+# without comments, blank lines or indentation (``compact_source``);
+# MLX_LILY_FULL_KERNEL_SOURCE=1 keeps them (readable compiler errors). The
+# emulator keeps the full source (its reports name source lines).
+FULL_SOURCE_ENV = "MLX_LILY_FULL_KERNEL_SOURCE"
 
 
 def compact_source(text: str) -> str:
@@ -246,8 +247,8 @@ def compact_source(text: str) -> str:
     return "\n".join(line for line in lines if line) + "\n"
 
 
-def cuda_source(text: str) -> str:
-    """What the CUDA build compiles: ``text`` compacted, unless asked not to."""
+def gpu_source(text: str) -> str:
+    """What the Metal and CUDA builds compile: ``text`` compacted, unless asked not to."""
     if os.environ.get(FULL_SOURCE_ENV, "0") == "1":
         return text
     return _compact_cached(text)
@@ -555,7 +556,7 @@ class Kernel:
         the prelude and body can be compile-checked with nvcc without a GPU.
         """
         launch = self.launch(*args, **kwargs)
-        body = cuda_source(self.body_text())
+        body = gpu_source(self.body_text())
         params = []
         for name, arr in zip(self.input_names, launch.inputs):
             params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
@@ -581,7 +582,7 @@ class Kernel:
             [
                 '#include "mlx/backend/cuda/device/utils.cuh"\n\n',
                 "#include <cooperative_groups.h>\n\n",
-                cuda_source(self.full_header("cuda")),
+                gpu_source(self.full_header("cuda")),
                 "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
                 f"__global__ void custom_kernel_{self.backend_name('cuda')}{suffix}(\n",
                 ",\n".join(params),
@@ -614,8 +615,8 @@ class Kernel:
             ensure_row_contiguous=row_contiguous,
         )
         header = self.full_header(backend)
-        if backend == "cuda":
-            common["source"], header = cuda_source(common["source"]), cuda_source(header)
+        if backend in ("metal", "cuda"):
+            common["source"], header = gpu_source(common["source"]), gpu_source(header)
         if backend == "metal":
             return mx.fast.metal_kernel(
                 header=header, atomic_outputs=self.atomic_outputs, **common
