@@ -13,9 +13,10 @@ for its instances mid-request: on CUDA, where NVRTC compiles each one, a
 
 ``prime(model)`` runs the model once over a few synthetic prompts chosen so
 that every such instance is met: chunks at each tile size, with and without
-an incoming state, decode steps, and a batch of two left-padded prompts
-through mlx-lm's own ``BatchGenerator`` (the server's path: masks, batched
-caches, multi-row decode). The tokens are discarded. Nothing is built twice:
+an incoming state, decode steps, one attention decode call for each key-block
+size the split takes at longer contexts, and a batch of two left-padded
+prompts through mlx-lm's own ``BatchGenerator`` (the server's path: masks,
+batched caches, multi-row decode). The tokens are discarded. Nothing is built twice:
 instances met here are cached for the process.
 
 It runs by default under ``mlx_lm.server --backend lily`` and ``python -m
@@ -129,6 +130,8 @@ def _run(model: Any, lengths: List[int], start: float, log) -> None:
     mx.eval(model(_prompt(SHORT_CHUNK), cache=make_prompt_cache(model)))
     del cache, logits
 
+    _prime_attention_decode(model)
+
     batch = [_prompt(SHORT_CHUNK)[0].tolist(), _prompt(SHORT_CHUNK // 2, 1)[0].tolist()]
     gen = BatchGenerator(model, completion_batch_size=len(batch), prefill_batch_size=len(batch))
     try:
@@ -139,6 +142,37 @@ def _run(model: Any, lengths: List[int], start: float, log) -> None:
                 break
     finally:
         gen.close()
+
+
+def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
+    """The shortest context of each attention decode form: the single pass,
+    then each key-block size of the split (they grow with the context, so a
+    long conversation meets each for the first time mid-reply)."""
+    from .kernels.attention import SPLIT_FROM, decode_key_block
+
+    seen, contexts, n = set(), [], 1
+    while n <= longest:
+        form = (n >= SPLIT_FROM, decode_key_block(n, kv_heads) if n >= SPLIT_FROM else 0)
+        if form not in seen:
+            seen.add(form)
+            contexts.append(n)
+        n = n * 2 if n < SPLIT_FROM else n + SPLIT_FROM
+    return contexts
+
+
+def _prime_attention_decode(model: Any) -> None:
+    """One attention decode call per form (``decode_contexts``) on stand-in
+    keys: the chunks above reach only the shorter contexts."""
+    from . import kernels as K
+
+    attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None)
+    if attn is None:
+        return
+    Hq, Hkv, D = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+    q = mx.zeros((1, Hq, 1, D), mx.bfloat16)
+    for n in decode_contexts(Hkv):
+        kv = mx.zeros((1, Hkv, n, D), mx.bfloat16)
+        mx.eval(K.attention(q, kv, kv, attn.scale, None))
 
 
 def _is_lily(model: Any) -> bool:

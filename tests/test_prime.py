@@ -51,6 +51,8 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
     assert tiles == set(TILE_ROWS)
     states = {(dict(key[2])["HAS_STATE"], dict(key[2])["HAS_MASK"]) for key in primed if key[0] == "gated_delta"}
     assert {(False, False), (True, False), (False, True)} <= states
+    blocks = {(dict(key[2])["SPLIT"], dict(key[2])["BLOCK"]) for key in primed if key[0] == "attention_decode"}
+    assert {(False, 0), (True, 64), (True, 128), (True, 256)} <= blocks  # (the self-check adds its own)
 
     # Single requests at each tile size, then a batch of mixed lengths.
     ids = lambda n: [(7 * i) % 400 + 3 for i in range(n)]  # noqa: E731
@@ -58,6 +60,18 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
         serve(model, [ids(n)])
     serve(model, [ids(37), ids(150), ids(3)])
     assert launched() - primed == set()
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_decode_contexts_meet_every_attention_decode_form(kv_heads):
+    from mlx_lily.kernels.attention import SPLIT_FROM, decode_key_block
+
+    def form(n):
+        return (n >= SPLIT_FROM, decode_key_block(n, kv_heads) if n >= SPLIT_FROM else 0)
+
+    contexts = prime.decode_contexts(kv_heads)
+    assert len({form(n) for n in contexts}) == len(contexts)
+    assert {form(n) for n in range(1, 1 << 18, 97)} <= {form(n) for n in contexts}
 
 
 def test_prime_is_asked_for_by_the_server_or_the_environment(monkeypatch):
