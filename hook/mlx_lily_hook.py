@@ -36,29 +36,24 @@ lily_requested = False
 program = None
 
 
-def _is_mlx_lm_program():
-    if not sys.argv:
-        return False
-    if os.path.basename(sys.argv[0]).startswith("mlx_lm"):
-        return True  # console scripts: mlx_lm, mlx_lm.generate, mlx_lm.server, ...
-    # python -m mlx_lm[.X]: mlx_lm.utils is imported while argv[0] is still '-m'.
-    orig = getattr(sys, "orig_argv", [])
-    if "-m" in orig:
-        i = orig.index("-m")
-        return i + 1 < len(orig) and orig[i + 1].split(".")[0] == "mlx_lm"
-    return False
-
-
 def _program_name():
     """'mlx_lm.server', 'mlx_lm.generate', ...: the console script, the module
-    run with -m, or the umbrella command ``mlx_lm <subcommand>``."""
-    name = os.path.basename(sys.argv[0]) if sys.argv else ""
+    run with -m, or the umbrella command ``mlx_lm <subcommand>``; None if none."""
+    if not sys.argv:
+        return None
+    name = os.path.basename(sys.argv[0])
     if not name.startswith("mlx_lm"):
+        # python -m mlx_lm[.X]: mlx_lm.utils is imported while argv[0] is still '-m'.
         orig = getattr(sys, "orig_argv", [])
         name = orig[orig.index("-m") + 1] if "-m" in orig and orig.index("-m") + 1 < len(orig) else ""
     if name == "mlx_lm" and len(sys.argv) > 1 and not sys.argv[1].startswith("-"):
         name = f"mlx_lm.{sys.argv[1]}"
     return name or None
+
+
+def _is_mlx_lm_program(name):
+    """Console scripts mlx_lm, mlx_lm.generate, mlx_lm.server, ... and python -m mlx_lm[.X]."""
+    return name is not None and name.split(".")[0] == "mlx_lm"
 
 
 def _take_backend_flag(argv):
@@ -112,9 +107,10 @@ def request_lily():
 
 def _after_mlx_lm_utils():
     global program
-    if not _is_mlx_lm_program():
+    name = _program_name()
+    if not _is_mlx_lm_program(name):
         return
-    program = _program_name()
+    program = name
     backend = _take_backend_flag(sys.argv)
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         add_backend_to_help()
