@@ -31,7 +31,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterable, List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 
@@ -145,16 +145,15 @@ def _run(model: Any, lengths: List[int], start: float, log) -> None:
 
 
 def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
-    """The shortest context of each attention decode form: the single pass,
-    then each key-block size of the split (they grow with the context, so a
-    long conversation meets each for the first time mid-reply)."""
-    from .kernels.attention import SPLIT_FROM, decode_key_block
+    """The shortest context of each attention decode form (``decode_form``:
+    the single pass, then each key-block size of the split, which grows with
+    the context, so a long conversation meets each first mid-reply)."""
+    from .kernels.attention import SPLIT_FROM, decode_form
 
     seen, contexts, n = set(), [], 1
     while n <= longest:
-        form = (n >= SPLIT_FROM, decode_key_block(n, kv_heads) if n >= SPLIT_FROM else 0)
-        if form not in seen:
-            seen.add(form)
+        if decode_form(n, kv_heads) not in seen:
+            seen.add(decode_form(n, kv_heads))
             contexts.append(n)
         n = n * 2 if n < SPLIT_FROM else n + SPLIT_FROM
     return contexts
@@ -176,9 +175,5 @@ def _prime_attention_decode(model: Any) -> None:
 
 
 def _is_lily(model: Any) -> bool:
-    return any(type(m).__module__.startswith("mlx_lily") for _, m in _modules(model))
-
-
-def _modules(model: Any) -> Iterable:
-    named = getattr(model, "named_modules", None)
-    return named() if named is not None else ()
+    """Whether ``model`` is lily's model class (other model types load stock)."""
+    return type(model).__module__.startswith("mlx_lily.")

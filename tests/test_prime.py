@@ -64,10 +64,10 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 def test_decode_contexts_meet_every_attention_decode_form(kv_heads):
-    from mlx_lily.kernels.attention import SPLIT_FROM, decode_key_block
+    from mlx_lily.kernels.attention import decode_form
 
     def form(n):
-        return (n >= SPLIT_FROM, decode_key_block(n, kv_heads) if n >= SPLIT_FROM else 0)
+        return decode_form(n, kv_heads)
 
     contexts = prime.decode_contexts(kv_heads)
     assert len({form(n) for n in contexts}) == len(contexts)

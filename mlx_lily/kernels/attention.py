@@ -161,6 +161,13 @@ attention_combine_kernel = Kernel(
 )
 
 
+def decode_form(keys: int, kv_heads: int) -> tuple[bool, int]:
+    """(split, keys per block; 0 for the single pass) that ``run_decode``
+    takes by default over ``keys`` keys: one kernel instance per form."""
+    split = keys >= SPLIT_FROM
+    return split, decode_key_block(keys, kv_heads) if split else 0
+
+
 def run_decode(backend: str, q, k, v, scale, mask, split_from: Optional[int] = None,
                key_block: Optional[int] = None) -> mx.array:
     """The decode kernels on ``backend``: [1, Hq, 1, D] (the split and its
