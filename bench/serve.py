@@ -17,8 +17,10 @@ whether its greedy text equals the single-request run of the same prompt.
 Per wave: aggregate tokens/s (all streams' generated tokens / wall time from
 the first request sent to the last stream done). Then one request's prefill
 under the server (prompt tokens / TTFT of the single runs, median) against
-``mlx_lm.generate``'s (``stream_generate``'s prompt tokens/s, lily, warmed up,
-same prompt) in a fresh process.
+``mlx_lm.generate``'s (``stream_generate``'s prompt tokens/s, same engine,
+warmed up, same prompt) in a process of its own: it loads and warms up while
+the server starts, and its measured run waits until the server has stopped
+(``--generate-check-after``: the process starts only then).
 
 Bounded: ``--budget-s`` stops starting new waves once spent (what was skipped
 is recorded), every request has a timeout, every server is stopped. The lily
@@ -92,6 +94,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--server-timeout-s", type=float, default=600, help="server start limit")
     p.add_argument("--request-timeout-s", type=float, default=300, help="per-request limit")
     p.add_argument("--no-generate-check", action="store_true", help="skip the prefill vs generate check")
+    p.add_argument("--generate-check-after", action="store_true",
+                   help="start the generate check's process after the server stops, not beside it "
+                        "(one copy of the model in memory at a time; slower)")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"), help="output folder")
     p.add_argument("--generate-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -328,40 +333,92 @@ def check_greedy(result: Dict[str, Any], alone: Dict[str, Any]) -> None:
 
 def generate_worker(spec_path: str, out_path: str) -> int:
     """One engine's prefill through mlx_lm.stream_generate (what
-    mlx_lm.generate runs), one warmup then one measured run, in this fresh
-    process."""
+    mlx_lm.generate runs) in this fresh process: a warmup run, then, once the
+    ``go`` file of the spec exists, the measured run."""
     import mlx_lily
     from mlx_lm import stream_generate
 
     spec = json.loads(Path(spec_path).read_text())
-    model, tokenizer = mlx_lily.load(spec["model"], backend=spec.get("engine", "lily"))
-    runs = []
-    for _ in range(2):
+
+    def run() -> Dict[str, Any]:
         last = None
         for last in stream_generate(model, tokenizer, spec["prompt"], max_tokens=spec["max_tokens"]):
             pass
-        runs.append({"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
-                     "generation_tps": last.generation_tps})
-    Path(out_path).write_text(json.dumps({"warmup": runs[0], "measured": runs[1]}))
+        return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
+                "generation_tps": last.generation_tps}
+
+    model, tokenizer = mlx_lily.load(spec["model"], backend=spec.get("engine", "lily"))
+    warmup = run()
+    Path(spec["ready"]).write_text(json.dumps(warmup))
+    go, parent = Path(spec["go"]), os.getppid()
+    while not go.exists():
+        if os.getppid() != parent:  # the bench is gone: nobody wants the figure
+            return 1
+        time.sleep(0.05)
+    Path(out_path).write_text(json.dumps({"warmup": warmup, "measured": run()}))
     return 0
 
 
-def generate_check(
-    model: str, prompt: str, max_tokens: int, out: Path, timeout_s: float, engine: str = "lily"
-) -> Dict[str, Any]:
-    spec, result = out / "generate-spec.json", out / "generate-result.json"
-    spec.write_text(json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine}))
-    result.unlink(missing_ok=True)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "bench.serve", "--generate-worker", str(spec), str(result)]
-    done = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    spec.unlink(missing_ok=True)
-    if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:] or ["failed"]}
-    data = json.loads(result.read_text())
-    result.unlink(missing_ok=True)
-    return data
+class GenerateCheck:
+    """The prefill of one engine through ``mlx_lm.generate``, for its server's
+    ratio, in a process of its own started beside the server: it loads and
+    warms up while the server starts (on CUDA both build their kernels then,
+    which takes minutes), and makes its measured run only when told to, after
+    the server has stopped, so that no timing shares the GPU."""
+
+    def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str):
+        self.engine = engine
+        self.spec = out / f"generate-{engine}-spec.json"
+        self.ready, self.go = out / f"generate-{engine}.ready", out / f"generate-{engine}.go"
+        self.result, self.log_path = out / f"generate-{engine}-result.json", out / f"generate-{engine}.log"
+        for f in (self.ready, self.go, self.result):
+            f.unlink(missing_ok=True)
+        self.spec.write_text(json.dumps({
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine,
+            "ready": str(self.ready), "go": str(self.go),
+        }))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.serve", "--generate-worker", str(self.spec), str(self.result)],
+            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Until its warmup run is done (or it failed, or timeout_s passed)."""
+        deadline = time.perf_counter() + timeout_s
+        while not self.ready.exists() and self.proc.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.2)
+        return self.ready.exists()
+
+    def finish(self, ready_timeout_s: float, run_timeout_s: float) -> Dict[str, Any]:
+        """Its measured run, now; the figures, or what went wrong."""
+        try:
+            if not self.wait_ready(ready_timeout_s):
+                return {"error": [self._why("not ready in time")]}
+            self.go.touch()
+            self.proc.wait(timeout=run_timeout_s)
+            if self.proc.returncode != 0 or not self.result.exists():
+                return {"error": [self._why(f"exit code {self.proc.returncode}")]}
+            return json.loads(self.result.read_text())
+        except subprocess.TimeoutExpired:
+            return {"error": ["measured run not done in time"]}
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+        for f in (self.spec, self.ready, self.go, self.result):
+            f.unlink(missing_ok=True)
+
+    def _why(self, fallback: str) -> str:
+        self._log.flush()
+        lines = [l for l in self.log_path.read_text().splitlines() if l.strip()]
+        return lines[-1] if lines else fallback
 
 
 # ------------------------------------------------------------------- main
@@ -379,7 +436,10 @@ def resolve_model(args: argparse.Namespace) -> str:
     return str(make_checkpoint(path, shape=shape, seed=args.seed, quiet=False, conditioned=args.conditioned))
 
 
-def run_engine(engine: str, model: str, prompts: List[str], args, out: Path, deadline: float) -> Dict[str, Any]:
+def run_engine(
+    engine: str, model: str, prompts: List[str], args, out: Path, deadline: float,
+    check: Optional[GenerateCheck] = None,
+) -> Dict[str, Any]:
     result: Dict[str, Any] = {"engine": engine, "waves": {}, "skipped": []}
     log(f"{engine}: starting mlx_lm.server --backend {engine}")
     server = Server(model, engine, out, args.max_tokens, args.server_timeout_s)
@@ -394,6 +454,11 @@ def run_engine(engine: str, model: str, prompts: List[str], args, out: Path, dea
         result["warmup_s"] = time.perf_counter() - t0
         log(f"{engine}: up in {server.startup_s:.0f} s, warmed up in {result['warmup_s']:.0f} s")
         n_max = max(args.concurrency)
+        if check is not None:
+            # Its warmup shares the GPU with nothing timed.
+            t0 = time.perf_counter()
+            check.wait_ready(max(0.0, deadline - t0))
+            result["waited_for_generate_check_s"] = time.perf_counter() - t0
         if time.perf_counter() > deadline:
             result["skipped"].append("all waves (time budget spent in startup and warmup)")
             return result
@@ -472,24 +537,31 @@ def main(argv: Optional[List[str]] = None) -> int:
         },
         "engines": {},
     }
-    for engine in args.engines:
-        try:
-            report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline)
-        except Exception as exc:  # recorded; the other engine still runs
-            report["engines"][engine] = {"engine": engine, "error": str(exc)}
-            log(f"{engine}: failed: {exc}")
     # Each engine's prefill through generate, for its server's ratio: the
     # server's own per-request costs (HTTP, the batch generator's first step)
     # weigh on both engines, and stock's ratio shows how much.
     report["generate_check"] = {}
-    for engine in args.engines if not args.no_generate_check else []:
-        if time.perf_counter() > deadline:
-            report["generate_check"][engine] = {"skipped": "time budget"}
-            continue
-        log(f"prefill check: mlx_lm stream_generate with {engine}, same prompt")
-        report["generate_check"][engine] = generate_check(
-            model, args.prefill_prompt, 2, out, args.server_timeout_s, engine
-        )
+    for engine in args.engines:
+        check, beside = None, not args.no_generate_check and not args.generate_check_after
+        if beside:
+            log(f"prefill check: mlx_lm stream_generate with {engine}, warming up beside the server")
+            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine)
+        try:
+            report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline, check)
+        except Exception as exc:  # recorded; the other engine still runs
+            report["engines"][engine] = {"engine": engine, "error": str(exc)}
+            log(f"{engine}: failed: {exc}")
+        if args.generate_check_after and not args.no_generate_check:
+            if time.perf_counter() > deadline:
+                report["generate_check"][engine] = {"skipped": "time budget"}
+                continue
+            log(f"prefill check: mlx_lm stream_generate with {engine}")
+            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine)
+        if check is not None:
+            # The server has stopped: the measured run has the GPU to itself.
+            ready_s = max(args.server_timeout_s if args.generate_check_after else 30.0,
+                          deadline - time.perf_counter())
+            report["generate_check"][engine] = check.finish(ready_s, args.request_timeout_s)
     report["prefill_vs_generate"] = {e: r for e in args.engines if (r := prefill_ratio(report, e))}
     report["elapsed_s"] = time.perf_counter() - started
 

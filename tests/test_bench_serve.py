@@ -6,6 +6,7 @@ and the files say so."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -85,3 +86,19 @@ def test_the_report_counts_only_stock_paths_as_stock():
     assert "Prefill check, mlx: time budget." in text and "Prefill check, lily: error: OSError: no." in text
     report["engines"]["lily"]["layer_paths"].append({"layer": "MoE", "path": "stock", "batch": 4, "step": "decode"})
     assert "1 on stock" in serve.markdown(report)
+
+
+def test_generate_check_measures_only_when_told(demo_checkpoint, tmp_path):
+    # It warms up beside the server, then waits: its measured run must not
+    # share the GPU with the server's timed waves.
+    check = serve.GenerateCheck(str(demo_checkpoint), "Prefill. river stone light", 2, tmp_path, "lily")
+    try:
+        assert check.wait_ready(120)
+        time.sleep(1.0)
+        assert check.proc.poll() is None and not check.result.exists()
+        result = check.finish(30, 60)
+    finally:
+        check.stop()
+    assert result["measured"]["prompt_tokens"] == result["warmup"]["prompt_tokens"] > 0
+    assert result["measured"]["prompt_tps"] > 0
+    assert not list(tmp_path.glob("generate-lily*.json"))  # its files are cleaned up

@@ -55,3 +55,15 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     # The stubbed step took lily's default decode path, as on a GPU.
     assert "path: lily decode segments" in table and "| whole step |" in table
     assert "without the weights checks" in table and "without the attention ops" in table
+
+
+def test_launch_cost_times_chains_of_launches(tmp_path):
+    from bench.diagnostics import launch_cost
+
+    # The chain really is N launches of x + 1.
+    assert launch_cost.chain(lambda x: x + 1, 5)(mx.zeros((launch_cost.WIDTH,))).tolist() == [5.0] * 32
+    with pytest.raises(SystemExit):
+        launch_cost.main(["--launches", "8"])  # one count gives no slope
+    assert launch_cost.main(["--launches", "4,16", "--steps", "3", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "launch_cost.txt").read_text()
+    assert "| MLX add, op by op |" in table and "N = 16" in table
