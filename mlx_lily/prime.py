@@ -15,9 +15,13 @@ for its instances mid-request: on CUDA, where NVRTC compiles each one, a
 that every such instance is met: chunks at each tile size, with and without
 an incoming state, decode steps, one attention decode call for each key-block
 size the split takes at longer contexts, and a batch of two left-padded
-prompts through mlx-lm's own ``BatchGenerator`` (the server's path: masks,
-batched caches, multi-row decode). The tokens are discarded. Nothing is built twice:
-instances met here are cached for the process.
+prompts through mlx-lm's own ``BatchGenerator`` (masks, batched caches,
+multi-row decode). Under the server the chunks and decode steps run on the
+caches its batch generator gives one request (each cache merged into a batch
+of one: a ``BatchKVCache``, whose array masks take other attention paths than
+``mlx_lm.generate``'s ``KVCache``), elsewhere on ``make_prompt_cache``'s. The
+tokens are discarded. Nothing is built twice: instances met here are cached
+for the process.
 
 It runs by default under ``mlx_lm.server --backend lily`` and ``python -m
 mlx_lily serve`` (the load happens before the first request is served);
@@ -90,31 +94,44 @@ def _prompt(length: int, offset: int = 0) -> mx.array:
     return (mx.arange(offset, offset + length) * 7919 % 97 + 3)[None]
 
 
-def prime(model: Any, log=None) -> Optional[dict]:
+def prime(model: Any, log=None, server: bool = True) -> Optional[dict]:
     """Run ``model`` over synthetic prompts that meet every kernel instance a
-    server's requests can; returns what ran (None when nothing needed it)."""
+    server's requests can (``server``; else ``mlx_lm.generate``'s calls);
+    returns what ran (None when nothing needed it)."""
     backend, _ = kernel_backend()
     shape = _moe_shape(model)
     if backend is None or shape is None or not _is_lily(model):
         return None
     log = log or (lambda message: print(f"[mlx-lily] {message}", file=sys.stderr, flush=True))
     lengths = chunk_lengths(*shape)
+    caches = "the server's" if server else "mlx_lm.generate's"
     log(f"priming lily's kernels on {backend}: prompt chunks of {', '.join(map(str, lengths))} "
-        f"tokens, decode steps and a batch of two ({PRIME_ENV}=0 skips this)")
+        f"tokens on {caches} caches, decode steps and a batch of two ({PRIME_ENV}=0 skips this)")
     start = time.perf_counter()
     with paths.paused():
-        _run(model, lengths, start, log)
+        _run(model, lengths, start, log, server)
     mx.clear_cache()
     seconds = time.perf_counter() - start
     log(f"primed in {seconds:.1f}s")
-    return {"backend": backend, "chunks": lengths, "seconds": seconds}
+    return {"backend": backend, "chunks": lengths, "server_caches": server, "seconds": seconds}
 
 
-def _run(model: Any, lengths: List[int], start: float, log) -> None:
-    from mlx_lm.generate import BatchGenerator
+def prompt_cache(model: Any, server: bool) -> List[Any]:
+    """A fresh cache for one prompt: ``mlx_lm.generate``'s, or the one the
+    server's batch generator makes of it (each cache merged into a batch of
+    one, as mlx-lm's ``BatchGenerator`` does)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
+    if server:
+        cache = [c.merge([c]) if hasattr(c, "merge") else c for c in cache]
+    return cache
+
+
+def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> None:
+    from mlx_lm.generate import BatchGenerator
+
+    cache = prompt_cache(model, server)
     done = 0
     for length in lengths:
         logits = model(_prompt(length, done), cache=cache)
@@ -127,7 +144,7 @@ def _run(model: Any, lengths: List[int], start: float, log) -> None:
         token = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(token, [c.state for c in cache])
     # A short prompt alone: the sequential recurrence without a state.
-    mx.eval(model(_prompt(SHORT_CHUNK), cache=make_prompt_cache(model)))
+    mx.eval(model(_prompt(SHORT_CHUNK), cache=prompt_cache(model, server)))
     del cache, logits
 
     _prime_attention_decode(model)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 import mlx_lily
-from mlx_lily import prime
+from mlx_lily import backend, prime
 from mlx_lily.kernels.gated_delta import CHUNKED_FROM
 from mlx_lily.kernels.moe_routing import TILE_ROWS, tile_rows_for
 from mlx_lily.toolchain.build import Kernel
@@ -19,9 +19,9 @@ def launched() -> set:
     return {(k.name,) + key for k in gc.get_objects() if isinstance(k, Kernel) for key in k.launched}
 
 
-def serve(model, prompts, max_tokens=3):
+def serve(model, prompts, max_tokens=3, prefill_step_size=2048):
     """Run prompts as mlx_lm.server does: through mlx-lm's BatchGenerator."""
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, prefill_step_size=prefill_step_size)
     try:
         gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
         for _ in range(20 * max_tokens):
@@ -41,10 +41,15 @@ def test_chunk_lengths_meet_every_tile_and_both_recurrences(experts, top_k):
     assert lengths[-1] < CHUNKED_FROM  # the sequential form with one
 
 
-def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, monkeypatch):
-    monkeypatch.setenv(prime.PRIME_ENV, "1")
+def forget_launches():
     for k in (o for o in gc.get_objects() if isinstance(o, Kernel)):
         k.launched.clear()
+
+
+def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, monkeypatch):
+    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    monkeypatch.setattr(backend, "_program", "mlx_lm.server")  # as `python -m mlx_lily serve` records it
+    forget_launches()
     model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
     primed = launched()
     tiles = {dict(key[2]).get("TILE_M") for key in primed if key[0] == "moe_gate_up"}
@@ -58,7 +63,29 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
     ids = lambda n: [(7 * i) % 400 + 3 for i in range(n)]  # noqa: E731
     for n in (5, 70, 200):
         serve(model, [ids(n)])
+    # A prompt longer than a prefill step: its later chunks (the short tail
+    # too) carry a state and the server's masks; at the real shapes a 4K
+    # prompt's 10-token tail.
+    serve(model, [ids(430)], prefill_step_size=210)
     serve(model, [ids(37), ids(150), ids(3)])
+    assert launched() - primed == set()
+
+
+def test_priming_for_generate_covers_its_calls(demo_checkpoint, emulator_backend, monkeypatch):
+    # MLX_LILY_PRIME=1 in another program: mlx_lm.generate's caches (no masks).
+    from mlx_lm import generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    monkeypatch.setattr(backend, "_program", "mlx_lm.generate")
+    forget_launches()
+    model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    primed = launched()
+    assert primed
+    ids = [(7 * i) % 400 + 3 for i in range(430)]
+    for n, step in ((5, 2048), (200, 2048), (430, 210)):
+        generate(model, tokenizer, ids[:n], max_tokens=3, prompt_cache=make_prompt_cache(model),
+                 prefill_step_size=step)
     assert launched() - primed == set()
 
 
@@ -88,7 +115,7 @@ def test_prime_is_asked_for_by_the_server_or_the_environment(monkeypatch):
 def test_a_failed_prime_is_a_notice_and_the_model_loads(demo_checkpoint, monkeypatch, capsys, fresh_notices):
     monkeypatch.setenv(prime.PRIME_ENV, "1")
 
-    def broken(model, log=None):
+    def broken(model, log=None, server=True):
         raise RuntimeError("no room")
 
     monkeypatch.setattr(prime, "prime", broken)

@@ -42,7 +42,7 @@ def custom_add(source_kb: float) -> Callable[[mx.array], mx.array]:
     """x + 1 through a custom kernel whose source is padded to source_kb."""
     backend = "cuda" if mx.cuda.is_available() else "metal"
     index = "threadIdx.x" if backend == "cuda" else "thread_position_in_grid.x"
-    body = f"uint i = {index};\nout[i] = inp[i] + 1.0f;\n"
+    body = f"unsigned int i = {index};\nout[i] = inp[i] + 1.0f;\n"
     padding = int(source_kb * 1024) - len(body)
     if padding > 0:  # comment lines, as a long kernel's text would be
         line = "// " + "x" * 76 + "\n"
