@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from typing import Any, Callable, Dict, Optional, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+
+from ._cache import cache_dir
 
 # Bump when the files written here change, so cached checkpoints are rebuilt.
 FORMAT_VERSION = 2  # 2: the model's vocabulary is the tokenizer's
@@ -321,11 +322,7 @@ def _fill_vocabulary(tok, vocab_size: int):
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("MLX_LILY_CACHE")
-    if root:
-        return Path(root)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlx_lily"
+    return cache_dir()
 
 
 def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = False) -> Dict[str, Any]:

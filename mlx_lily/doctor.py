@@ -96,6 +96,21 @@ def server_priming() -> str:
     return f"not primed ({PRIME_ENV}={os.environ.get(PRIME_ENV)}): each instance builds at its first use"
 
 
+def kernel_sources() -> str:
+    """How the GPU builds hand MLX their kernels' text (toolchain/build.py)."""
+    from .toolchain import build
+    from .toolchain.registry import kernel_backend
+
+    backend, _ = kernel_backend()
+    if backend == "cuda":
+        if build.cuda_includes_work():
+            return f"compacted, by #include from {build.cuda_sources_dir()} (MLX rebuilds and hashes less per launch)"
+        return "compacted, inline (by #include is off or failed its probe; see the notice)"
+    if backend == "metal":
+        return "compacted, inline"
+    return f"{backend or 'no kernels'}: full text"
+
+
 def report_platform() -> None:
     import mlx_lm
 
@@ -122,6 +137,7 @@ def main(argv: List[str] | None = None) -> int:
     print(f"\ndecode       {decode_path()}")
     print(f"prefill      {prefill_pacing()}")
     print(f"server       {server_priming()}")
+    print(f"sources      {kernel_sources()}")
 
     print("\nself-check (small inputs):")
     failures = 0

@@ -537,6 +537,7 @@ def test_the_cuda_build_gets_the_compact_source(monkeypatch):
         return lambda **kw: None
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel, raising=False)
+    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: False)
     gated_delta_kernel.forget()
     try:
         gated_delta_kernel._make("cuda", row_contiguous=True)
@@ -551,6 +552,87 @@ def test_the_cuda_build_gets_the_compact_source(monkeypatch):
         assert seen["header"] + seen["source"] == full
     finally:
         gated_delta_kernel.forget()
+
+
+def _mlx_shape_infos(source: str, input_names) -> list:
+    # What MLX's cuda_kernel derives from the source it is given (a substring search).
+    return [tuple(f"{n}{s}" in source for s in ("_shape", "_strides", "_ndim")) for n in input_names]
+
+
+def test_the_cuda_build_passes_its_text_by_include(monkeypatch, tmp_path):
+    seen = {}
+
+    def cuda_kernel(**kwargs):
+        seen.update(kwargs)
+        return lambda **kw: None
+
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel, raising=False)
+    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: True)
+    gated_delta_kernel.forget()
+    try:
+        gated_delta_kernel._make("cuda", row_contiguous=True)
+    finally:
+        gated_delta_kernel.forget()
+    header = toolchain.compact_source(gated_delta_kernel.full_header("cuda"))
+    body = toolchain.compact_source(gated_delta_kernel.body_text())
+    folder = tmp_path / "cuda-sources"
+    # Two include lines name files that hold the compacted header and body.
+    (header_file,) = re.findall(r'^#include "([^"]+)"$', seen["header"], re.M)
+    (body_file,) = re.findall(r'^#include "([^"]+)"$', seen["source"], re.M)
+    assert Path(header_file).parent == folder and Path(header_file).read_text() == header
+    assert Path(body_file).parent == folder and Path(body_file).read_text() == body
+    # MLX passes the same shapes and strides as it would for the body itself.
+    names = gated_delta_kernel.input_names
+    assert _mlx_shape_infos(seen["source"], names) == _mlx_shape_infos(body, names)
+    assert any(any(info) for info in _mlx_shape_infos(body, names))
+    # What MLX rebuilds and hashes at every launch: a few hundred bytes, not ~20 KB.
+    assert len(seen["header"]) + len(seen["source"]) < 0.05 * (len(header) + len(body))
+    # The same text is written once: a second build finds its files.
+    files = sorted(folder.iterdir())
+    gated_delta_kernel._make("cuda", row_contiguous=True)
+    gated_delta_kernel.forget()
+    assert sorted(folder.iterdir()) == files and len(files) == 2
+
+
+def test_cuda_includes_fall_back_to_inline_text_with_one_notice(monkeypatch, tmp_path, capsys, fresh_notices):
+    def broken(**kwargs):
+        raise RuntimeError("cannot open source file")
+
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", broken, raising=False)
+    toolchain.cuda_includes_work.cache_clear()
+    try:
+        assert toolchain.cuda_includes_work() is False
+        assert toolchain.cuda_includes_work() is False
+        err = capsys.readouterr().err
+        assert err.count("CUDA kernels get their source inline") == 1 and "cannot open source file" in err
+        toolchain.cuda_includes_work.cache_clear()
+        monkeypatch.setenv(toolchain.CUDA_INCLUDES_ENV, "0")
+        assert toolchain.cuda_includes_work() is False
+        assert "inline" not in capsys.readouterr().err  # asked for: no notice
+    finally:
+        toolchain.cuda_includes_work.cache_clear()
+
+
+def test_cuda_kernels_by_include_compile_to_the_same_ptx(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path / "cache"))
+    from mlx_lily.kernels import OPS
+
+    units = {}
+    for name in ("quantized_matvec", "gated_delta_decode", "router_topk"):
+        op = OPS[name]
+        args, kwargs = op.sample()
+        for form in (False, True):
+            units[f"{name}_{int(form)}"] = op.kernel.cuda_translation_unit(*args, by_include=form, **kwargs)
+    assert all("#include" in units[f"{n}_1"] and len(units[f"{n}_1"]) < len(units[f"{n}_0"]) / 4
+               for n in ("quantized_matvec", "gated_delta_decode", "router_topk"))
+    ptx = nvcc_ptx(tmp_path, units)
+    for name in ("quantized_matvec", "gated_delta_decode", "router_topk"):
+        # Internal symbols carry the file's name and a digest of its path.
+        same = [re.sub(rf"_[0-9a-f]{{8}}_\d+_{name}_[01]_cu_", "_FILE_", ptx[f"{name}_{form}"])
+                for form in (0, 1)]
+        assert same[1] == same[0], name
 
 
 def test_the_cuda_prelude_leaves_out_atomics_only_where_unused():
@@ -596,3 +678,18 @@ def test_every_kernel_computes_the_same_from_its_compact_source(monkeypatch):
     for name in full:
         for got, want in zip(compact[name], full[name]):
             assert mx.array_equal(got, want, equal_nan=True).item(), name
+
+
+def test_doctor_says_how_kernels_get_their_source(monkeypatch, tmp_path):
+    from mlx_lily import doctor
+    from mlx_lily.toolchain import registry
+
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
+    monkeypatch.setattr(registry, "kernel_backend", lambda: ("cuda", "test"))
+    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: True)
+    assert doctor.kernel_sources() == (
+        f"compacted, by #include from {tmp_path / 'cuda-sources'} (MLX rebuilds and hashes less per launch)")
+    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: False)
+    assert doctor.kernel_sources().startswith("compacted, inline (by #include is off")
+    monkeypatch.setattr(registry, "kernel_backend", lambda: ("emulator", "test"))
+    assert doctor.kernel_sources() == "emulator: full text"

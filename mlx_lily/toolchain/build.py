@@ -259,6 +259,83 @@ def _compact_cached(text: str) -> str:
     return compact_source(text)
 
 
+# MLX's cuda_kernel also rebuilds a kernel's source (header, signature, body)
+# at every call; each KB of it costs a launch about 0.3 us on the H200, a
+# 20 KB kernel ~6 us of the ~11 it costs in all (bench.diagnostics.launch_cost).
+# So the CUDA build hands MLX two #include lines instead of the text: the
+# compacted header and body are written once to lily's cache (``MLX_LILY_CACHE``
+# or ``~/.cache/mlx_lily``, under ``cuda-sources/``), each named by its digest,
+# and NVRTC reads them from there. MLX decides which shapes and strides to pass
+# by looking for ``<input>_shape`` (``_strides``, ``_ndim``) in the body, so
+# the names the body uses follow its include line, as a comment. A probe kernel
+# checks once per process that NVRTC reads such files; where it does not, or
+# the folder cannot be written, or MLX_LILY_CUDA_INCLUDES=0, the text goes
+# inline as before (one notice).
+CUDA_INCLUDES_ENV = "MLX_LILY_CUDA_INCLUDES"
+_SHAPE_SUFFIXES = ("_shape", "_strides", "_ndim")
+
+
+def cuda_sources_dir() -> Path:
+    from .._cache import cache_dir
+
+    return cache_dir() / "cuda-sources"
+
+
+def include_line(text: str, kind: str) -> str:
+    """``#include "<file>"`` for ``text``, written once to ``cuda_sources_dir()``
+    under a name of its digest (an existing file of that name holds it)."""
+    folder = cuda_sources_dir()
+    path = folder / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.cuh"
+    if '"' in str(path) or "\n" in str(path):
+        raise OSError(f"{path}: not a path an #include line can name")
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+        partial.write_text(text)
+        os.replace(partial, path)  # whole or absent, with other processes writing too
+    return f'#include "{path}"\n'
+
+
+def shape_names(body: str, input_names: Sequence[str]) -> list:
+    """The ``<input>_shape/_strides/_ndim`` names ``body`` uses: what MLX's
+    cuda_kernel looks for in a body to pass them."""
+    return [f"{n}{s}" for n in input_names for s in _SHAPE_SUFFIXES if f"{n}{s}" in body]
+
+
+def cuda_by_include(header: str, body: str, input_names: Sequence[str]) -> tuple:
+    """(header, source) for MLX's cuda_kernel: include lines for the given
+    texts, and a comment naming what the body uses of its inputs' shapes."""
+    names = shape_names(body, input_names)
+    uses = f"// uses {' '.join(names)}\n" if names else ""
+    return include_line(header, "header"), include_line(body, "body") + uses
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_includes_work() -> bool:
+    """Whether CUDA kernels get their text by #include (above): asked for, the
+    folder writable, and a probe kernel built that way computes its sum."""
+    if os.environ.get(CUDA_INCLUDES_ENV, "1") == "0" or os.environ.get(FULL_SOURCE_ENV, "0") == "1":
+        return False
+    try:
+        header, source = cuda_by_include(
+            "#define LILY_INCLUDE_PROBE_ADD 2.0f\n",
+            "unsigned int i = threadIdx.x;\nout[i] = inp[i * inp_strides[0]] + LILY_INCLUDE_PROBE_ADD;\n",
+            ["inp"],
+        )
+        probe = mx.fast.cuda_kernel(name="lily_include_probe", input_names=["inp"], output_names=["out"],
+                                    source=source, header=header, ensure_row_contiguous=False)
+        x = mx.arange(64, dtype=mx.float32)[::2]
+        out = probe(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                    output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
+        if not mx.array_equal(out, x + 2.0).item():
+            raise RuntimeError("the probe kernel computed a wrong sum")
+        return True
+    except Exception as exc:  # noqa: BLE001 - the inline text always works
+        notice_once("cuda-includes", f"CUDA kernels get their source inline, not by #include "
+                                     f"({_one_line(exc)}); each launch costs a few microseconds more")
+        return False
+
+
 @functools.lru_cache(maxsize=None)
 def tiles_source(backend: str) -> str:
     """The matrix-tile API's implementation for ``backend``."""
@@ -548,15 +625,21 @@ class Kernel:
             self._text = self.source if self.source is not None else body_path(self.body).read_text()
         return self._text
 
-    def cuda_translation_unit(self, *args, **kwargs) -> str:
+    def cuda_translation_unit(self, *args, by_include: bool = False, **kwargs) -> str:
         """The CUDA source MLX's cuda_kernel generates for this call.
 
         Mirrors the layout of MLX 0.32's generated code (its default includes,
         the header, then the kernel inside ``namespace mlx::core::cu``), so that
-        the prelude and body can be compile-checked with nvcc without a GPU.
+        the prelude and body can be compile-checked with nvcc without a GPU;
+        ``by_include``: with the header and body as the CUDA build passes them
+        when ``cuda_includes_work()`` (include lines).
         """
         launch = self.launch(*args, **kwargs)
         body = gpu_source(self.body_text())
+        header = gpu_source(self.full_header("cuda"))
+        text = body
+        if by_include:
+            header, text = cuda_by_include(header, body, self.input_names)
         params = []
         for name, arr in zip(self.input_names, launch.inputs):
             params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
@@ -582,14 +665,14 @@ class Kernel:
             [
                 '#include "mlx/backend/cuda/device/utils.cuh"\n\n',
                 "#include <cooperative_groups.h>\n\n",
-                gpu_source(self.full_header("cuda")),
+                header,
                 "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
                 f"__global__ void custom_kernel_{self.backend_name('cuda')}{suffix}(\n",
                 ",\n".join(params),
                 ") {\n",
                 "\n".join(constants),
                 "\n\n" if constants else "",
-                body,
+                text,
                 "\n}\n\n} // namespace mlx::core::cu\n",
             ]
         )
@@ -617,6 +700,8 @@ class Kernel:
         header = self.full_header(backend)
         if backend in ("metal", "cuda"):
             common["source"], header = gpu_source(common["source"]), gpu_source(header)
+        if backend == "cuda" and cuda_includes_work():
+            header, common["source"] = cuda_by_include(header, common["source"], self.input_names)
         if backend == "metal":
             return mx.fast.metal_kernel(
                 header=header, atomic_outputs=self.atomic_outputs, **common
