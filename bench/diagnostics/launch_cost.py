@@ -112,7 +112,7 @@ def main(argv=None) -> int:
 
     lines = [f"Steps of N chained launches (x + 1 on {WIDTH} floats), {mx.default_device()}, "
              f"median over {args.steps} steps", "",
-             "| launches | " + " | ".join(f"N = {n}: alone / pipelined ms" for n in counts)
+             "| launch | " + " | ".join(f"N = {n}: alone / pipelined ms" for n in counts)
              + " | µs per launch, alone / pipelined |",
              "|---|" + "---:|" * (len(counts) + 1)]
     for name, make in rows.items():
