@@ -45,6 +45,10 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     ratios = report["prefill_vs_generate"]
     assert set(ratios) == {"lily", "mlx"} and all(r["ratio"] > 0 for r in ratios.values())
     assert all(report["generate_check"][e]["measured"]["prompt_tokens"] > 0 for e in ("lily", "mlx"))
+    # The first request of the prefill length is kept beside the measured second.
+    assert all(report["engines"][e]["prefill_single"]["first_ttft_s"] > 0 for e in ("lily", "mlx"))
+    assert all(r["server_first_ttft_s"] == report["engines"][e]["prefill_single"]["first_ttft_s"]
+               for e, r in ratios.items())
     table = md_file.read_text()
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
     assert "Prefill, one request, lily:" in table and "Prefill, one request, mlx:" in table
