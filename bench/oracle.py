@@ -32,7 +32,7 @@ restores them after, so no fp32 copy of the model exists.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import mlx.core as mx
 import numpy as np

@@ -588,11 +588,14 @@ def test_the_cuda_build_passes_its_text_by_include(monkeypatch, tmp_path):
     assert any(any(info) for info in _mlx_shape_infos(body, names))
     # What MLX rebuilds and hashes at every launch: a few hundred bytes, not ~20 KB.
     assert len(seen["header"]) + len(seen["source"]) < 0.05 * (len(header) + len(body))
-    # The same text is written once: a second build finds its files.
+    # The same text is written once: a second build finds its files; a
+    # damaged one is written again, not compiled.
     files = sorted(folder.iterdir())
+    Path(body_file).write_text(body[:100])
     gated_delta_kernel._make("cuda", row_contiguous=True)
     gated_delta_kernel.forget()
     assert sorted(folder.iterdir()) == files and len(files) == 2
+    assert Path(body_file).read_text() == body
 
 
 def test_cuda_includes_fall_back_to_inline_text_with_one_notice(monkeypatch, tmp_path, capsys, fresh_notices):

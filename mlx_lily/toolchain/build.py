@@ -282,13 +282,15 @@ def cuda_sources_dir() -> Path:
 
 
 def include_line(text: str, kind: str) -> str:
-    """``#include "<file>"`` for ``text``, written once to ``cuda_sources_dir()``
-    under a name of its digest (an existing file of that name holds it)."""
+    """``#include "<file>"`` for ``text``, written to ``cuda_sources_dir()``
+    under a name of its digest (kept where a file of that name already holds
+    exactly ``text``; read back once per kernel build, so a damaged file is
+    replaced rather than compiled)."""
     folder = cuda_sources_dir()
     path = folder / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:24]}.cuh"
     if '"' in str(path) or "\n" in str(path):
         raise OSError(f"{path}: not a path an #include line can name")
-    if not path.exists():
+    if not (path.exists() and path.read_text() == text):
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.part")
         partial.write_text(text)
