@@ -321,10 +321,6 @@ def _fill_vocabulary(tok, vocab_size: int):
                 next_id += 1
 
 
-def default_cache_dir() -> Path:
-    return cache_dir()
-
-
 def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = False) -> Dict[str, Any]:
     marker = {"format": FORMAT_VERSION, "shape": shape, "seed": seed}
     if conditioned:
@@ -353,7 +349,7 @@ def make_checkpoint(
     if path is None:
         name = shape if isinstance(shape, str) else "custom"
         kind = "-conditioned" if conditioned else ""
-        path = default_cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
+        path = cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
     path = Path(path)
     marker = path / MARKER
     want = _marker(shape, seed, conditioned)

@@ -34,13 +34,14 @@ from typing import Callable, Dict, List
 import mlx.core as mx
 
 from bench.common import log, write_report
+from mlx_lily.toolchain.registry import gpu_backend
 
 WIDTH = 32  # floats per launch: a kernel with nothing to do but be launched
 
 
 def custom_add(source_kb: float) -> Callable[[mx.array], mx.array]:
     """x + 1 through a custom kernel whose source is padded to source_kb."""
-    backend = "cuda" if mx.cuda.is_available() else "metal"
+    backend = gpu_backend()
     index = "threadIdx.x" if backend == "cuda" else "thread_position_in_grid.x"
     body = f"unsigned int i = {index};\nout[i] = inp[i] + 1.0f;\n"
     padding = int(source_kb * 1024) - len(body)
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     counts = sorted({int(n) for n in args.launches.split(",")})
     if len(counts) < 2:
         p.error("--launches: at least two counts, for the slope")
-    gpu = mx.cuda.is_available() or mx.metal.is_available()
+    gpu = gpu_backend() is not None
 
     rows: Dict[str, Callable[[int], Callable]] = {"MLX add, op by op": lambda n: chain(lambda x: x + 1, n)}
     if gpu:

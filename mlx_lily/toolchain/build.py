@@ -621,6 +621,17 @@ class Kernel:
             text = cuda_prelude(text + self.body_text()) + text
         return text
 
+    def mlx_texts(self, backend: str, by_include: bool = False) -> tuple[str, str]:
+        """(header, source) as MLX's kernel builder gets them on ``backend``:
+        compacted on Metal and CUDA (``gpu_source``), and on CUDA with
+        ``by_include`` the two include lines (``cuda_by_include``)."""
+        header, body = self.full_header(backend), self.body_text()
+        if backend in ("metal", "cuda"):
+            header, body = gpu_source(header), gpu_source(body)
+        if backend == "cuda" and by_include:
+            header, body = cuda_by_include(header, body, self.input_names)
+        return header, body
+
     def body_text(self) -> str:
         """The body's source (read from its file once: launches ask on every call)."""
         if self._text is None:
@@ -637,20 +648,17 @@ class Kernel:
         when ``cuda_includes_work()`` (include lines).
         """
         launch = self.launch(*args, **kwargs)
-        body = gpu_source(self.body_text())
-        header = gpu_source(self.full_header("cuda"))
-        text = body
-        if by_include:
-            header, text = cuda_by_include(header, body, self.input_names)
+        header, text = self.mlx_texts("cuda", by_include)
         params = []
         for name, arr in zip(self.input_names, launch.inputs):
             params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
             if arr.ndim > 0:
-                if f"{name}_shape" in body:
+                # MLX's own test: the name anywhere in the source it is given.
+                if f"{name}_shape" in text:
                     params.append(f"    const __grid_constant__ Shape {name}_shape")
-                if f"{name}_strides" in body:
+                if f"{name}_strides" in text:
                     params.append(f"    const __grid_constant__ Strides {name}_strides")
-                if f"{name}_ndim" in body:
+                if f"{name}_ndim" in text:
                     params.append(f"    const __grid_constant__ int {name}_ndim")
         for name, dtype in zip(self.output_names, launch.output_dtypes):
             params.append(f"    {_cuda_type(dtype)}* {name}")
@@ -692,18 +700,14 @@ class Kernel:
             return self._built[key]
 
     def _make(self, backend: str, row_contiguous: bool) -> Callable:
+        header, source = self.mlx_texts(backend, by_include=backend == "cuda" and cuda_includes_work())
         common = dict(
             name=self.backend_name(backend),
             input_names=list(self.input_names),
             output_names=list(self.output_names),
-            source=self.body_text(),
+            source=source,
             ensure_row_contiguous=row_contiguous,
         )
-        header = self.full_header(backend)
-        if backend in ("metal", "cuda"):
-            common["source"], header = gpu_source(common["source"]), gpu_source(header)
-        if backend == "cuda" and cuda_includes_work():
-            header, common["source"] = cuda_by_include(header, common["source"], self.input_names)
         if backend == "metal":
             return mx.fast.metal_kernel(
                 header=header, atomic_outputs=self.atomic_outputs, **common
