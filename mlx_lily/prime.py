@@ -13,15 +13,17 @@ for its instances mid-request: on CUDA, where NVRTC compiles each one, a
 
 ``prime(model)`` runs the model once over a few synthetic prompts chosen so
 that every such instance is met: chunks at each tile size, with and without
-an incoming state, decode steps, one attention decode call for each key-block
-size the split takes at longer contexts, and a batch of two left-padded
-prompts through mlx-lm's own ``BatchGenerator`` (masks, batched caches,
-multi-row decode). Under the server the chunks and decode steps run on the
-caches its batch generator gives one request (each cache merged into a batch
-of one: a ``BatchKVCache``, whose array masks take other attention paths than
-``mlx_lm.generate``'s ``KVCache``), elsewhere on ``make_prompt_cache``'s. The
-tokens are discarded. Nothing is built twice: instances met here are cached
-for the process.
+an incoming state, decode steps, and a batch of two left-padded prompts
+through mlx-lm's own ``BatchGenerator`` (masks, batched caches, multi-row
+decode). Under the server the chunks and decode steps run on the caches its
+batch generator gives one request (each cache merged into a batch of one: a
+``BatchKVCache``, whose array masks take other attention paths than
+``mlx_lm.generate``'s ``KVCache``), elsewhere on ``make_prompt_cache``'s,
+plus one attention decode call for each key-block size the split takes at
+longer contexts (the server's decode attention carries an array mask, which
+the decode kernel does not take: it runs MLX's sdpa). The tokens are
+discarded. Nothing is built twice: instances met here are cached for the
+process.
 
 It runs by default under ``mlx_lm.server --backend lily`` and ``python -m
 mlx_lily serve`` (the load happens before the first request is served);
@@ -147,7 +149,10 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
     mx.eval(model(_prompt(SHORT_CHUNK), cache=prompt_cache(model, server)))
     del cache, logits
 
-    _prime_attention_decode(model)
+    if not server:
+        # The server's attention decode calls carry its batch caches' array
+        # masks, which run MLX's sdpa: none meets these kernel instances.
+        _prime_attention_decode(model)
 
     batch = [_prompt(SHORT_CHUNK)[0].tolist(), _prompt(SHORT_CHUNK // 2, 1)[0].tolist()]
     gen = BatchGenerator(model, completion_batch_size=len(batch), prefill_batch_size=len(batch))

@@ -59,8 +59,6 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
     # for the chunked kernels drop it when it masks nothing, shorter ones
     # keep it (the sequential recurrence with a mask, with and without a state).
     assert {(False, True), (True, True)} <= states
-    blocks = {(dict(key[2])["SPLIT"], dict(key[2])["BLOCK"]) for key in primed if key[0] == "attention_decode"}
-    assert {(False, 0), (True, 64), (True, 128), (True, 256)} <= blocks  # (the self-check adds its own)
 
     # Single requests at each tile size, then a batch of mixed lengths.
     ids = lambda n: [(7 * i) % 400 + 3 for i in range(n)]  # noqa: E731
@@ -86,11 +84,30 @@ def test_priming_for_generate_covers_its_calls(demo_checkpoint, emulator_backend
     primed = launched()
     states = {(dict(key[2])["HAS_STATE"], dict(key[2])["HAS_MASK"]) for key in primed if key[0] == "gated_delta"}
     assert {(False, False), (True, False)} <= states  # generate's caches: no masks
+    blocks = {(dict(key[2])["SPLIT"], dict(key[2])["BLOCK"]) for key in primed if key[0] == "attention_decode"}
+    assert {(False, 0), (True, 64), (True, 128), (True, 256)} <= blocks  # (the self-check adds its own)
     ids = [(7 * i) % 400 + 3 for i in range(430)]
     for n, step in ((5, 2048), (200, 2048), (430, 210)):
         generate(model, tokenizer, ids[:n], max_tokens=3, prompt_cache=make_prompt_cache(model),
                  prefill_step_size=step)
     assert launched() - primed == set()
+
+
+def test_the_servers_decode_attention_is_not_the_decode_kernels():
+    # Why server priming makes no attention decode calls: a request's decode
+    # step carries its BatchKVCache's array mask, which the kernel leaves to sdpa.
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_lily.kernels.attention import decode_supports
+
+    cache = KVCache().merge([KVCache()])
+    kv = mx.zeros((1, 2, 5, 64), mx.bfloat16)
+    cache.update_and_fetch(kv, kv)
+    mask = cache.make_mask(1)
+    assert isinstance(mask, mx.array)
+    q = mx.zeros((1, 4, 1, 64), mx.bfloat16)
+    assert decode_supports(q, kv, kv, 0.1, mask) == "an explicit mask (decode kernel: none, or causal)"
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
