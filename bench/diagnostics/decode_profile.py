@@ -25,32 +25,44 @@ import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
 
 TOP = 25
 
 
-def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[float]]]:
-    """(median wall ms per step, {kernel name: [device µs of each call]})."""
+def kernel_times(run: Callable[[], None]) -> Dict[str, List[float]]:
+    """{kernel name: [device µs of each call]} of every GPU kernel ``run``
+    launches (and waits for), recorded by PyTorch's profiler (CUPTI: it sees
+    MLX's kernels too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     torch.zeros(1, device="cuda")  # CUDA context and CUPTI up before recording
-    tok = mx.array([[1]])
-    walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    kernels: Dict[str, List[float]] = defaultdict(list)
+    for event in prof.events():
+        if "CUDA" in str(getattr(event, "device_type", "")):
+            kernels[event.name].append(event.time_range.elapsed_us())
+    return kernels
+
+
+def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[float]]]:
+    """(median wall ms per step, {kernel name: [device µs of each call]})."""
+    walls = []
+
+    def run():
+        tok = mx.array([[1]])
         for _ in range(steps):
             start = time.perf_counter()
             logits = model(tok, cache=cache)
             tok = mx.argmax(logits[:, -1:], axis=-1)
             mx.eval(tok, [c.state for c in cache])
             walls.append(1e3 * (time.perf_counter() - start))
-    kernels: Dict[str, List[float]] = defaultdict(list)
-    for event in prof.events():
-        if "CUDA" in str(getattr(event, "device_type", "")):
-            kernels[event.name].append(event.time_range.elapsed_us())
+
+    kernels = kernel_times(run)
     return statistics.median(walls), kernels
 
 

@@ -1,0 +1,126 @@
+"""How close a decode token's weight reads come to the GPU's memory speed (NVIDIA only).
+
+    python3 -m bench.diagnostics.bandwidth [--out DIR]
+
+For each weight read a decode token makes (the merged projections of
+``gemv_sweep``, at the real Qwen3.6-35B-A3B shapes), the device time of one
+call (CUPTI, through PyTorch's profiler: the kernel alone, without launching)
+and the GB/s that makes of the weights' bytes, for:
+
+* PyTorch's sum of a bf16 tensor of the same bytes: what a plain read reaches
+  on this machine, in PyTorch's own device memory;
+* MLX's elementwise copy of the words (read and write counted);
+* MLX's ``quantized_matmul`` per projection (stock's sequence);
+* lily's ``quantized_matvec`` (one launch).
+
+Each call reads its own copy of the weights, the calls rotating through
+enough copies that the GPU's L2 cache (50 MB on the H200) holds none of them
+when they are read again, as in decode, where every layer's weights are new.
+Needs PyTorch with CUDA; without it, says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from typing import Callable, Dict, List
+
+import mlx.core as mx
+
+import mlx_lily.kernels  # noqa: F401  (registers the ops)
+from bench.common import write_report
+from bench.diagnostics.decode_profile import kernel_times
+from bench.diagnostics.gemv_sweep import CALLS, weight_bytes
+from mlx_lily.kernels.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
+
+# Bytes the rotation spans: four times the H200's L2.
+ROTATION_BYTES = 200 * 2**20
+ROUNDS = 5
+
+
+def _dominant_us(kernels: Dict[str, List[float]]) -> float:
+    """Median device µs of the kernel that took the most time in total."""
+    _, times = max(kernels.items(), key=lambda kv: sum(kv[1]))
+    return statistics.median(times)
+
+
+def _device_us(fn: Callable, inputs: list) -> float:
+    """Device µs of one call of fn, each call on the next input of the rotation."""
+    mx.eval([fn(a) for a in inputs])  # compiled, and each copy read once before timing
+
+    def run():
+        for _ in range(ROUNDS):
+            mx.eval([fn(a) for a in inputs])
+
+    return _dominant_us(kernel_times(run))
+
+
+def _torch_read_us(nbytes: int, copies: int) -> float:
+    import torch
+
+    tensors = [torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
+
+    def run():
+        for _ in range(ROUNDS):
+            for t in tensors:
+                t.sum()
+        torch.cuda.synchronize()
+
+    run()
+    return _dominant_us(kernel_times(run))
+
+
+def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
+    K, rows, bits, prologue, residual = spec
+    (x, weights), kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
+    nbytes = weight_bytes((x, weights))
+    copies = max(2, -(-ROTATION_BYTES // nbytes))
+    sets = [[tuple(a * 1 for a in triple) for triple in weights] for _ in range(copies)]
+    mx.eval(x, kwargs, sets)
+    words = [[w for w, _, _ in ws] for ws in sets]
+    word_bytes = sum(w.nbytes for w in words[0])
+    row = {"weight_bytes": nbytes, "copies": copies}
+    row["torch_read_us"] = _torch_read_us(nbytes, copies)
+    row["mlx_copy_us"] = _device_us(lambda ws: [mx.bitwise_xor(w, 1) for w in ws], words)
+    row["mlx_copy_gb_s"] = 2 * word_bytes / row["mlx_copy_us"] / 1e3
+    row["stock_us"] = _device_us(lambda ws: quantized_matvec_reference(x, ws, **kwargs), sets)
+    row["lily_us"] = _device_us(lambda ws: quantized_matvec_kernel.run_on(backend, x, ws, **kwargs), sets)
+    for key in ("torch_read", "stock", "lily"):
+        row[f"{key}_gb_s"] = nbytes / row[f"{key}_us"] / 1e3
+    print(f"{name}: {nbytes / 2**20:.1f} MiB; torch read {row['torch_read_us']:.1f} us "
+          f"({row['torch_read_gb_s']:.0f} GB/s), MLX copy {row['mlx_copy_gb_s']:.0f} GB/s, "
+          f"stock {row['stock_us']:.1f} us ({row['stock_gb_s']:.0f} GB/s), lily {row['lily_us']:.1f} us "
+          f"({row['lily_gb_s']:.0f} GB/s)", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="also write DIR/bandwidth.txt")
+    args = p.parse_args(argv)
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ImportError("torch.cuda is not available")
+    except ImportError as exc:
+        print(f"bandwidth needs PyTorch with CUDA ({exc})")
+        return 2
+    from mlx_lily.toolchain.registry import gpu_backend
+
+    backend = gpu_backend()
+    lines = ["Device time of one call and GB/s of the weights' bytes (CUPTI; each call on its own copy "
+             f"of the weights, rotating over at least {ROTATION_BYTES >> 20} MiB)", "",
+             "| call | MiB | torch read GB/s | MLX copy GB/s | stock us | stock GB/s | lily us | lily GB/s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, spec in CALLS.items():
+        r = measure(name, spec, backend)
+        lines.append(f"| {name} | {r['weight_bytes'] / 2**20:.1f} | {r['torch_read_gb_s']:.0f} | "
+                     f"{r['mlx_copy_gb_s']:.0f} | {r['stock_us']:.1f} | {r['stock_gb_s']:.0f} | "
+                     f"{r['lily_us']:.1f} | {r['lily_gb_s']:.0f} |")
+    write_report(args.out, "bandwidth.txt", "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,152 @@
+"""Where the host's time goes in one lily decode step, part by part.
+
+    python3 -m bench.diagnostics.decode_split [--context 4096] [--steps 32] [--out DIR]
+
+The real model's layer stack (random weights at ``--shape``), a prompt of
+CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
+three phases, the next step starting only when the last is done:
+
+* build: ``model(token)`` returns the step's graph, split into its parts
+  (eligibility and masks, the compiled segments' weights check, the compiled
+  segment calls, the KV-cache writes, the attention ops between segments, and
+  the rest);
+* launch: ``mx.async_eval`` returns (MLX encodes and launches every kernel of
+  the step; host work on CUDA);
+* wait: until the step's results are ready (the GPU's work not yet done).
+
+Then the step as mlx-lm's ``generate_step`` runs it, each step's build and
+launch overlapping the GPU's work on the step before (the decode figure the
+A/B reports). Where build plus launch is close to that, the host bounds decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, Iterator, List
+
+import mlx.core as mx
+
+from bench.common import write_report
+from bench.diagnostics.host_cost import held
+
+PARTS = ("eligibility and masks", "weights check", "segment calls", "KV-cache writes", "attention ops")
+
+
+@contextlib.contextmanager
+def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
+    """The text model's parts (and the KV caches' writes) add their seconds
+    to ``spent`` while the block runs."""
+    from mlx_lily.layers import text_model
+
+    def timing(part: str, fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return wrapped
+
+    cls = text_model.LilyTextModel
+    segment = cls._segment
+
+    def timed_segment(self, *args):
+        return timing("segment calls", segment(self, *args))
+
+    class TimedKernels:
+        def __getattr__(self, name):
+            return getattr(real_kernels, name)
+
+        attention = staticmethod(timing("attention ops", text_model.K.attention))
+
+    real_kernels = text_model.K
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(held(cls, "_segment_masks", timing("eligibility and masks", cls._segment_masks)))
+        stack.enter_context(held(cls, "_weights_version", timing("weights check", cls._weights_version)))
+        stack.enter_context(held(cls, "_segment", timed_segment))
+        stack.enter_context(held(text_model, "K", TimedKernels()))
+        for c in cache:
+            if hasattr(c, "keys") and hasattr(c, "update_and_fetch"):
+                stack.enter_context(held(c, "update_and_fetch", timing("KV-cache writes", c.update_and_fetch)))
+        yield
+
+
+def split_steps(model: Any, cache: Any, steps: int) -> Dict[str, float]:
+    """Median ms per step of each phase and part."""
+    rows: Dict[str, List[float]] = defaultdict(list)
+    tok = mx.array([[1]])
+    for _ in range(steps):
+        spent: Dict[str, float] = defaultdict(float)
+        with timed_parts(cache, spent):
+            start = time.perf_counter()
+            logits = model(tok, cache=cache)
+            tok = mx.argmax(logits[:, -1:], axis=-1)
+            built = time.perf_counter()
+        mx.async_eval(tok, [c.state for c in cache])
+        launched = time.perf_counter()
+        mx.eval(tok)
+        done = time.perf_counter()
+        rows["build"].append(built - start)
+        for part in PARTS:
+            rows[part].append(spent[part])
+        rows["rest of build"].append(built - start - sum(spent[p] for p in PARTS))
+        rows["launch"].append(launched - built)
+        rows["wait"].append(done - launched)
+        rows["step"].append(done - start)
+    return {name: 1e3 * statistics.median(v) for name, v in rows.items()}
+
+
+def pipelined_ms(model: Any, cache: Any, steps: int) -> float:
+    """Median ms per token as mlx-lm's generate_step runs decode (each
+    step's graph built and launched before the previous token is read)."""
+    from mlx_lm.generate import generate_step
+
+    prompt = mx.array([1, 2])
+    gen = generate_step(prompt, model, max_tokens=steps + 1, prompt_cache=cache)
+    next(gen)
+    times = []
+    last = time.perf_counter()
+    for _ in range(steps):
+        next(gen)
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    gen.close()
+    mx.synchronize()
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="qwen3.6-35b-a3b")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--out", help="also write DIR/decode_split.txt")
+    args = p.parse_args(argv)
+
+    from bench.engines import load_shared, switch
+    from bench.measure import prefilled_cache
+
+    model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
+    switch(model, "lily")
+    cache = prefilled_cache(model, vocab, args.context)
+    split = split_steps(model, cache, args.steps)
+    pipelined = pipelined_ms(model, cache, args.steps)
+    lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}), "
+             f"median ms over {args.steps} steps", "", "| phase | ms |", "|---|---:|"]
+    lines.append(f"| build | {split['build']:.2f} |")
+    for part in PARTS + ("rest of build",):
+        lines.append(f"| - {part} | {split[part]:.2f} |")
+    for phase in ("launch", "wait", "step"):
+        lines.append(f"| {phase} | {split[phase]:.2f} |")
+    lines.append(f"| step as generate_step runs it (overlapped) | {pipelined:.2f} |")
+    write_report(args.out, "decode_split.txt", "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
