@@ -10,7 +10,8 @@ and the GB/s that makes of the weights' bytes, for:
 * PyTorch's sum of a bf16 tensor of the same bytes: what a plain read reaches
   on this machine, in PyTorch's own device memory;
 * MLX's elementwise copy of the words (read and write counted);
-* MLX's ``quantized_matmul`` per projection (stock's sequence);
+* MLX's ``quantized_matmul`` per projection (stock's sequence, its norm
+  included);
 * lily's ``quantized_matvec`` (one launch).
 
 Each call reads its own copy of the weights, the calls rotating through
@@ -22,12 +23,10 @@ Needs PyTorch with CUDA; without it, says so and exits 2.
 from __future__ import annotations
 
 import argparse
-import statistics
 from typing import Callable, Dict, List
 
 import mlx.core as mx
 
-import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import write_report
 from bench.diagnostics.decode_profile import kernel_times
 from bench.diagnostics.gemv_sweep import CALLS, weight_bytes
@@ -38,10 +37,9 @@ ROTATION_BYTES = 200 * 2**20
 ROUNDS = 5
 
 
-def _dominant_us(kernels: Dict[str, List[float]]) -> float:
-    """Median device µs of the kernel that took the most time in total."""
-    _, times = max(kernels.items(), key=lambda kv: sum(kv[1]))
-    return statistics.median(times)
+def _per_call_us(kernels: Dict[str, List[float]], calls: int) -> float:
+    """Device µs per call: every kernel the calls launched, summed."""
+    return sum(sum(times) for times in kernels.values()) / calls
 
 
 def _device_us(fn: Callable, inputs: list) -> float:
@@ -52,7 +50,7 @@ def _device_us(fn: Callable, inputs: list) -> float:
         for _ in range(ROUNDS):
             mx.eval([fn(a) for a in inputs])
 
-    return _dominant_us(kernel_times(run))
+    return _per_call_us(kernel_times(run), ROUNDS * len(inputs))
 
 
 def _torch_read_us(nbytes: int, copies: int) -> float:
@@ -67,7 +65,7 @@ def _torch_read_us(nbytes: int, copies: int) -> float:
         torch.cuda.synchronize()
 
     run()
-    return _dominant_us(kernel_times(run))
+    return _per_call_us(kernel_times(run), ROUNDS * copies)
 
 
 def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:

@@ -14,9 +14,11 @@ three phases, the next step starting only when the last is done:
   the step; host work on CUDA);
 * wait: until the step's results are ready (the GPU's work not yet done).
 
-Then the step as mlx-lm's ``generate_step`` runs it, each step's build and
-launch overlapping the GPU's work on the step before (the decode figure the
-A/B reports). Where build plus launch is close to that, the host bounds decode.
+Then decode as mlx-lm's ``generate_step`` runs it, each step's build and
+launch overlapping the GPU's work on the step before: once after a fresh
+prompt of CONTEXT tokens (the A/B's decode figure), once after the steps
+above; with the slowest tokens, so that a stall shows. Where build plus
+launch is close to the time per token, the host bounds decode.
 """
 
 from __future__ import annotations
@@ -100,12 +102,12 @@ def split_steps(model: Any, cache: Any, steps: int) -> Dict[str, float]:
     return {name: 1e3 * statistics.median(v) for name, v in rows.items()}
 
 
-def pipelined_ms(model: Any, cache: Any, steps: int) -> float:
-    """Median ms per token as mlx-lm's generate_step runs decode (each
-    step's graph built and launched before the previous token is read)."""
+def generate_token_ms(model: Any, prompt: mx.array, cache: Any, steps: int) -> List[float]:
+    """Ms between consecutive decode tokens as mlx-lm's generate_step yields
+    them (each step's graph built and launched before the previous token is
+    read: the A/B's decode figure is ``steps / sum`` of these)."""
     from mlx_lm.generate import generate_step
 
-    prompt = mx.array([1, 2])
     gen = generate_step(prompt, model, max_tokens=steps + 1, prompt_cache=cache)
     next(gen)
     times = []
@@ -113,11 +115,17 @@ def pipelined_ms(model: Any, cache: Any, steps: int) -> float:
     for _ in range(steps):
         next(gen)
         now = time.perf_counter()
-        times.append(now - last)
+        times.append(1e3 * (now - last))
         last = now
     gen.close()
     mx.synchronize()
-    return 1e3 * statistics.median(times)
+    return times
+
+
+def describe_tokens(times: List[float]) -> str:
+    slow = sorted(range(len(times)), key=lambda i: -times[i])[:5]
+    return (f"{len(times) / sum(times) * 1e3:.1f} tok/s (mean {statistics.mean(times):.2f} ms, median "
+            f"{statistics.median(times):.2f}, slowest: " + ", ".join(f"#{i} {times[i]:.1f}" for i in slow) + ")")
 
 
 def main(argv=None) -> int:
@@ -133,9 +141,13 @@ def main(argv=None) -> int:
 
     model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
     switch(model, "lily")
+    from bench.measure import make_prompt_cache, prompt_array
+
+    # As the A/B decodes: a fresh prompt through generate_step, then its tokens.
+    fresh = generate_token_ms(model, prompt_array(args.context, vocab), make_prompt_cache(model), args.steps)
     cache = prefilled_cache(model, vocab, args.context)
     split = split_steps(model, cache, args.steps)
-    pipelined = pipelined_ms(model, cache, args.steps)
+    after = generate_token_ms(model, mx.array([1, 2]), cache, args.steps)
     lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}), "
              f"median ms over {args.steps} steps", "", "| phase | ms |", "|---|---:|"]
     lines.append(f"| build | {split['build']:.2f} |")
@@ -143,7 +155,8 @@ def main(argv=None) -> int:
         lines.append(f"| - {part} | {split[part]:.2f} |")
     for phase in ("launch", "wait", "step"):
         lines.append(f"| {phase} | {split[phase]:.2f} |")
-    lines.append(f"| step as generate_step runs it (overlapped) | {pipelined:.2f} |")
+    lines += ["", f"generate_step after a fresh {args.context}-token prompt (as the A/B): {describe_tokens(fresh)}",
+              f"generate_step after these steps: {describe_tokens(after)}"]
     write_report(args.out, "decode_split.txt", "\n".join(lines) + "\n")
     return 0
 
