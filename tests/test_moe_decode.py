@@ -196,3 +196,19 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         assert "ld.local" not in text and "st.local" not in text, name
         if name.startswith("gate_up"):
             assert re.search(r"\.shared", text)
+
+
+def test_the_launches_take_the_gemv_outputs_as_they_are():
+    """h and the router GEMV's two outputs, [1, 1, N] each, reach the kernels
+    as the same arrays (the bodies read them flat): a reshape here would put
+    a view node per input into every decode token's graph."""
+    from mlx_lily.kernels.moe_decode import _launch_down, _launch_gate_up
+
+    (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = make_moe_decode_inputs(
+        128, 24, 3, 64, 128, seed=5)
+    assert h.shape == (1, 1, 128) and logits.shape == (1, 1, 24) and shared_logit.shape == (1, 1, 1)
+    gate_up = _launch_gate_up(h, logits, norm_weight, eps, k, normalize, glu, shared)
+    assert gate_up.inputs[0] is h and gate_up.inputs[1] is logits
+    act, inds, scores = (mx.zeros(s, dtype=d) for s, d in zip(gate_up.output_shapes, gate_up.output_dtypes))
+    down = _launch_down(h, act, inds, scores, shared_logit, glu, shared)
+    assert down.inputs[0] is h and down.inputs[4] is shared_logit

@@ -34,10 +34,12 @@
 //           (row-contiguous; value j of a word in bits BITS*j ...), scales<s>,
 //           biases<s> [N_s, K / 64] bf16 (row-contiguous); norm_weight [K]
 //           (strided); gate [1, 1, G, D] bf16 with G * D = K (strided);
-//           residual [1, 1, N_0] bf16 (strided); layout uint32 [12]: each
-//           segment's end in row blocks (4), rows (4), first output row (4);
+//           residual [1, 1, N_0] bf16 (strided); layout uint32 [8]: each
+//           segment's end in row blocks (4), rows (4);
 //           scalars fp32 [1]: eps. Unused inputs are small dummies.
-// Output:   out [sum N_s] OutT, segment s at its first output row.
+// Outputs:  out0..out3, segment s's N_s values in out<s> (one output per
+//           segment, so each projection is an array of its own, no view of a
+//           shared one; past S, a dummy of one element).
 // Grid:     (threadgroups * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
 
 // Rows per SIMD group (ROWS): each lane keeps this many 16-byte loads in
@@ -108,7 +110,7 @@ for (uint k = tid; k < K; k += THREADS) {
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // -- this SIMD group's rows ---------------------------------------------------------
-// layout: block ends [0..3], rows [4..7], first output rows [8..11].
+// layout: block ends [0..3], rows [4..7].
 const uint block = threadgroup_position_in_grid.x * NSG + sg;
 uint seg = 0;
 for (uint s = 0; s + 1 < S; ++s) {
@@ -119,7 +121,6 @@ for (uint s = 0; s + 1 < S; ++s) {
 const uint block_begin = seg == 0 ? 0u : layout[seg - 1];
 const uint seg_rows = block < layout[S - 1] ? layout[4 + seg] : 0u;  // 0: past the last block
 const uint row0 = (block - block_begin) * ROWS_PER_SIMDGROUP;
-const uint out0 = layout[8 + seg];
 const uint bits = seg == 0 ? BITS0 : (seg == 1 ? BITS1 : (seg == 2 ? BITS2 : BITS3));
 const uint4 no_words = {0u, 0u, 0u, 0u};
 
@@ -293,6 +294,14 @@ for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
     if (RESIDUAL) {
       y = static_cast<float>(residual[row * residual_strides[2]]) + y;
     }
-    out[out0 + row] = static_cast<OutT>(y);
+    if (seg == 0) {
+      out0[row] = static_cast<OutT>(y);
+    } else if (S > 1 && seg == 1) {
+      out1[row] = static_cast<OutT>(y);
+    } else if (S > 2 && seg == 2) {
+      out2[row] = static_cast<OutT>(y);
+    } else if (S > 3 && seg == 3) {
+      out3[row] = static_cast<OutT>(y);
+    }
   }
 }

@@ -20,7 +20,9 @@ add as its epilogue::
 The reference is stock mlx-lm's op sequence (``mx.fast.rms_norm`` or the
 sigmoid product, ``mx.quantized_matmul`` per projection, ``residual + y``), so
 the reference path is stock's to the bit. The kernel (``gemv.metal``) writes
-one flat output of sum(N_s) values; the op returns views of it.
+one output per projection, each [1, 1, N_s]: no views for the graph to carry
+(a decode token's graph would otherwise hold a slice and a reshape per
+projection, each a node MLX replays and evaluates on the host).
 
 The kernel takes: batch and tokens 1, bf16 x (and gate, residual), affine
 group-64 quantization at 4 or 8 bits (per segment), bf16 scales and biases,
@@ -217,16 +219,13 @@ def _dummies() -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def _layout(rows: tuple, per_block: int = ROWS_PER_SIMDGROUP) -> mx.array:
-    """Per segment: end in row blocks (of ``per_block`` rows), rows, first
-    output row (4 each)."""
-    ends, offsets, blocks, offset = [], [], 0, 0
+    """Per segment: end in row blocks (of ``per_block`` rows), rows (4 each)."""
+    ends, blocks = [], 0
     for n in rows:
         blocks += -(-n // per_block)
         ends.append(blocks)
-        offsets.append(offset)
-        offset += n
     pad = MAX_SEGMENTS - len(rows)
-    return mx.array(ends + [blocks] * pad + list(rows) + [0] * pad + offsets + [offset] * pad, dtype=mx.uint32)
+    return mx.array(ends + [blocks] * pad + list(rows) + [0] * pad, dtype=mx.uint32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -273,23 +272,12 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         _layout(rows, rows_per_simdgroup),
         _scalars(float(eps)),
     ]
-    total = sum(rows)
-
-    def finish(outputs):
-        flat, views, start = outputs[0], [], 0
-        if S == 1:
-            return (flat.reshape(1, 1, total),)
-        for n in rows:
-            views.append(flat[start : start + n].reshape(1, 1, n))
-            start += n
-        return tuple(views)
-
     return Launch(
         inputs=inputs,
         grid=(threadgroups * nsg * SIMD_WIDTH, 1, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
-        output_shapes=[(total,)],
-        output_dtypes=[OutT],
+        output_shapes=[(1, 1, rows[s]) if s < S else (1,) for s in range(MAX_SEGMENTS)],
+        output_dtypes=[OutT] * MAX_SEGMENTS,
         template=[
             ("XT", XT),
             ("OutT", OutT),
@@ -301,7 +289,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
         ],
-        finish=finish,
+        finish=lambda outputs: tuple(outputs[:S]),
     )
 
 
@@ -454,7 +442,7 @@ quantized_matvec_kernel = Kernel(
         "w3", "scales3", "biases3",
         "norm_weight", "gate", "residual", "layout", "scalars",
     ),
-    output_names=("out",),
+    output_names=("out0", "out1", "out2", "out3"),
     body="gemv.metal",
     launch=_launch,
     reference=quantized_matvec_reference,

@@ -183,7 +183,7 @@ def _launch_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, s
     (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
     return Launch(
-        inputs=[h.reshape(D), router_logits.reshape(E), norm_weight, _eps_array(float(eps)),
+        inputs=[h, router_logits, norm_weight, _eps_array(float(eps)),
                 gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
         grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, k + 1, 1),
         threadgroup=(GATE_UP_THREADS, 1, 1),
@@ -203,7 +203,7 @@ def _launch_down(h, act, inds, scores, shared_gate_logit, switch_mlp, shared_exp
     E = dw.shape[0]
     I, IS = dw.shape[-1] * 8, sdw.shape[-1] * 8
     return Launch(
-        inputs=[h.reshape(D), act, inds, scores, shared_gate_logit.reshape(1), dw, ds, db, sdw, sds, sdb],
+        inputs=[h, act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
         grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
         threadgroup=(DOWN_THREADS, 1, 1),
         output_shapes=[(1, 1, D)],

@@ -25,7 +25,7 @@
 // Template: E (experts), K (top k), VALS (= ceil(E / 32)), NORMALIZE (bool),
 //           D (hidden size, a multiple of 64), I (experts' hidden size), IS
 //           (shared expert's), IMAX (= max(I, IS)).
-// Inputs:   h [D] bf16; logits [E] bf16; norm_weight [D] bf16; eps [1] fp32;
+// Inputs:   h [D] bf16; logits [E] bf16 (each of any shape, read flat); norm_weight [D] bf16; eps [1] fp32;
 //           gate_w, up_w [E, I, D / 8] uint32 (value j of a word in bits
 //           4j..4j+3), gate_s, gate_b, up_s, up_b [E, I, D / 64] bf16;
 //           sgate_w, sup_w [IS, D / 8] uint32, sgate_s, sgate_b, sup_s,

@@ -124,6 +124,18 @@ def _identities(places: tuple) -> tuple:
     return tuple(map(id, map(operator.getitem, *places)))
 
 
+def _held(places: tuple) -> list:
+    """What sits at each place now (``_places``)."""
+    return list(map(operator.getitem, *places))
+
+
+def _same(places: tuple, held: list) -> bool:
+    """Whether every place still holds the object ``held`` lists: one C-level
+    pass of identity tests (no id numbers made, about a third faster than
+    comparing ``_identities``)."""
+    return all(map(operator.is_, map(operator.getitem, *places), held))
+
+
 def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callable]) -> Callable:
     """``mx.compile(build())``, held in ``store[name]`` while ``key`` (the
     identities of the weights it captures) stays the same.

@@ -24,6 +24,7 @@ decodes per layer from then on.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 from .. import kernels as K
 from .._notice import notice_once
 from .decoder import (
-    LilyDecoderLayer, _identities, _places, compile_enabled, compiled_step, kv_position, next_position,
+    LilyDecoderLayer, _held, _places, _same, compile_enabled, compiled_step, kv_position, next_position,
     restore_kv_position,
 )
 from .fast_path import record
@@ -137,18 +138,18 @@ class LilyTextModel(Qwen3_5TextModel):
         capture is replaced (load_weights, update, a new scale, a swapped
         module or layer): the identities of the layers, the embedding and the
         final norm, and of everything they hold, read in one C-level pass over
-        where those sit (``_places``) and compared with the last step's. Where
-        they sit is listed again only when something changed. The compiled
-        segments hold the arrays they captured, so an old array's identity
-        cannot be reused while a segment built on it lives."""
-        roots = (*self.layers, self.embed_tokens, self.norm)
+        where those sit (``_places``) and tested against the objects held
+        from the last step (``_same``). Where they sit is listed again only
+        when something changed."""
+        roots = [*self.layers, self.embed_tokens, self.norm]
         held = self.__dict__.get("_lily_weights")
-        if held is not None and held[0] == tuple(map(id, roots)) and _identities(held[1]) == held[2]:
+        if held is not None and len(held[0]) == len(roots) and all(map(operator.is_, held[0], roots)) \
+                and _same(held[1], held[2]):
             return held[3]
         # In __dict__: nn.Module would keep a tuple attribute as a child.
         places = _places(*roots)
         version = held[3] + 1 if held is not None else 0
-        self.__dict__["_lily_weights"] = (tuple(map(id, roots)), places, _identities(places), version)
+        self.__dict__["_lily_weights"] = (roots, places, _held(places), version)
         return version
 
     def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
