@@ -42,15 +42,29 @@ def _per_call_us(kernels: Dict[str, List[float]], calls: int) -> float:
     return sum(sum(times) for times in kernels.values()) / calls
 
 
-def _device_us(fn: Callable, inputs: list) -> float:
-    """Device µs of one call of fn, each call on the next input of the rotation."""
-    mx.eval([fn(a) for a in inputs])  # compiled, and each copy read once before timing
+def device_us(fn: Callable, inputs: list) -> float:
+    """Device µs of one call of fn, each call on the next input of the
+    rotation and evaluated on its own (kernels of independent calls in one
+    graph may run at once, and their times would overlap)."""
+    for a in inputs:  # compiled, and each copy read once before timing
+        mx.eval(fn(a))
 
     def run():
         for _ in range(ROUNDS):
-            mx.eval([fn(a) for a in inputs])
+            for a in inputs:
+                mx.eval(fn(a))
 
     return _per_call_us(kernel_times(run), ROUNDS * len(inputs))
+
+
+def rotation(weights: tuple) -> list:
+    """Copies of the weights (a tuple of (w, scales, biases)), enough that
+    together they span ROTATION_BYTES; evaluated."""
+    nbytes = sum(a.nbytes for triple in weights for a in triple)
+    sets = [weights] + [tuple(tuple(a * 1 for a in triple) for triple in weights)
+                        for _ in range(max(2, -(-ROTATION_BYTES // nbytes)) - 1)]
+    mx.eval(sets)
+    return sets
 
 
 def _torch_read_us(nbytes: int, copies: int) -> float:
@@ -72,17 +86,17 @@ def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
     K, rows, bits, prologue, residual = spec
     (x, weights), kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
     nbytes = weight_bytes((x, weights))
-    copies = max(2, -(-ROTATION_BYTES // nbytes))
-    sets = [[tuple(a * 1 for a in triple) for triple in weights] for _ in range(copies)]
-    mx.eval(x, kwargs, sets)
+    sets = rotation(weights)
+    copies = len(sets)
+    mx.eval(x, kwargs)
     words = [[w for w, _, _ in ws] for ws in sets]
     word_bytes = sum(w.nbytes for w in words[0])
     row = {"weight_bytes": nbytes, "copies": copies}
     row["torch_read_us"] = _torch_read_us(nbytes, copies)
-    row["mlx_copy_us"] = _device_us(lambda ws: [mx.bitwise_xor(w, 1) for w in ws], words)
+    row["mlx_copy_us"] = device_us(lambda ws: [mx.bitwise_xor(w, 1) for w in ws], words)
     row["mlx_copy_gb_s"] = 2 * word_bytes / row["mlx_copy_us"] / 1e3
-    row["stock_us"] = _device_us(lambda ws: quantized_matvec_reference(x, ws, **kwargs), sets)
-    row["lily_us"] = _device_us(lambda ws: quantized_matvec_kernel.run_on(backend, x, ws, **kwargs), sets)
+    row["stock_us"] = device_us(lambda ws: quantized_matvec_reference(x, ws, **kwargs), sets)
+    row["lily_us"] = device_us(lambda ws: quantized_matvec_kernel.run_on(backend, x, ws, **kwargs), sets)
     for key in ("torch_read", "stock", "lily"):
         row[f"{key}_gb_s"] = nbytes / row[f"{key}_us"] / 1e3
     print(f"{name}: {nbytes / 2**20:.1f} MiB; torch read {row['torch_read_us']:.1f} us "

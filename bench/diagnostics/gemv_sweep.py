@@ -8,7 +8,13 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.gemv_sweep --out DIR
+    python3 -m bench.diagnostics.gemv_sweep --out DIR [--device-time]
+
+By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
+as one graph (host gaps between kernels included). With ``--device-time``
+(NVIDIA, with PyTorch) it is the kernels' device time (CUPTI), each call
+evaluated on its own and reading its own copy of the weights, rotating over
+more than the GPU's L2 cache (``bandwidth.rotation``): the kernel alone.
 
 Writes DIR/gemv-sweep.json and DIR/gemv-sweep.md (the table).
 """
@@ -75,14 +81,24 @@ def copy_floor(args) -> dict:
     return {"us": us, "gb_s": 2 * sum(w.nbytes for w in words) / us / 1e3}
 
 
-def sweep(name: str, spec: tuple, backend: str) -> dict:
+def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> dict:
     K, rows, bits, prologue, residual = spec
     args, kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
     mx.eval(args, kwargs)
     nbytes = weight_bytes(args)
     want = quantized_matvec_reference(*args, **kwargs)
-    row = {"call": name, "weight_bytes": nbytes,
-           "stock_us": time_in_graph(quantized_matvec_reference, args, kwargs),
+    if device_time:
+        from bench.diagnostics.bandwidth import device_us, rotation
+
+        sets = rotation(args[1])
+
+        def timed(fn, args, kwargs):
+            return device_us(lambda ws: fn(args[0], ws, **kwargs), sets)
+    else:
+        timed = time_in_graph
+
+    row = {"call": name, "weight_bytes": nbytes, "timing": "device" if device_time else "graph",
+           "stock_us": timed(quantized_matvec_reference, args, kwargs),
            "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
            "copy": copy_floor(args)}
     variants = {"chosen": {}}
@@ -91,7 +107,7 @@ def sweep(name: str, spec: tuple, backend: str) -> dict:
     for variant, options in variants.items():
         def fn(*a, options=options, **k):
             return quantized_matvec_kernel.run_on(backend, *a, **options, **k)
-        us = time_in_graph(fn, args, kwargs)
+        us = timed(fn, args, kwargs)
         agrees = quantized_matvec_agree(fn(*args, **kwargs), want, *args, **kwargs) is None
         row[variant] = {"us": us, "gb_s": nbytes / us / 1e3, "agrees": agrees}
     best = min((v for v in variants if v != "chosen"), key=lambda v: row[v]["us"])  # noqa: B023
@@ -103,7 +119,9 @@ def sweep(name: str, spec: tuple, backend: str) -> dict:
 
 
 def markdown(rows: list) -> str:
-    lines = [f"Microseconds per call, {CALLS_PER_GRAPH} calls evaluated in one graph; \"copy GB/s\": MLX's",
+    timing = (f"{CALLS_PER_GRAPH} calls evaluated in one graph" if not rows or rows[0].get("timing") != "device"
+              else "device time of each kernel alone (CUPTI), weights rotating past the L2 cache")
+    lines = [f"Microseconds per call, {timing}; \"copy GB/s\": MLX's",
              "elementwise kernel reading and writing the packed weights once (the machine's reachable rate).",
              "",
              "| call | weights MB | stock us | chosen us | best | best us | best GB/s | copy GB/s | one call per eval us |",
@@ -129,6 +147,8 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", default=None,
                         help="comma-separated substrings of the calls to sweep (default: all): "
                              + "; ".join(CALLS))
+    parser.add_argument("--device-time", action="store_true",
+                        help="time each kernel alone on the device (NVIDIA, needs PyTorch; see above)")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
     backend = args.backend or gpu_backend()
@@ -142,7 +162,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list = []
     for name, spec in calls.items():
-        rows.append(sweep(name, spec, backend))
+        rows.append(sweep(name, spec, backend, args.device_time))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
