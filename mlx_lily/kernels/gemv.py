@@ -72,11 +72,18 @@ MAX_SEGMENTS = 4
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
 MAX_K_FLOAT = 4096
-# Rows per SIMD group (the body's ROWS): the default; the launcher takes
-# others (bench/diagnostics/gemv_sweep.py times them). 8 spills a lane's
-# double-buffered words to local memory on CUDA (nvcc, sm_90).
-ROWS_PER_SIMDGROUP = 4
+# Rows per SIMD group (the body's ROWS) and SIMD groups per threadgroup, by
+# the call's total rows: the merged input projections (thousands of rows)
+# take 4 rows per SIMD group and NSG_FOR_BLOCKS; the output projections
+# (about 2K rows) 2 rows and 8 SIMD groups; the router with the shared gate
+# (a few hundred) 1 row and 16, so that their few rows still spread over the
+# GPU. From the kernels' device times on the H200 (gemv_sweep --device-time,
+# bench/results/2026-11-30-nvidia-h200-ee721d4d52): router 17.4 -> 11.2 us,
+# out_proj 14.6 -> 12.2, o_proj 23.4 -> 17.1. The launcher takes other
+# choices (the sweep times them all). 8 rows spill a lane's double-buffered
+# words to local memory on CUDA (nvcc, sm_90).
 ROWS_CHOICES = (1, 2, 4)
+LAUNCH_FOR_ROWS = ((4096, 4, None), (1024, 2, 8), (0, 1, 16))
 # The body indexes with 32-bit unsigned integers.
 MAX_WORDS = 2**31
 # Occupancy targets for the SIMD groups per threadgroup: big calls (lm_head,
@@ -218,7 +225,7 @@ def _dummies() -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(rows: tuple, per_block: int = ROWS_PER_SIMDGROUP) -> mx.array:
+def _layout(rows: tuple, per_block: int) -> mx.array:
     """Per segment: end in row blocks (of ``per_block`` rows), rows (4 each)."""
     ends, blocks = [], 0
     for n in rows:
@@ -240,11 +247,24 @@ def simdgroups_for(blocks: int) -> int:
     return NSG_FOR_BLOCKS[-1][1]
 
 
+def launch_choice(total_rows: int) -> tuple:
+    """(rows per SIMD group, SIMD groups per threadgroup or None for
+    NSG_FOR_BLOCKS) for a call of this many rows (LAUNCH_FOR_ROWS)."""
+    for at_least, rows, nsg in LAUNCH_FOR_ROWS:
+        if total_rows >= at_least:
+            return rows, nsg
+    return LAUNCH_FOR_ROWS[-1][1:]
+
+
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
-            rows_per_simdgroup: int = ROWS_PER_SIMDGROUP, simdgroups: Optional[int] = None) -> Launch:
+            rows_per_simdgroup: Optional[int] = None, simdgroups: Optional[int] = None) -> Launch:
     """The call's launch; ``rows_per_simdgroup`` (ROWS_CHOICES) and
-    ``simdgroups`` (per threadgroup, 1-32; default by NSG_FOR_BLOCKS) are
-    tuning choices that compute the same values."""
+    ``simdgroups`` (per threadgroup, 1-32) are tuning choices that compute
+    the same values (default: ``launch_choice``; given rows without
+    simdgroups, NSG_FOR_BLOCKS)."""
+    if rows_per_simdgroup is None:
+        rows_per_simdgroup, chosen = launch_choice(sum(int(w.shape[0]) for w, _, _ in weights))
+        simdgroups = chosen if simdgroups is None else simdgroups
     if rows_per_simdgroup not in ROWS_CHOICES:
         raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")
     K = x.shape[-1]
