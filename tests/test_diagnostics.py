@@ -1,7 +1,9 @@
-"""Two diagnostics that run on any machine: turned_off.py finds the kernel
+"""Diagnostics that run on any machine: turned_off.py finds the kernel
 instances a first-use check turned off and judges a captured call against
 the fp32 oracle; host_cost.py measures a decode step's host work with the
-kernels stubbed."""
+kernels stubbed; decode_split.py splits a decode step's host time by part;
+launch_cost.py times chains of launches. bandwidth.py needs PyTorch on CUDA
+and says so."""
 
 from __future__ import annotations
 
@@ -67,3 +69,47 @@ def test_launch_cost_times_chains_of_launches(tmp_path):
     assert launch_cost.main(["--launches", "4,16", "--steps", "3", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "launch_cost.txt").read_text()
     assert "| MLX add, op by op |" in table and "N = 16" in table
+
+
+def test_decode_split_times_each_part_and_puts_the_model_back():
+    """The split's parts are timed inside the build, the launch and wait
+    after it; the segmented path ran (its parts took time), and every
+    patched method and the caches' writes are the originals again."""
+    from bench.diagnostics import decode_split
+    from bench.engines import load_shared, switch
+    from bench.measure import prefilled_cache
+    from mlx_lily.layers import text_model
+
+    model, vocab, _, _ = load_shared({"model": None, "shape": "demo", "seed": 0, "conditioned": False})
+    switch(model, "lily")
+    cache = prefilled_cache(model, vocab, 16)
+    before = (text_model.K, text_model.LilyTextModel.__dict__["_segment"],
+              text_model.LilyTextModel.__dict__["_weights_version"])
+    split = decode_split.split_steps(model, cache, 3)
+    assert (text_model.K, text_model.LilyTextModel.__dict__["_segment"],
+            text_model.LilyTextModel.__dict__["_weights_version"]) == before
+    assert all("update_and_fetch" not in vars(c) for c in cache)
+    for part in decode_split.PARTS:
+        assert 0 <= split[part] <= split["build"], part
+    assert split["segment calls"] > 0 and split["attention ops"] > 0 and split["KV-cache writes"] > 0
+    assert split["step"] >= split["build"] + split["launch"]
+    times = decode_split.generate_token_ms(model, mx.array([1, 2]), cache, 4)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert "tok/s" in decode_split.describe_tokens(times)
+
+
+def test_bandwidth_says_what_it_needs_without_pytorch_on_cuda(capsys, monkeypatch):
+    import builtins
+
+    from bench.diagnostics import bandwidth
+
+    real_import = builtins.__import__
+
+    def no_torch(name, *args, **kwargs):
+        if name == "torch":
+            raise ImportError("No module named 'torch'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert bandwidth.main([]) == 2
+    assert "needs PyTorch with CUDA" in capsys.readouterr().out
