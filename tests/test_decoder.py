@@ -309,3 +309,38 @@ def test_paced_prefill_computes_what_the_whole_graph_does(engines, monkeypatch):
     monkeypatch.setenv(D.PACE_ENV, "0")
     assert mx.array_equal(prefill(lily), whole)
     assert not queued
+
+
+def test_an_added_or_removed_part_changes_what_takes_the_fused_path(engines):
+    """A bias added to a projection the fused GEMV reads (which it does not
+    take) sends that layer through stock's flow, and removing it again brings
+    the fused path back; each time the output is stock's."""
+    stock, lily = engines
+    _decode(lily)  # compiles the segments, every layer fits
+    bias = mx.ones((lily.layers[0].mlp.shared_expert_gate.scales.shape[0],), dtype=mx.bfloat16)
+    for model in (stock, lily):
+        model.layers[0].mlp.shared_expert_gate["bias"] = bias
+    assert mx.array_equal(_decode(lily), _decode(stock)).item()
+    assert lily.layers[0]._lily_decode_ok is False and lily.layers[1]._lily_decode_ok is True
+    for model in (stock, lily):
+        del model.layers[0].mlp.shared_expert_gate["bias"]
+    paths.start()
+    try:
+        assert mx.array_equal(_decode(lily), _decode(stock)).item()
+        assert "lily decode segments" in {r["path"] for r in paths.seen()}
+    finally:
+        paths.stop()
+    assert lily.layers[0]._lily_decode_ok is True
+
+
+def test_the_weights_check_says_changed_when_a_place_is_gone():
+    from mlx_lily.layers.decoder import _held, _identities, _places, _same
+
+    root = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4))
+    places = _places(root)
+    held = _held(places)
+    assert _same(places, held) and _identities(places) is not None
+    del root.layers[1]["weight"]
+    assert not _same(places, held) and _identities(places) is None
+    root.layers[0]["extra"] = mx.zeros((1,))  # an added entry changes the counts
+    assert not _same(_places(root), held)

@@ -83,16 +83,15 @@ def test_decode_split_times_each_part_and_puts_the_model_back():
     model, vocab, _, _ = load_shared({"model": None, "shape": "demo", "seed": 0, "conditioned": False})
     switch(model, "lily")
     cache = prefilled_cache(model, vocab, 16)
-    before = (text_model.K, text_model.LilyTextModel.__dict__["_segment"],
-              text_model.LilyTextModel.__dict__["_weights_version"])
+    names = ("_segment", "_weights_version", "_segment_masks")
+    before = (text_model.K, *(text_model.LilyTextModel.__dict__[n] for n in names))
     split = decode_split.split_steps(model, cache, 3)
-    assert (text_model.K, text_model.LilyTextModel.__dict__["_segment"],
-            text_model.LilyTextModel.__dict__["_weights_version"]) == before
+    assert (text_model.K, *(text_model.LilyTextModel.__dict__[n] for n in names)) == before
     assert all("update_and_fetch" not in vars(c) for c in cache)
     for part in decode_split.PARTS:
         assert 0 <= split[part] <= split["build"], part
     assert split["segment calls"] > 0 and split["attention ops"] > 0 and split["KV-cache writes"] > 0
-    assert split["step"] >= split["build"] + split["launch"]
+    assert split["weights check"] > 0 and split["eligibility and masks"] > 0
     times = decode_split.generate_token_ms(model, mx.array([1, 2]), cache, 4)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert "tok/s" in decode_split.describe_tokens(times)
@@ -113,3 +112,13 @@ def test_bandwidth_says_what_it_needs_without_pytorch_on_cuda(capsys, monkeypatc
     monkeypatch.setattr(builtins, "__import__", no_torch)
     assert bandwidth.main([]) == 2
     assert "needs PyTorch with CUDA" in capsys.readouterr().out
+
+
+def test_decode_graph_lists_the_nodes_of_one_decode_step(tmp_path):
+    from bench.diagnostics import decode_graph
+
+    assert decode_graph.main(["--shape", "demo", "--context", "16", "--first", "3", "--out", str(tmp_path)]) == 0
+    lines = (tmp_path / "decode_graph.txt").read_text().splitlines()
+    assert lines[0].endswith(" nodes") and int(lines[0].split()[0]) > 100
+    assert "SliceUpdate" in lines[1]  # the KV caches' writes
+    assert len(lines) == 2 + 3 and " -> " in lines[2]

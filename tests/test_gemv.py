@@ -69,7 +69,7 @@ def test_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residua
 
 
 @pytest.mark.parametrize("rows_per_simdgroup", [1, 2, 4])
-@pytest.mark.parametrize("simdgroups", [1, 3, 8])
+@pytest.mark.parametrize("simdgroups", [1, 3, 8, 16])
 def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgroups):
     # The launch's tuning choices (bench/diagnostics/gemv_sweep.py) move rows
     # between SIMD groups and threadgroups, never their sums.
@@ -80,6 +80,21 @@ def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgrou
     default = quantized_matvec_kernel.emulate(*args, **kwargs)
     assert all(mx.array_equal(t, d).item() for t, d in zip(tuned, default))
     assert quantized_matvec_agree(tuned, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+
+
+def test_the_launch_choice_follows_the_rows_on_cuda_only():
+    from mlx_lily.kernels.gemv import DEFAULT_LAUNCH, launch_choice
+
+    # The model's calls: router + shared gate, the output projections, the
+    # merged input projections (bench/results/2026-11-30-nvidia-h200-ee721d4d52).
+    assert launch_choice(257, "cuda") == (1, 16)
+    assert launch_choice(1023, "cuda") == (1, 16)
+    assert launch_choice(2048, "cuda") == (2, 8)
+    assert launch_choice(12352, "cuda") == (4, None)
+    assert launch_choice(257, "metal") == launch_choice(12352, None) == DEFAULT_LAUNCH == (4, None)
+    args, kwargs = make_call(64, (300, 20), (4, 4))
+    launch = quantized_matvec_kernel.launch(*args, **kwargs)
+    assert ("ROWS", 4) in launch.template  # no GPU here: the default
 
 
 def test_tuning_choices_out_of_range_are_refused():

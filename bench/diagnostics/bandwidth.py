@@ -39,7 +39,10 @@ ROUNDS = 5
 
 def _per_call_us(kernels: Dict[str, List[float]], calls: int) -> float:
     """Device µs per call: every kernel the calls launched, summed."""
-    return sum(sum(times) for times in kernels.values()) / calls
+    total = sum(sum(times) for times in kernels.values())
+    if total <= 0:
+        raise RuntimeError("the profiler recorded no GPU kernels (device times need CUDA and CUPTI)")
+    return total / calls
 
 
 def device_us(fn: Callable, inputs: list) -> float:
@@ -106,17 +109,22 @@ def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
     return row
 
 
+def torch_cuda_missing() -> str:
+    """Why PyTorch's profiler cannot time kernels here ('' when it can)."""
+    try:
+        import torch
+    except ImportError as exc:
+        return str(exc)
+    return "" if torch.cuda.is_available() else "torch.cuda is not available"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="also write DIR/bandwidth.txt")
     args = p.parse_args(argv)
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ImportError("torch.cuda is not available")
-    except ImportError as exc:
-        print(f"bandwidth needs PyTorch with CUDA ({exc})")
+    why = torch_cuda_missing()
+    if why:
+        print(f"bandwidth needs PyTorch with CUDA ({why})")
         return 2
     from mlx_lily.toolchain.registry import gpu_backend
 

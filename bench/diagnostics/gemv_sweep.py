@@ -120,7 +120,8 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> di
 
 def markdown(rows: list) -> str:
     timing = (f"{CALLS_PER_GRAPH} calls evaluated in one graph" if not rows or rows[0].get("timing") != "device"
-              else "device time of each kernel alone (CUPTI), weights rotating past the L2 cache")
+              else "device time of each kernel alone (CUPTI), weights rotating past the L2 cache "
+                   "(\"copy GB/s\" and \"one call per eval\" stay wall-clock timings)")
     lines = [f"Microseconds per call, {timing}; \"copy GB/s\": MLX's",
              "elementwise kernel reading and writing the packed weights once (the machine's reachable rate).",
              "",
@@ -154,6 +155,12 @@ def main(argv=None) -> int:
     backend = args.backend or gpu_backend()
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
+    if args.device_time:
+        from bench.diagnostics.bandwidth import torch_cuda_missing
+
+        why = torch_cuda_missing()
+        if why:
+            raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
     wanted = [w.strip() for w in args.calls.split(",")] if args.calls else None
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
     if not calls:

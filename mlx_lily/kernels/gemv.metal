@@ -44,8 +44,8 @@
 
 // Rows per SIMD group (ROWS): each lane keeps this many 16-byte loads in
 // flight per step and reuses its xin values (read once from threadgroup
-// memory) for all of them (the launcher's default, 4, keeps enough bytes in
-// flight per lane without spilling registers).
+// memory) for all of them (up to 4 without spilling registers; the launcher
+// picks 1, 2 or 4 by the call's rows, gemv.py's launch_choice).
 constexpr uint ROWS_PER_SIMDGROUP = ROWS;
 constexpr uint SIMD_WIDTH = 32;
 constexpr uint THREADS = NSG * SIMD_WIDTH;

@@ -63,7 +63,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
-from ..toolchain.registry import LilyOp, register
+from ..toolchain.registry import LilyOp, gpu_backend, register
 
 GROUP_SIZE = 64
 KERNEL_BITS = (4, 8)
@@ -72,18 +72,20 @@ MAX_SEGMENTS = 4
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
 MAX_K_FLOAT = 4096
-# Rows per SIMD group (the body's ROWS) and SIMD groups per threadgroup, by
-# the call's total rows: the merged input projections (thousands of rows)
-# take 4 rows per SIMD group and NSG_FOR_BLOCKS; the output projections
-# (about 2K rows) 2 rows and 8 SIMD groups; the router with the shared gate
-# (a few hundred) 1 row and 16, so that their few rows still spread over the
-# GPU. From the kernels' device times on the H200 (gemv_sweep --device-time,
-# bench/results/2026-11-30-nvidia-h200-ee721d4d52): router 17.4 -> 11.2 us,
-# out_proj 14.6 -> 12.2, o_proj 23.4 -> 17.1. The launcher takes other
-# choices (the sweep times them all). 8 rows spill a lane's double-buffered
-# words to local memory on CUDA (nvcc, sm_90).
+# Rows per SIMD group (the body's ROWS) and SIMD groups per threadgroup
+# (None: NSG_FOR_BLOCKS). On CUDA by the call's total rows: the merged input
+# projections (thousands of rows) take 4 rows per SIMD group; the output
+# projections (about 2K rows) 2 rows and 8 SIMD groups; the router with the
+# shared gate (a few hundred) 1 row and 16, so that their few rows still
+# spread over the GPU. From the kernels' device times on the H200
+# (gemv_sweep --device-time, bench/results/2026-11-30-nvidia-h200-ee721d4d52):
+# router 17.4 -> 11.2 us, out_proj 14.6 -> 12.2, o_proj 23.4 -> 17.1. Metal
+# keeps 4 rows (not measured there). The launcher takes other choices (the
+# sweep times them all). 8 rows spill a lane's double-buffered words to local
+# memory on CUDA (nvcc, sm_90).
 ROWS_CHOICES = (1, 2, 4)
-LAUNCH_FOR_ROWS = ((4096, 4, None), (1024, 2, 8), (0, 1, 16))
+DEFAULT_LAUNCH = (4, None)
+CUDA_LAUNCH_FOR_ROWS = ((4096, 4, None), (1024, 2, 8), (0, 1, 16))
 # The body indexes with 32-bit unsigned integers.
 MAX_WORDS = 2**31
 # Occupancy targets for the SIMD groups per threadgroup: big calls (lm_head,
@@ -247,13 +249,15 @@ def simdgroups_for(blocks: int) -> int:
     return NSG_FOR_BLOCKS[-1][1]
 
 
-def launch_choice(total_rows: int) -> tuple:
+def launch_choice(total_rows: int, backend: Optional[str]) -> tuple:
     """(rows per SIMD group, SIMD groups per threadgroup or None for
-    NSG_FOR_BLOCKS) for a call of this many rows (LAUNCH_FOR_ROWS)."""
-    for at_least, rows, nsg in LAUNCH_FOR_ROWS:
+    NSG_FOR_BLOCKS) for a call of this many rows on ``backend``."""
+    if backend != "cuda":
+        return DEFAULT_LAUNCH
+    for at_least, rows, nsg in CUDA_LAUNCH_FOR_ROWS:
         if total_rows >= at_least:
             return rows, nsg
-    return LAUNCH_FOR_ROWS[-1][1:]
+    return CUDA_LAUNCH_FOR_ROWS[-1][1:]
 
 
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
@@ -263,7 +267,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     the same values (default: ``launch_choice``; given rows without
     simdgroups, NSG_FOR_BLOCKS)."""
     if rows_per_simdgroup is None:
-        rows_per_simdgroup, chosen = launch_choice(sum(int(w.shape[0]) for w, _, _ in weights))
+        rows_per_simdgroup, chosen = launch_choice(sum(int(w.shape[0]) for w, _, _ in weights), gpu_backend())
         simdgroups = chosen if simdgroups is None else simdgroups
     if rows_per_simdgroup not in ROWS_CHOICES:
         raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")

@@ -22,7 +22,7 @@
 //           size), IS (shared expert's), IMAX (= max(I, IS)); I and IS are
 //           multiples of 64.
 // Inputs:   h [D] bf16 (any shape, read flat); act [K + 1, IMAX] bf16 (launch 1); inds [K] uint32;
-//           scores [K] bf16; gate_logit [1] bf16; down_w [E, D, I / 8]
+//           scores [K] bf16; gate_logit [1] bf16 (any shape); down_w [E, D, I / 8]
 //           uint32, down_s, down_b [E, D, I / 64] bf16; sdown_w [D, IS / 8]
 //           uint32, sdown_s, sdown_b [D, IS / 64] bf16.
 // Output:   out [D] bf16.

@@ -107,33 +107,48 @@ def _one_step_mask(mask: Any) -> bool:
 
 
 def _places(*modules: nn.Module) -> tuple:
-    """(holders, keys): where every array and submodule of the modules sits,
-    ``holders[i][keys[i]]``, flat, so that reading them all back is one C-level
-    pass (``_identities``) and no Python per module."""
-    holders, keys = [], []
+    """(holders, keys, modules): where every array and submodule of the
+    modules sits, ``holders[i][keys[i]]``, flat, so that reading them all back
+    is one C-level pass and no Python per module; and every module visited,
+    whose entry counts show a key added or removed."""
+    holders, keys, visited = [], [], []
     for root in modules:
         for _, module in root.named_modules():
+            visited.append(module)
             for key, value in module.items():
                 if isinstance(value, (mx.array, nn.Module)):
                     holders.append(module)
                     keys.append(key)
-    return holders, keys
+    return holders, keys, visited
 
 
-def _identities(places: tuple) -> tuple:
-    return tuple(map(id, map(operator.getitem, *places)))
+def _identities(places: tuple) -> Optional[tuple]:
+    """The identities at every place and each module's entry count; None
+    where a place's key is gone."""
+    holders, keys, modules = places
+    try:
+        return tuple(map(id, map(operator.getitem, holders, keys))) + tuple(map(len, modules))
+    except LookupError:
+        return None
 
 
-def _held(places: tuple) -> list:
-    """What sits at each place now (``_places``)."""
-    return list(map(operator.getitem, *places))
+def _held(places: tuple) -> tuple:
+    """(what sits at each place now, each module's entry count)."""
+    holders, keys, modules = places
+    return list(map(operator.getitem, holders, keys)), list(map(len, modules))
 
 
-def _same(places: tuple, held: list) -> bool:
-    """Whether every place still holds the object ``held`` lists: one C-level
-    pass of identity tests (no id numbers made, about a third faster than
-    comparing ``_identities``)."""
-    return all(map(operator.is_, map(operator.getitem, *places), held))
+def _same(places: tuple, held: tuple) -> bool:
+    """Whether every place still holds the object ``held`` lists and no
+    module gained or lost an entry: one C-level pass of identity tests (no id
+    numbers made: faster than comparing ``_identities``), then the counts."""
+    holders, keys, modules = places
+    objects, sizes = held
+    try:
+        return all(map(operator.is_, map(operator.getitem, holders, keys), objects)) \
+            and list(map(len, modules)) == sizes
+    except LookupError:  # a key was deleted
+        return False
 
 
 def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callable]) -> Callable:
@@ -206,6 +221,10 @@ def compile_enabled() -> bool:
     return kernel_backend()[0] != "emulator"
 
 
+class _NoLongerFits(Exception):
+    """A layer's parts changed so that its fused decode step no longer fits."""
+
+
 class LilyDecoderLayer(DecoderLayer):
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Any = None) -> mx.array:
         if self._takes_decode(x, mask, cache):
@@ -215,6 +234,8 @@ class LilyDecoderLayer(DecoderLayer):
             position = None if self.is_linear else kv_position(cache)
             try:
                 return self._decode(x, mask, cache)
+            except _NoLongerFits:
+                pass  # the layer's parts changed: stock's flow from now on
             except Exception as exc:  # noqa: BLE001 - a failing fused step must not stop generation
                 if position is not None:
                     restore_kv_position(position)
@@ -272,7 +293,10 @@ class LilyDecoderLayer(DecoderLayer):
     def _decode(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, mask, cache)
         record("MoE", "lily fused decode", x)
-        key = self._weights_key() if compile_enabled() else None
+        key = self._weights_key()
+        if not self._lily_decode_ok:
+            raise _NoLongerFits
+        key = key if compile_enabled() else None
         if self.is_linear:
             if mask is None:
                 step = self._compiled("_lily_linear_step", self._linear_step, key)
@@ -302,17 +326,20 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _weights_key(self) -> tuple:
         """Identities of every array and submodule the layer holds (the
-        compiled steps capture the arrays): replacing any (load_weights,
-        update, a new scale, a swapped module) changes the key. Where they sit
-        is listed once per key; a changed key lists them again."""
+        compiled steps capture the arrays), and how many entries each module
+        has: replacing any (load_weights, update, a new scale, a swapped
+        module), adding or deleting one changes the key. Where they sit is
+        listed once per key; a changed key lists them again."""
         places = self.__dict__.get("_lily_places")
         if places is not None:
             key = _identities(places)
-            if key == self.__dict__.get("_lily_places_key"):
+            if key is not None and key == self.__dict__.get("_lily_places_key"):
                 return key
         # In __dict__: nn.Module would keep a list attribute as a child.
         places = self.__dict__["_lily_places"] = _places(self)
         key = self.__dict__["_lily_places_key"] = _identities(places)
+        # A part added, removed or swapped can change whether the fused path fits.
+        self._lily_decode_ok = self._layer_fits()
         return key
 
     def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array, mask: Optional[mx.array] = None):

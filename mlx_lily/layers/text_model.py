@@ -60,15 +60,18 @@ class LilyTextModel(Qwen3_5TextModel):
 
     # -- which calls ----------------------------------------------------------------
 
-    def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[Tuple[Any, Any]]:
-        """(attention mask, DeltaNet mask), as stock builds them from the
-        caches, when the segmented step takes this call; else None."""
+    def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[Tuple[Any, Any, int]]:
+        """(attention mask, DeltaNet mask, weights version), the masks as
+        stock builds them from the caches, when the segmented step takes this
+        call; else None. The weights are checked first: a change there also
+        has each layer check again whether its fused path fits."""
         if cache is None or inputs.ndim != 2 or inputs.shape != (1, 1):
             return None
         if self.__dict__.get("_lily_segments_ok") is False or not compile_enabled():
             return None
         if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
             return None
+        version = self._weights_version()
         # None for one token without padding; the server's batch caches of
         # one row give arrays, which the layers' fused steps take.
         one = _ONE_TOKEN
@@ -78,14 +81,15 @@ class LilyTextModel(Qwen3_5TextModel):
             type(layer) is LilyDecoderLayer and layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
             for layer, c in zip(self.layers, cache)
         )
-        return (fa_mask, ssm_mask) if fits else None
+        return (fa_mask, ssm_mask, version) if fits else None
 
     # -- the segments ---------------------------------------------------------------
 
     def _cuts(self) -> List[int]:
         return [i for i, layer in enumerate(self.layers) if not layer.is_linear]
 
-    def _decode_segments(self, inputs: mx.array, cache: Any, touched: list, fa_mask: Any, ssm_mask: Any) -> mx.array:
+    def _decode_segments(self, inputs: mx.array, cache: Any, touched: list, fa_mask: Any, ssm_mask: Any,
+                         version: int) -> mx.array:
         if self.ssm_idx is not None:
             record("Gated DeltaNet", "lily decode segments", _ONE_TOKEN, ssm_mask, cache[self.ssm_idx])
         if self.fa_idx is not None:
@@ -93,7 +97,6 @@ class LilyTextModel(Qwen3_5TextModel):
         record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
         cuts = self._cuts()
         bounds = [-1] + cuts + [len(self.layers)]
-        version = self._weights_version()
         carry = [inputs]
         new_states = []
         for s in range(len(bounds) - 1):
@@ -136,7 +139,7 @@ class LilyTextModel(Qwen3_5TextModel):
     def _weights_version(self) -> int:
         """A number that changes whenever any array or submodule the segments
         capture is replaced (load_weights, update, a new scale, a swapped
-        module or layer): the identities of the layers, the embedding and the
+        module or layer), added or deleted: the identities of the layers, the embedding and the
         final norm, and of everything they hold, read in one C-level pass over
         where those sit (``_places``) and tested against the objects held
         from the last step (``_same``). Where they sit is listed again only
@@ -150,6 +153,8 @@ class LilyTextModel(Qwen3_5TextModel):
         places = _places(*roots)
         version = held[3] + 1 if held is not None else 0
         self.__dict__["_lily_weights"] = (roots, places, _held(places), version)
+        for layer in self.layers:  # an added or removed part can change what fits
+            layer.__dict__.pop("_lily_decode_ok", None)
         return version
 
     def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
