@@ -334,13 +334,15 @@ def test_an_added_or_removed_part_changes_what_takes_the_fused_path(engines):
 
 
 def test_the_weights_check_says_changed_when_a_place_is_gone():
-    from mlx_lily.layers.decoder import _held, _identities, _places, _same
+    from mlx_lily.layers.decoder import _held, _places, _same, weights_version
 
     root = nn.Sequential(nn.Linear(4, 4), nn.RMSNorm(4))
     places = _places(root)
     held = _held(places)
-    assert _same(places, held) and _identities(places) is not None
+    store = {}
+    assert weights_version(store, [root]) == (0, True)
+    assert _same(places, held) and weights_version(store, [root]) == (0, False)
     del root.layers[1]["weight"]
-    assert not _same(places, held) and _identities(places) is None
+    assert not _same(places, held) and weights_version(store, [root]) == (1, True)
     root.layers[0]["extra"] = mx.zeros((1,))  # an added entry changes the counts
     assert not _same(_places(root), held)

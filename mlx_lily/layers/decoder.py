@@ -35,7 +35,7 @@ context), run as ``mx.compile``-d functions of (x, states, position), so each
 token replays a traced graph instead of running the ops' Python (a new
 compiled step first runs its ops once eagerly, for their kernels' first-use
 checks). The weights are captured as constants; a compiled step is rebuilt if
-the layer's weights are replaced (``_weights_key``).
+the layer's weights are replaced (``weights_version``).
 ``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
 
 Prefill (``pace_prefill``): each layer of a prompt call (more than one token,
@@ -122,16 +122,6 @@ def _places(*modules: nn.Module) -> tuple:
     return holders, keys, visited
 
 
-def _identities(places: tuple) -> Optional[tuple]:
-    """The identities at every place and each module's entry count; None
-    where a place's key is gone."""
-    holders, keys, modules = places
-    try:
-        return tuple(map(id, map(operator.getitem, holders, keys))) + tuple(map(len, modules))
-    except LookupError:
-        return None
-
-
 def _held(places: tuple) -> tuple:
     """(what sits at each place now, each module's entry count)."""
     holders, keys, modules = places
@@ -141,7 +131,7 @@ def _held(places: tuple) -> tuple:
 def _same(places: tuple, held: tuple) -> bool:
     """Whether every place still holds the object ``held`` lists and no
     module gained or lost an entry: one C-level pass of identity tests (no id
-    numbers made: faster than comparing ``_identities``), then the counts."""
+    numbers made), then the counts."""
     holders, keys, modules = places
     objects, sizes = held
     try:
@@ -151,9 +141,27 @@ def _same(places: tuple, held: tuple) -> bool:
         return False
 
 
-def compiled_step(store: dict, name: Any, key: tuple, build: Callable[[], Callable]) -> Callable:
+def weights_version(store: dict, roots: list) -> tuple[int, bool]:
+    """(version, changed): a number that changes whenever a root, or any
+    array or submodule under the roots, is replaced, added or deleted
+    (load_weights, update, a new scale, a swapped module or layer), and
+    whether it changed on this call. Kept in ``store`` (an owner's
+    ``__dict__``: nn.Module would keep a list attribute as a child), with the
+    objects it was built on; where they sit is listed again only when
+    something changed."""
+    held = store.get("_lily_weights")
+    if held is not None and len(held[0]) == len(roots) and all(map(operator.is_, held[0], roots)) \
+            and _same(held[1], held[2]):
+        return held[3], False
+    places = _places(*roots)
+    version = held[3] + 1 if held is not None else 0
+    store["_lily_weights"] = (list(roots), places, _held(places), version)
+    return version, True
+
+
+def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable]) -> Callable:
     """``mx.compile(build())``, held in ``store[name]`` while ``key`` (the
-    identities of the weights it captures) stays the same.
+    ``weights_version`` of the weights it captures) stays the same.
 
     A new compiled step first runs the function eagerly, once, and evaluates
     it: its kernels' first-use checks evaluate arrays, which a trace may not.
@@ -293,7 +301,9 @@ class LilyDecoderLayer(DecoderLayer):
     def _decode(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, mask, cache)
         record("MoE", "lily fused decode", x)
-        key = self._weights_key()
+        key, changed = weights_version(self.__dict__, [self])
+        if changed:  # a part added, removed or swapped can change whether the fused path fits
+            self._lily_decode_ok = self._layer_fits()
         if not self._lily_decode_ok:
             raise _NoLongerFits
         key = key if compile_enabled() else None
@@ -316,31 +326,13 @@ class LilyDecoderLayer(DecoderLayer):
         out = K.attention(queries, keys, values, sa.scale, mask)
         return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
 
-    def _compiled(self, name: str, fn: Callable, key: Optional[tuple]) -> Callable:
-        """``mx.compile(fn)`` held per layer and weights' identities (``key``,
+    def _compiled(self, name: str, fn: Callable, key: Optional[int]) -> Callable:
+        """``mx.compile(fn)`` held per layer and weights' version (``key``,
         see ``compiled_step``); ``fn`` itself where ``key`` is None
         (compilation off)."""
         if key is None:
             return fn
         return compiled_step(self.__dict__, name, key, lambda: fn)
-
-    def _weights_key(self) -> tuple:
-        """Identities of every array and submodule the layer holds (the
-        compiled steps capture the arrays), and how many entries each module
-        has: replacing any (load_weights, update, a new scale, a swapped
-        module), adding or deleting one changes the key. Where they sit is
-        listed once per key; a changed key lists them again."""
-        places = self.__dict__.get("_lily_places")
-        if places is not None:
-            key = _identities(places)
-            if key is not None and key == self.__dict__.get("_lily_places_key"):
-                return key
-        # In __dict__: nn.Module would keep a list attribute as a child.
-        places = self.__dict__["_lily_places"] = _places(self)
-        key = self.__dict__["_lily_places_key"] = _identities(places)
-        # A part added, removed or swapped can change whether the fused path fits.
-        self._lily_decode_ok = self._layer_fits()
-        return key
 
     def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array, mask: Optional[mx.array] = None):
         la, norm = self.linear_attn, self.input_layernorm

@@ -24,7 +24,6 @@ decodes per layer from then on.
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -34,8 +33,8 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 from .. import kernels as K
 from .._notice import notice_once
 from .decoder import (
-    LilyDecoderLayer, _held, _places, _same, compile_enabled, compiled_step, kv_position, next_position,
-    restore_kv_position,
+    LilyDecoderLayer, compile_enabled, compiled_step, kv_position, next_position, restore_kv_position,
+    weights_version,
 )
 from .fast_path import record
 
@@ -137,24 +136,13 @@ class LilyTextModel(Qwen3_5TextModel):
         return compiled_step(store, (s, masked), version, lambda: self._segment_fn(first, last, masked))
 
     def _weights_version(self) -> int:
-        """A number that changes whenever any array or submodule the segments
-        capture is replaced (load_weights, update, a new scale, a swapped
-        module or layer), added or deleted: the identities of the layers, the embedding and the
-        final norm, and of everything they hold, read in one C-level pass over
-        where those sit (``_places``) and tested against the objects held
-        from the last step (``_same``). Where they sit is listed again only
-        when something changed."""
-        roots = [*self.layers, self.embed_tokens, self.norm]
-        held = self.__dict__.get("_lily_weights")
-        if held is not None and len(held[0]) == len(roots) and all(map(operator.is_, held[0], roots)) \
-                and _same(held[1], held[2]):
-            return held[3]
-        # In __dict__: nn.Module would keep a tuple attribute as a child.
-        places = _places(*roots)
-        version = held[3] + 1 if held is not None else 0
-        self.__dict__["_lily_weights"] = (roots, places, _held(places), version)
-        for layer in self.layers:  # an added or removed part can change what fits
-            layer.__dict__.pop("_lily_decode_ok", None)
+        """The stack's ``weights_version`` (the layers, the embedding and the
+        final norm, and everything they hold); a change has each layer check
+        again whether its fused path fits."""
+        version, changed = weights_version(self.__dict__, [*self.layers, self.embed_tokens, self.norm])
+        if changed:
+            for layer in self.layers:
+                layer.__dict__.pop("_lily_decode_ok", None)
         return version
 
     def _segment_fn(self, first: int, last: int, masked: bool = False) -> Callable:
