@@ -174,8 +174,9 @@ def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
 
     seen, contexts, n = set(), [], 1
     while n <= longest:
-        if decode_form(n, kv_heads) not in seen:
-            seen.add(decode_form(n, kv_heads))
+        form = decode_form(n, kv_heads)
+        if form not in seen:
+            seen.add(form)
             contexts.append(n)
         n = n * 2 if n < SPLIT_FROM else n + SPLIT_FROM
     return contexts
