@@ -1,6 +1,6 @@
 """Where the host's time goes in one lily decode step, part by part.
 
-    python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--out DIR]
+    python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), a prompt of
 CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
@@ -18,18 +18,22 @@ Decode is also timed as mlx-lm's ``generate_step`` runs it, each step's
 build and launch overlapping the GPU's work on the step before: first after
 a fresh prompt of CONTEXT tokens (as the A/B measures decode, though without
 the A/B's warmup at that length), then after the split steps; with the
-slowest tokens, so that a stall shows. Where build plus
-launch is close to the time per token, the host bounds decode.
+slowest tokens, so that a stall shows, and the time Python's garbage
+collector took meanwhile. Where build plus launch is close to the time per
+token, the host bounds decode. ``--rounds N`` repeats the split steps and the
+decode after them N times on the same cache: whether decode slows as the
+process goes on, and in which phase.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -112,30 +116,55 @@ def split_steps(model: Any, cache: Any, steps: int) -> Dict[str, float]:
     return {name: 1e3 * statistics.median(v) for name, v in rows.items()}
 
 
-def generate_token_ms(model: Any, prompt: mx.array, cache: Any, steps: int) -> List[float]:
+@contextlib.contextmanager
+def collector_time(spent: List[float]) -> Iterator[None]:
+    """Appends the seconds of each garbage collection while the block runs."""
+    started: List[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def generate_token_ms(model: Any, prompt: mx.array, cache: Any, steps: int,
+                      collections: Optional[List[float]] = None) -> List[float]:
     """Ms between consecutive decode tokens as mlx-lm's generate_step yields
     them (each step's graph built and launched before the previous token is
-    read: the A/B's decode figure is ``steps / sum`` of these)."""
+    read: the A/B's decode figure is ``steps / sum`` of these); the garbage
+    collections' seconds meanwhile go to ``collections``."""
     from mlx_lm.generate import generate_step
 
     gen = generate_step(prompt, model, max_tokens=steps + 1, prompt_cache=cache)
     next(gen)
-    times = []
-    last = time.perf_counter()
-    for _ in range(steps):
-        next(gen)
-        now = time.perf_counter()
-        times.append(1e3 * (now - last))
-        last = now
+    times: List[float] = []
+    with collector_time(collections if collections is not None else []):
+        last = time.perf_counter()
+        for _ in range(steps):
+            next(gen)
+            now = time.perf_counter()
+            times.append(1e3 * (now - last))
+            last = now
     gen.close()
     mx.synchronize()
     return times
 
 
-def describe_tokens(times: List[float]) -> str:
+def describe_tokens(times: List[float], collections: Optional[List[float]] = None) -> str:
     slow = sorted(range(len(times)), key=lambda i: -times[i])[:5]
+    gc_note = ""
+    if collections is not None:
+        gc_note = f"; {len(collections)} garbage collections, {1e3 * sum(collections):.1f} ms in all"
     return (f"{len(times) / sum(times) * 1e3:.1f} tok/s (mean {statistics.mean(times):.2f} ms, median "
-            f"{statistics.median(times):.2f}, slowest: " + ", ".join(f"#{i} {times[i]:.1f}" for i in slow) + ")")
+            f"{statistics.median(times):.2f}, slowest: " + ", ".join(f"#{i} {times[i]:.1f}" for i in slow)
+            + f"{gc_note})")
 
 
 def main(argv=None) -> int:
@@ -143,8 +172,11 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="qwen3.6-35b-a3b")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=1, help="split steps, then decode, this many times (default 1)")
     p.add_argument("--out", help="also write DIR/decode_split.txt")
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps: at least 1")
 
     from bench.engines import load_shared, switch
     from bench.measure import prefilled_cache
@@ -154,19 +186,24 @@ def main(argv=None) -> int:
     from bench.measure import make_prompt_cache, prompt_array
 
     # As the A/B decodes: a fresh prompt through generate_step, then its tokens.
-    fresh = generate_token_ms(model, prompt_array(args.context, vocab), make_prompt_cache(model), args.steps)
+    fresh_gc: List[float] = []
+    fresh = generate_token_ms(model, prompt_array(args.context, vocab), make_prompt_cache(model), args.steps,
+                              fresh_gc)
     cache = prefilled_cache(model, vocab, args.context)
-    split = split_steps(model, cache, args.steps)
-    after = generate_token_ms(model, mx.array([1, 2]), cache, args.steps)
+    splits, afters = [], []
+    for _ in range(args.rounds):
+        splits.append(split_steps(model, cache, args.steps))
+        collections: List[float] = []
+        afters.append((generate_token_ms(model, mx.array([1, 2]), cache, args.steps, collections), collections))
+    heads = " | ".join(f"round {r + 1}" for r in range(args.rounds))
     lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}), "
-             f"median ms over {args.steps} steps", "", "| phase | ms |", "|---|---:|"]
-    lines.append(f"| build | {split['build']:.2f} |")
-    for part in PARTS + ("rest of build",):
-        lines.append(f"| - {part} | {split[part]:.2f} |")
-    for phase in ("launch", "wait", "step"):
-        lines.append(f"| {phase} | {split[phase]:.2f} |")
-    lines += ["", f"generate_step after a fresh {args.context}-token prompt (as the A/B): {describe_tokens(fresh)}",
-              f"generate_step after these steps: {describe_tokens(after)}"]
+             f"median ms over {args.steps} steps", "", f"| phase | {heads} |", "|---|" + "---:|" * args.rounds]
+    for phase in ("build", *(f"- {part}" for part in PARTS + ("rest of build",)), "launch", "wait", "step"):
+        lines.append(f"| {phase} | " + " | ".join(f"{s[phase.lstrip('- ')]:.2f}" for s in splits) + " |")
+    lines += ["", f"generate_step after a fresh {args.context}-token prompt (as the A/B): "
+              f"{describe_tokens(fresh, fresh_gc)}"]
+    for r, (after, collections) in enumerate(afters):
+        lines.append(f"generate_step after round {r + 1}'s split steps: {describe_tokens(after, collections)}")
     write_report(args.out, "decode_split.txt", "\n".join(lines) + "\n")
     return 0
 
