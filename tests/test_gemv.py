@@ -220,11 +220,33 @@ def test_the_op_returns_one_output_per_projection_and_is_registered():
     args, kwargs = make_call(128, (5, 3), (4, 8), seed=8)
     launch = quantized_matvec_kernel.launch(*args, **kwargs)
     # One output per projection, each already in the op's shape (no view
-    # nodes in a decode graph); the unused ones are one-element dummies.
-    assert launch.output_shapes == [(1, 1, 5), (1, 1, 3), (1,), (1,)]
+    # nodes in a decode graph), and none for segments the call lacks: their
+    # weights are not passed either.
+    assert launch.output_shapes == [(1, 1, 5), (1, 1, 3)]
+    assert launch.absent == ("w2", "scales2", "biases2", "out2", "w3", "scales3", "biases3", "out3")
+    (x, weights), _ = args, kwargs
+    assert launch.inputs[:7] == [x, *weights[0], *weights[1]] and len(launch.inputs) == 12
     outs = [mx.zeros(s) for s in launch.output_shapes]
     a, b = launch.finish(outs)
     assert a is outs[0] and b is outs[1]
+
+
+def test_each_segment_count_is_its_own_build_with_fewer_arrays(emulator_backend):
+    """A call of S projections builds a kernel whose inputs and outputs are
+    those of S segments; the names past S are stand-ins in its source."""
+    for S in range(1, 5):
+        args, kwargs = make_call(64, (7,) * S, (4,) * S, seed=S)
+        launch = quantized_matvec_kernel.launch(*args, **kwargs)
+        names = quantized_matvec_kernel.present(quantized_matvec_kernel.input_names, launch.absent)
+        assert len(names) == len(launch.inputs) == 1 + 3 * S + 5
+        assert quantized_matvec_kernel.present(quantized_matvec_kernel.output_names, launch.absent) == [
+            f"out{s}" for s in range(S)]
+        text = quantized_matvec_kernel.body_text(launch.absent)
+        assert ("device OutT* out3 = out0;" in text) == (S < 4)
+    assert len({quantized_matvec_kernel.backend_name("metal", quantized_matvec_kernel.launch(
+        *make_call(64, (7,) * S, (4,) * S)[0]).absent) for S in range(1, 5)}) == 4
+    with pytest.raises(ValueError, match="no stand-in for absent norm_weight"):
+        quantized_matvec_kernel.body_text(("norm_weight",))
 
 
 def test_the_op_takes_the_kernel_through_the_registry(emulator_backend, fresh_notices):

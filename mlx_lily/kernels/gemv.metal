@@ -36,10 +36,12 @@
 //           (strided); gate [1, 1, G, D] bf16 with G * D = K (strided);
 //           residual [1, 1, N_0] bf16 (strided); layout uint32 [8]: each
 //           segment's end in row blocks (4), rows (4);
-//           scalars fp32 [1]: eps. Unused inputs are small dummies.
+//           scalars fp32 [1]: eps. An unused norm_weight, gate or residual
+//           is a small dummy; the arrays of segments past S are not passed
+//           (the launcher declares them as segment 0's, never read).
 // Outputs:  out0..out3, segment s's N_s values in out<s> (one output per
 //           segment, so each projection is an array of its own, no view of a
-//           shared one; past S, a dummy of one element).
+//           shared one; none past S).
 // Grid:     (threadgroups * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
 
 // Rows per SIMD group (ROWS): each lane keeps this many 16-byte loads in

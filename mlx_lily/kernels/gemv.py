@@ -215,12 +215,10 @@ def quantized_matvec_supports(
 
 @functools.lru_cache(maxsize=None)
 def _dummies() -> tuple:
-    """Stand-ins for inputs a call does not have. Eight elements at least: on
-    Metal, smaller inputs are ``constant``, which the body's uint4 loads of
-    weights cannot take."""
+    """Stand-ins for the prologue's and epilogue's inputs where a call has
+    none (segments past S are left out instead: ``_STAND_INS``)."""
     return (
-        mx.zeros((8,), mx.uint32),  # w
-        mx.zeros((8,), mx.bfloat16),  # scales, biases, norm_weight
+        mx.zeros((8,), mx.bfloat16),  # norm_weight
         mx.zeros((1, 1, 1, 1), mx.bfloat16),  # gate
         mx.zeros((1, 1, 1), mx.bfloat16),  # residual
     )
@@ -280,13 +278,13 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     if not 1 <= nsg <= 32:
         raise ValueError(f"simdgroups {nsg}: 1 to 32")
     threadgroups = -(-blocks // nsg)
-    dummy_w, dummy_h, dummy_gate, dummy_res = _dummies()
+    dummy_h, dummy_gate, dummy_res = _dummies()
     prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
     XT = _input_dtype(norm_weight)
     OutT = XT  # residual (bf16) + XT
     inputs = [x]
-    for s in range(MAX_SEGMENTS):
-        inputs.extend(weights[s] if s < S else (dummy_w, dummy_h, dummy_h))
+    for s in range(S):
+        inputs.extend(weights[s])
     if gate is not None and gate.ndim == 3:
         gate = gate.reshape(1, 1, 1, K)
     inputs += [
@@ -300,8 +298,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         inputs=inputs,
         grid=(threadgroups * nsg * SIMD_WIDTH, 1, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
-        output_shapes=[(1, 1, rows[s]) if s < S else (1,) for s in range(MAX_SEGMENTS)],
-        output_dtypes=[OutT] * MAX_SEGMENTS,
+        output_shapes=[(1, 1, rows[s]) for s in range(S)],
+        output_dtypes=[OutT] * S,
         template=[
             ("XT", XT),
             ("OutT", OutT),
@@ -313,7 +311,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
         ],
-        finish=lambda outputs: tuple(outputs[:S]),
+        finish=tuple,
+        absent=_ABSENT[S],
     )
 
 
@@ -456,6 +455,26 @@ def _fuzz(rng):
     return make_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng)
 
 
+def _segment_names(s: int) -> tuple:
+    return (f"w{s}", f"scales{s}", f"biases{s}", f"out{s}")
+
+
+# A call of S projections leaves out segments S..3: no weights passed, no
+# outputs allocated. The body names them only where s < S, so each stands for
+# segment 0's arrays there.
+_STAND_INS = {
+    name: decl
+    for s in range(1, MAX_SEGMENTS)
+    for name, decl in zip(_segment_names(s), (
+        f"const device uint32_t* w{s} = w0;",
+        f"const device bfloat16_t* scales{s} = scales0;",
+        f"const device bfloat16_t* biases{s} = biases0;",
+        f"device OutT* out{s} = out0;",
+    ))
+}
+_ABSENT = {S: tuple(n for s in range(S, MAX_SEGMENTS) for n in _segment_names(s)) for S in range(1, MAX_SEGMENTS + 1)}
+
+
 quantized_matvec_kernel = Kernel(
     name="quantized_matvec",
     input_names=(
@@ -473,6 +492,7 @@ quantized_matvec_kernel = Kernel(
     sample=_sample,
     agree=quantized_matvec_agree,
     row_contiguous=False,
+    stand_ins=_STAND_INS,
     # For lily_tile_unpack only (bf16 bit patterns to floats), no matrix tiles.
     tiles=True,
 )

@@ -46,7 +46,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -136,6 +136,10 @@ class Launch:
     init_value: Optional[float] = None
     # outputs -> the op's result (reshapes, tuples); None returns the list.
     finish: Optional[Callable[[list], Any]] = None
+    # Inputs and outputs this call does not have (names in the kernel's
+    # ``stand_ins``): left out of ``inputs`` and ``output_shapes``, so MLX
+    # neither passes nor allocates them.
+    absent: Tuple[str, ...] = ()
 
 
 def whole_threadgroups(grid: Dim3, threadgroup: Dim3) -> tuple[Dim3, Dim3]:
@@ -453,6 +457,11 @@ class Kernel:
     # body indexes them through ``<name>_strides``); True: MLX copies any input
     # that is not row-contiguous first.
     row_contiguous: bool = True
+    # name -> the declaration that stands in for that input or output where a
+    # call leaves it out (``Launch.absent``), e.g. a pointer to another one
+    # that the body then never reads or writes: each set of absent names is
+    # its own build, with fewer arrays per launch for MLX to pass.
+    stand_ins: Dict[str, str] = field(default_factory=dict)
     _text: Optional[str] = field(default=None, init=False, repr=False)
     _built: Dict[tuple, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
@@ -561,7 +570,7 @@ class Kernel:
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
         self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs)))
-        outputs = self._build(backend)(
+        outputs = self._build(backend, tuple(launch.absent))(
             inputs=list(launch.inputs),
             template=list(launch.template) or None,
             grid=grid,
@@ -600,7 +609,7 @@ class Kernel:
 
     # -- sources -------------------------------------------------------------
 
-    def backend_name(self, backend: str) -> str:
+    def backend_name(self, backend: str, absent: Tuple[str, ...] = ()) -> str:
         """The name MLX gets: ours plus a digest of everything compiled.
 
         MLX caches built kernels by name, in the process and (on CUDA) on disk
@@ -608,7 +617,7 @@ class Kernel:
         under the same name would load a stale binary; the digest makes every
         distinct source a distinct name.
         """
-        text = self.full_header(backend) + self.body_text()
+        text = self.full_header(backend) + self.body_text(absent)
         digest = hashlib.sha256(text.encode()).hexdigest()[:12]
         return f"{self.name}_{digest}"
 
@@ -621,22 +630,33 @@ class Kernel:
             text = cuda_prelude(text + self.body_text()) + text
         return text
 
-    def mlx_texts(self, backend: str, by_include: bool = False) -> tuple[str, str]:
+    def mlx_texts(self, backend: str, by_include: bool = False, absent: Tuple[str, ...] = ()) -> tuple[str, str]:
         """(header, source) as MLX's kernel builder gets them on ``backend``:
         compacted on Metal and CUDA (``gpu_source``), and on CUDA with
         ``by_include`` the two include lines (``cuda_by_include``)."""
-        header, body = self.full_header(backend), self.body_text()
+        header, body = self.full_header(backend), self.body_text(absent)
         if backend in ("metal", "cuda"):
             header, body = gpu_source(header), gpu_source(body)
         if backend == "cuda" and by_include:
-            header, body = cuda_by_include(header, body, self.input_names)
+            header, body = cuda_by_include(header, body, self.present(self.input_names, absent))
         return header, body
 
-    def body_text(self) -> str:
-        """The body's source (read from its file once: launches ask on every call)."""
+    def body_text(self, absent: Tuple[str, ...] = ()) -> str:
+        """The body's source (read from its file once: launches ask on every
+        call), after the stand-ins for the ``absent`` names."""
         if self._text is None:
             self._text = self.source if self.source is not None else body_path(self.body).read_text()
-        return self._text
+        if not absent:
+            return self._text
+        unknown = [n for n in absent if n not in self.stand_ins]
+        if unknown:
+            raise ValueError(f"kernel {self.name}: no stand-in for absent {', '.join(unknown)}")
+        return "".join(self.stand_ins[n] + "\n" for n in absent) + self._text
+
+    @staticmethod
+    def present(names: Sequence[str], absent: Tuple[str, ...]) -> list:
+        """``names`` less the ``absent`` ones, in order."""
+        return [n for n in names if n not in absent]
 
     def cuda_translation_unit(self, *args, by_include: bool = False, **kwargs) -> str:
         """The CUDA source MLX's cuda_kernel generates for this call.
@@ -648,9 +668,10 @@ class Kernel:
         when ``cuda_includes_work()`` (include lines).
         """
         launch = self.launch(*args, **kwargs)
-        header, text = self.mlx_texts("cuda", by_include)
+        absent = tuple(launch.absent)
+        header, text = self.mlx_texts("cuda", by_include, absent)
         params = []
-        for name, arr in zip(self.input_names, launch.inputs):
+        for name, arr in zip(self.present(self.input_names, absent), launch.inputs):
             params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
             if arr.ndim > 0:
                 # MLX's own test: the name anywhere in the source it is given.
@@ -660,7 +681,7 @@ class Kernel:
                     params.append(f"    const __grid_constant__ Strides {name}_strides")
                 if f"{name}_ndim" in text:
                     params.append(f"    const __grid_constant__ int {name}_ndim")
-        for name, dtype in zip(self.output_names, launch.output_dtypes):
+        for name, dtype in zip(self.present(self.output_names, absent), launch.output_dtypes):
             params.append(f"    {_cuda_type(dtype)}* {name}")
         constants = []
         for name, value in launch.template:
@@ -677,7 +698,7 @@ class Kernel:
                 "#include <cooperative_groups.h>\n\n",
                 header,
                 "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
-                f"__global__ void custom_kernel_{self.backend_name('cuda')}{suffix}(\n",
+                f"__global__ void custom_kernel_{self.backend_name('cuda', absent)}{suffix}(\n",
                 ",\n".join(params),
                 ") {\n",
                 "\n".join(constants),
@@ -689,22 +710,24 @@ class Kernel:
 
     # -- internals -----------------------------------------------------------
 
-    def _build(self, backend: str) -> Callable:
-        key = (backend, _TRACING.active)
+    def _build(self, backend: str, absent: Tuple[str, ...] = ()) -> Callable:
+        key = (backend, _TRACING.active, absent)
         built = self._built.get(key)
         if built is not None:
             return built
         with self._lock:
             if key not in self._built:
-                self._built[key] = self._make(backend, row_contiguous=self.row_contiguous and not key[1])
+                self._built[key] = self._make(backend, row_contiguous=self.row_contiguous and not key[1],
+                                              absent=absent)
             return self._built[key]
 
-    def _make(self, backend: str, row_contiguous: bool) -> Callable:
-        header, source = self.mlx_texts(backend, by_include=backend == "cuda" and cuda_includes_work())
+    def _make(self, backend: str, row_contiguous: bool, absent: Tuple[str, ...] = ()) -> Callable:
+        header, source = self.mlx_texts(backend, by_include=backend == "cuda" and cuda_includes_work(),
+                                        absent=absent)
         common = dict(
-            name=self.backend_name(backend),
-            input_names=list(self.input_names),
-            output_names=list(self.output_names),
+            name=self.backend_name(backend, absent),
+            input_names=self.present(self.input_names, absent),
+            output_names=self.present(self.output_names, absent),
             source=source,
             ensure_row_contiguous=row_contiguous,
         )
