@@ -23,6 +23,7 @@ which on some backends rounds scores and probabilities to bf16 on the way,
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Optional
@@ -99,6 +100,13 @@ def decode_key_block(S: int, Hkv: int) -> int:
     return block
 
 
+@functools.lru_cache(maxsize=64)
+def _scale_array(scale: float) -> mx.array:
+    """The softmax scale as the kernels' fp32 [1] input: one array per value,
+    not a new one (and its copy to the device) at every decode step."""
+    return mx.array([scale], dtype=mx.float32)
+
+
 def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
     _, Hq, _, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -112,7 +120,7 @@ def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = K
     return Launch(
         # The queries are tiny: made contiguous here, so the body indexes them
         # directly; K and V stay as they are (strided views of the cache).
-        inputs=[contiguous(q.reshape(Hq, D)), k, v, mx.array([scale], dtype=mx.float32)],
+        inputs=[contiguous(q.reshape(Hq, D)), k, v, _scale_array(float(scale))],
         grid=(threads * blocks, Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
@@ -225,7 +233,7 @@ def _launch_prefill(q, k, v, scale, mask) -> Launch:
     positions = PREFILL_ROWS // G
     threads = PREFILL_SIMD_GROUPS * SIMD_WIDTH
     return Launch(
-        inputs=[contiguous(q), k, v, mx.array([scale], dtype=mx.float32)],
+        inputs=[contiguous(q), k, v, _scale_array(float(scale))],
         grid=(threads * math.ceil(L / positions), Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[q.shape],
