@@ -39,3 +39,11 @@ def test_importing_lily_sets_it_only_where_mlx_runs_cuda():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     cuda, value = out.stdout.split()
     assert value == (str(graph_commits.RELAXED_MB) if cuda == "True" else "None")
+
+
+def test_the_bench_imports_lily_before_anything_else():
+    """Every bench tool runs under the same bound as lily: importing the
+    bench package alone imports lily (and so sets it where MLX runs CUDA)."""
+    code = "import sys, bench; print('mlx_lily' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
