@@ -92,9 +92,37 @@ def test_decode_split_times_each_part_and_puts_the_model_back():
         assert 0 <= split[part] <= split["build"], part
     assert split["segment calls"] > 0 and split["attention ops"] > 0 and split["KV-cache writes"] > 0
     assert split["weights check"] > 0 and split["eligibility and masks"] > 0
-    times = decode_split.generate_token_ms(model, mx.array([1, 2]), cache, 4)
+    collections = []
+    times = decode_split.generate_token_ms(model, mx.array([1, 2]), cache, 4, collections)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert "tok/s" in decode_split.describe_tokens(times)
+    assert f"{len(collections)} garbage collections" in decode_split.describe_tokens(times, collections)
+
+
+def test_decode_split_rounds_report_each_round(tmp_path):
+    """--rounds N: one column of the split per round and one decode line
+    after each, on the same cache."""
+    from bench.diagnostics import decode_split
+
+    decode_split.main(["--shape", "demo", "--context", "16", "--steps", "2", "--rounds", "2",
+                       "--out", str(tmp_path)])
+    text = (tmp_path / "decode_split.txt").read_text()
+    assert "| phase | round 1 | round 2 |" in text
+    assert "| - weights check |" in text and text.count("after round") == 2
+    assert "garbage collections" in text
+
+
+def test_collector_time_counts_each_collection():
+    import gc
+
+    from bench.diagnostics.decode_split import collector_time
+
+    spent = []
+    with collector_time(spent):
+        gc.collect()
+        gc.collect()
+    gc.collect()  # outside the block: not counted
+    assert len(spent) == 2 and all(s >= 0 for s in spent)
 
 
 def test_bandwidth_says_what_it_needs_without_pytorch_on_cuda(capsys, monkeypatch):
