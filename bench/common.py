@@ -162,17 +162,7 @@ def software_info() -> Dict[str, str]:
         "MLX_LILY_KERNELS": os.environ.get("MLX_LILY_KERNELS", "(unset: kernels on)"),
         "MLX_LILY_KERNEL_BACKEND": os.environ.get("MLX_LILY_KERNEL_BACKEND", "(unset: auto)"),
         "kernel_backend": _kernel_backend(),
-        "graph_commits": _graph_commits(),
     }
-
-
-def _graph_commits() -> str:
-    """MLX's CUDA graph byte bound in this process, for both engines (mlx_lily.graph_commits)."""
-    try:
-        from mlx_lily import graph_commits
-    except ImportError:  # an older lily
-        return "unknown"
-    return graph_commits.describe()
 
 
 def _kernel_backend() -> str:

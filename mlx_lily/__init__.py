@@ -2,11 +2,6 @@
 
 __version__ = "0.1.0"
 
-# Before anything here touches the GPU: MLX reads this bound at its first use.
-from .graph_commits import relax_byte_bound  # noqa: E402
-
-relax_byte_bound()
-
 from .backend import disable, enable, is_enabled, load  # noqa: E402
 
 __all__ = ["__version__", "load", "enable", "disable", "is_enabled"]

@@ -16,7 +16,7 @@ from typing import List
 
 import mlx.core as mx
 
-from . import __version__, graph_commits
+from . import __version__
 from .kernels import OPS, gpu_backend
 
 
@@ -138,7 +138,6 @@ def main(argv: List[str] | None = None) -> int:
     print(f"prefill      {prefill_pacing()}")
     print(f"server       {server_priming()}")
     print(f"sources      {kernel_sources()}")
-    print(f"commits      {graph_commits.describe()}")
 
     print("\nself-check (small inputs):")
     failures = 0

@@ -96,7 +96,8 @@ def test_decode_split_times_each_part_and_puts_the_model_back():
     times = decode_split.generate_token_ms(model, mx.array([1, 2]), cache, 4, collections)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert "tok/s" in decode_split.describe_tokens(times)
-    assert f"{len(collections)} garbage collections" in decode_split.describe_tokens(times, collections)
+    assert f"{len(collections)} garbage collection" in decode_split.describe_tokens(times, collections)
+    assert "1 garbage collection," in decode_split.describe_tokens(times, [0.001])
 
 
 def test_decode_split_rounds_report_each_round(tmp_path):
@@ -109,7 +110,7 @@ def test_decode_split_rounds_report_each_round(tmp_path):
     text = (tmp_path / "decode_split.txt").read_text()
     assert "| phase | round 1 | round 2 |" in text
     assert "| - weights check |" in text and text.count("after round") == 2
-    assert "garbage collections" in text
+    assert "garbage collection" in text
 
 
 def test_collector_time_counts_each_collection():

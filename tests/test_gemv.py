@@ -242,7 +242,8 @@ def test_each_segment_count_is_its_own_build_with_fewer_arrays(emulator_backend)
         assert quantized_matvec_kernel.present(quantized_matvec_kernel.output_names, launch.absent) == [
             f"out{s}" for s in range(S)]
         text = quantized_matvec_kernel.body_text(launch.absent)
-        assert ("device OutT* out3 = out0;" in text) == (S < 4)
+        assert ("auto out3 = out0;" in text) == (S < 4)
+        assert text.count("\n") == quantized_matvec_kernel.body_text().count("\n")  # the body's lines
     assert len({quantized_matvec_kernel.backend_name("metal", quantized_matvec_kernel.launch(
         *make_call(64, (7,) * S, (4,) * S)[0]).absent) for S in range(1, 5)}) == 4
     with pytest.raises(ValueError, match="no stand-in for absent norm_weight"):
@@ -358,3 +359,23 @@ def test_the_sweep_times_only_the_evaluation_of_calls_built_before():
     # One warm-up graph and GRAPHS_TIMED timed ones, each of CALLS_PER_GRAPH calls.
     assert len(built) == gemv_sweep.CALLS_PER_GRAPH * (gemv_sweep.GRAPHS_TIMED + 1)
     assert us > 0
+
+
+def test_no_call_touches_the_segments_it_leaves_out(emulator_backend, monkeypatch):
+    """In the emulator, each left-out name stands for an empty range at the
+    start of segment 0's buffer, so any read or write of it would fail as out
+    of bounds: calls of 1 to 3 projections, each prologue and the residual,
+    still agree with the reference."""
+    empty = {n: f"auto {n} = decltype({n[:-1]}0)({n[:-1]}0.p_, {n[:-1]}0.lo_, {n[:-1]}0.lo_);"
+             for n in quantized_matvec_kernel.stand_ins}
+    quantized_matvec_kernel.forget()
+    monkeypatch.setattr(quantized_matvec_kernel, "stand_ins", empty)
+    try:
+        for S, prologue, residual in ((1, "norm", True), (2, "gate", False), (3, "none", False), (1, "gate", True)):
+            args, kwargs = make_call(128, (9, 5, 3)[:S], (4, 8, 4)[:S], prologue, residual, seed=20 + S)
+            got = quantized_matvec_kernel.emulate(*args, **kwargs)
+            want = quantized_matvec_reference(*args, **kwargs)
+            assert quantized_matvec_agree(got, want, *args, **kwargs) is None, (S, prologue)
+    finally:
+        monkeypatch.undo()
+        quantized_matvec_kernel.forget()

@@ -161,7 +161,8 @@ def describe_tokens(times: List[float], collections: Optional[List[float]] = Non
     slow = sorted(range(len(times)), key=lambda i: -times[i])[:5]
     gc_note = ""
     if collections is not None:
-        gc_note = f"; {len(collections)} garbage collections, {1e3 * sum(collections):.1f} ms in all"
+        n = len(collections)
+        gc_note = f"; {n} garbage collection{'' if n == 1 else 's'}, {1e3 * sum(collections):.1f} ms in all"
     return (f"{len(times) / sum(times) * 1e3:.1f} tok/s (mean {statistics.mean(times):.2f} ms, median "
             f"{statistics.median(times):.2f}, slowest: " + ", ".join(f"#{i} {times[i]:.1f}" for i in slow)
             + f"{gc_note})")

@@ -16,14 +16,12 @@ launches of a kernel that adds 1 to 32 floats, for several N:
   source at every launch; the smallest also through ``mx.compile``, which
   keeps custom kernels apart and replays the recorded graph, as lily's
   decode segments do;
-* with ``--input-mb``, the smallest custom kernel also given an array of that
-  many MB that it does not read, as a MoE launch is given every expert's
-  weights: MLX's CUDA backend counts each launch's input bytes and commits
-  its graph of queued kernels every ``MLX_MAX_MB_PER_BUFFER`` MB (1000 on the
-  H200) as well as every ``MLX_MAX_OPS_PER_BUFFER`` kernels (100), so this
-  row shows what those commits cost per launch. The bench imports lily, which
-  raises that bound on CUDA (``mlx_lily.graph_commits``): run with
-  ``MLX_MAX_MB_PER_BUFFER=1000`` to see MLX's default.
+* with ``--input-mb``, the smallest custom kernel also given a uint8 array of
+  that many MB that it does not read: MLX's CUDA backend adds up its
+  launches' input sizes in elements (``array::data_size``, not bytes) and
+  commits its graph of queued kernels every ``MLX_MAX_MB_PER_BUFFER`` x 2^20
+  of them (1000 on the H200) as well as every ``MLX_MAX_OPS_PER_BUFFER``
+  kernels (100), so this row shows what those commits cost per launch.
 
 Each step is evaluated on its own (wall time to the result) and, as
 ``mlx_lm.generate`` runs decode, pipelined (the next step is built and

@@ -460,17 +460,13 @@ def _segment_names(s: int) -> tuple:
 
 
 # A call of S projections leaves out segments S..3: no weights passed, no
-# outputs allocated. The body names them only where s < S, so each stands for
-# segment 0's arrays there.
+# outputs allocated. The body touches them only where s < S, so each stands
+# for segment 0's array of its kind (``auto``: MLX passes an input of fewer
+# than 8 elements to Metal in the constant address space, not device).
 _STAND_INS = {
-    name: decl
+    name: f"auto {name} = {name[:-1]}0;"
     for s in range(1, MAX_SEGMENTS)
-    for name, decl in zip(_segment_names(s), (
-        f"const device uint32_t* w{s} = w0;",
-        f"const device bfloat16_t* scales{s} = scales0;",
-        f"const device bfloat16_t* biases{s} = biases0;",
-        f"device OutT* out{s} = out0;",
-    ))
+    for name in _segment_names(s)
 }
 _ABSENT = {S: tuple(n for s in range(S, MAX_SEGMENTS) for n in _segment_names(s)) for S in range(1, MAX_SEGMENTS + 1)}
 

@@ -465,10 +465,11 @@ class Kernel:
     _text: Optional[str] = field(default=None, init=False, repr=False)
     _built: Dict[tuple, Callable] = field(default_factory=dict, init=False, repr=False)
     _checked: Dict[str, tuple[bool, str]] = field(default_factory=dict, init=False, repr=False)
-    # (backend, template, input dtypes) -> None (passed) or why it is off.
+    # (backend, template, input dtypes, absent names) -> None (passed) or why it is off.
     _instances: Dict[tuple, Optional[str]] = field(default_factory=dict, init=False, repr=False)
-    # (backend, template, input dtypes) of every launch so far: each is one
-    # build of the kernel (MLX caches builds by template arguments).
+    # (backend, template, input dtypes, absent names) of every launch so far:
+    # each is one build of the kernel (MLX caches builds by name and template
+    # arguments; each set of absent names has its own name).
     launched: set = field(default_factory=set, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
@@ -510,7 +511,8 @@ class Kernel:
         """
         try:
             launch = self.launch(*args, **kwargs)
-            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs))
+            absent = tuple(sorted(launch.absent))
+            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), absent)
         except Exception as exc:  # a launcher refusing a shape supports() let through
             return self._off(backend, None, f"launch failed: {_one_line(exc)}", args, kwargs)
         why_not = self._instances.get(key, _UNCHECKED)
@@ -569,8 +571,9 @@ class Kernel:
     def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
-        self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs)))
-        outputs = self._build(backend, tuple(launch.absent))(
+        absent = tuple(sorted(launch.absent))  # one build per set, in any order
+        self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), absent))
+        outputs = self._build(backend, absent)(
             inputs=list(launch.inputs),
             template=list(launch.template) or None,
             grid=grid,
@@ -651,7 +654,8 @@ class Kernel:
         unknown = [n for n in absent if n not in self.stand_ins]
         if unknown:
             raise ValueError(f"kernel {self.name}: no stand-in for absent {', '.join(unknown)}")
-        return "".join(self.stand_ins[n] + "\n" for n in absent) + self._text
+        # On the body's first line, so that its line numbers stay the file's.
+        return "".join(self.stand_ins[n] + " " for n in absent) + self._text
 
     @staticmethod
     def present(names: Sequence[str], absent: Tuple[str, ...]) -> list:
@@ -668,7 +672,7 @@ class Kernel:
         when ``cuda_includes_work()`` (include lines).
         """
         launch = self.launch(*args, **kwargs)
-        absent = tuple(launch.absent)
+        absent = tuple(sorted(launch.absent))
         header, text = self.mlx_texts("cuda", by_include, absent)
         params = []
         for name, arr in zip(self.present(self.input_names, absent), launch.inputs):
