@@ -106,7 +106,7 @@ def run_arm_here(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     model, vocab, load_s = load_engine(spec["source"], spec["engine"])
     warmup_s = warmup(model, spec["length"], vocab)
-    result = measure_arm(model, spec["length"], vocab, spec["decode_steps"])
+    result = measure_arm(model, spec["length"], vocab, spec["decode_steps"], gpu_clocks=spec.get("gpu_clocks", False))
     result.update(load_s=load_s, warmup_s=warmup_s, op_paths=op_paths())
     return result
 
@@ -178,7 +178,17 @@ def _arm_line(result: Dict[str, Any]) -> str:
     return (
         f"prefill {result['prefill_tps']:.1f} tok/s, decode {result['decode_tps']:.2f} tok/s, "
         f"peak memory {result['peak_memory_bytes'] / 2**30:.2f} GiB, tokens {result['digest']}"
+        + _clocks_note(result.get("decode_gpu_clocks"))
     )
+
+
+def _clocks_note(clocks: Optional[Dict[str, Any]]) -> str:
+    """The decode's GPU clocks for the arm's log line, where they were asked for."""
+    if not clocks or clocks.get("unavailable") == "not asked for":
+        return ""
+    from bench.gpu_clocks import describe
+
+    return f"; decode: {describe(clocks)}"
 
 
 def run_fresh(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
@@ -194,7 +204,7 @@ def run_fresh(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
             log(f"arm {i + 1}/{len(plan)}: round {r + 1} {engine} length {length_label(n)} "
                 f"(fresh process; {progress.status()})")
             spec = {"task": "arm", "source": source, "engine": engine, "length": n,
-                    "decode_steps": args.decode_steps}
+                    "decode_steps": args.decode_steps, "gpu_clocks": args.gpu_clocks}
             result = _run_worker(spec, Path(tmp), f"arm{i}")
             result.update(round=r, engine=engine, length=n, order=i)
             arms.append(result)
@@ -273,12 +283,13 @@ def _same_process_arm(model, n: int, vocab: int, args: argparse.Namespace) -> Di
     tail = min(args.depth_tail, n)
     warmup_s = warmup(model, tail if depth else n, vocab) if args.warmup_each else None
     if not depth:
-        result = measure_arm(model, n, vocab, args.decode_steps)
+        result = measure_arm(model, n, vocab, args.decode_steps, gpu_clocks=args.gpu_clocks)
     else:
         from bench.measure import lily_prefilled_cache
 
         cache = lily_prefilled_cache(model, vocab, n - tail)
-        result = measure_arm(model, n, vocab, args.decode_steps, cache=cache, timed_from=n - tail)
+        result = measure_arm(model, n, vocab, args.decode_steps, cache=cache, timed_from=n - tail,
+                             gpu_clocks=args.gpu_clocks)
         result["prefill_method"] = f"last {tail} tokens at depth {n - tail} (lily prefilled the rest, untimed)"
     result["warmup_s"] = warmup_s
     return result
@@ -355,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
                      help=f"measured decode steps per arm (default: {DECODE_STEPS}, the "
                           "method's; change only for tests and quick checks)")
+    how.add_argument("--gpu-clocks", action="store_true",
+                     help="sample the GPU's clocks, power and load with nvidia-smi during each arm's "
+                          "decode (bench/gpu_clocks.py), into the arm's JSON and log line")
     how.add_argument("--numerics", action=argparse.BooleanOptionalAction, default=True,
                      help="teacher-forced numerics: top-1 agreement, perplexities, KL (default: on)")
     how.add_argument("--numerics-tokens", type=int, default=256,
@@ -397,6 +411,7 @@ def _settings(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
         "rounds": args.rounds,
         "engine_order": [list(engine_order(r)) for r in range(args.rounds)],
         "decode_steps": args.decode_steps,
+        "gpu_clocks": bool(args.gpu_clocks),
         "decode_steps_is_method_default": args.decode_steps == DECODE_STEPS,
         "prefill_step_size": PREFILL_STEP,
         "batch_size": 1,

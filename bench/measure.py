@@ -15,6 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .common import PREFILL_STEP, last_op_paths, prompt_ids
 from .engines import lily_layer_count
+from .gpu_clocks import sampled_clocks
 
 # Decode steps in a warmup: enough to build and run the one-token graph a few
 # times at the arm's context; the arm's prefill shapes are warmed in full.
@@ -47,17 +48,18 @@ def generate(model: Any, prompt: mx.array, decode_steps: int, cache: Any = None)
     with wired_limit(model, [generation_stream]):
         start = time.perf_counter()
         first, _ = next(gen)
-        first_at = time.perf_counter()
+        first_at, decode_from = time.perf_counter(), time.time()
         tokens = [first]
         for _ in range(decode_steps):
             token, _ = next(gen)
             tokens.append(token)
-        end = time.perf_counter()
+        end, decode_to = time.perf_counter(), time.time()
         # generate_step dispatches one step ahead; let it finish before the
         # next measurement starts.
         gen.close()
         _sync()
-    return {"prefill_s": first_at - start, "decode_s": end - first_at, "tokens": tokens}
+    return {"prefill_s": first_at - start, "decode_s": end - first_at, "tokens": tokens,
+            "decode_window": (decode_from, decode_to)}
 
 
 def prompt_array(length: int, vocab_size: int) -> mx.array:
@@ -75,18 +77,20 @@ def warmup(model: Any, length: int, vocab_size: int) -> float:
 
 
 def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
-                cache: Any = None, timed_from: int = 0) -> Dict[str, Any]:
+                cache: Any = None, timed_from: int = 0, gpu_clocks: bool = False) -> Dict[str, Any]:
     """One measured prefill of ``length`` tokens then ``decode_steps`` decode
     steps; throughputs, the tokens (and their digest), peak memory, and the
     kernels and bytes of one more decode step on the run's cache
     (``bench.counts``; counted after the measurement, so it costs it nothing).
     With ``cache`` already holding the prompt's first ``timed_from`` tokens,
-    only the rest is prefilled and timed (``lily_prefilled_cache``)."""
+    only the rest is prefilled and timed (``lily_prefilled_cache``). With
+    ``gpu_clocks``, the GPU's clocks during the decode (``bench.gpu_clocks``)."""
     prompt = prompt_array(length, vocab_size)
     mx.clear_cache()
     mx.reset_peak_memory()
     cache = make_prompt_cache(model) if cache is None else cache
-    run = generate(model, prompt[timed_from:], decode_steps, cache)
+    with sampled_clocks(gpu_clocks) as clocks:
+        run = generate(model, prompt[timed_from:], decode_steps, cache)
     peak = mx.get_peak_memory()
     host_ms = host_ms_per_decode_token(model, cache, run["tokens"][-1])
     counts = _counts(model, cache, run["tokens"][-1])
@@ -104,6 +108,7 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
         "op_last_paths": last_op_paths(),
         "counts": counts,
         "host_ms_per_decode_token": host_ms,
+        "decode_gpu_clocks": clocks.summary(*run["decode_window"]),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ def ab_run(request, tmp_path_factory):
     flags = ["--lengths", "32,64", "--rounds", str(ROUNDS), "--decode-steps", str(STEPS)]
     if request.param == "same-process":
         flags.append("--same-process")
+    else:  # through the workers' specs
+        flags.append("--gpu-clocks")
     proc = run_bench(out, *flags)
     return request.param, proc, outputs(out, "ab")
 
@@ -76,7 +79,7 @@ def test_ab_json_is_complete(ab_run):
 
 
 def test_ab_arms_raw_figures(ab_run):
-    _, _, out = ab_run
+    mode, _, out = ab_run
     arms = out["json"]["arms"]
     assert len(arms) == len(LENGTHS) * ROUNDS * 2
     for arm in arms:
@@ -86,6 +89,15 @@ def test_ab_arms_raw_figures(ab_run):
         assert len(arm["tokens"]) == STEPS + 1  # the first token + the decode steps
         # Each arm really ran the engine it is labelled with.
         assert (arm["lily_layers"] > 0) == (arm["engine"] == "lily")
+        # The decode's GPU clocks where asked for (fresh processes here).
+        clocks = arm["decode_gpu_clocks"]
+        if mode == "same-process":
+            assert clocks == {"unavailable": "not asked for"}
+        elif shutil.which("nvidia-smi") is None:
+            assert clocks == {"unavailable": "no nvidia-smi"}
+        else:
+            assert "samples" in clocks or "no sample in the window" in clocks["unavailable"]
+    assert out["json"]["settings"]["gpu_clocks"] == (mode == "fresh-process")
     # ABBA: lily leads in round 1, stock in round 2.
     for r, first in ((0, "lily"), (1, "stock")):
         in_round = sorted((a for a in arms if a["round"] == r), key=lambda a: a["order"])

@@ -1,6 +1,7 @@
 """Where the host's time goes in one lily decode step, part by part.
 
-    python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1] [--out DIR]
+    python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1]
+        [--gpu-clocks] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), a prompt of
 CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
@@ -22,7 +23,9 @@ slowest tokens, so that a stall shows, and the time Python's garbage
 collector took meanwhile. Where build plus launch is close to the time per
 token, the host bounds decode. ``--rounds N`` repeats the split steps and the
 decode after them N times on the same cache: whether decode slows as the
-process goes on, and in which phase.
+process goes on, and in which phase. ``--gpu-clocks`` adds the GPU's clocks,
+power and load during each decode run (``bench.gpu_clocks``, NVIDIA): whether
+a slow run had a slow GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import mlx.core as mx
 
 from bench.common import write_report
+from bench.gpu_clocks import describe as describe_clocks
+from bench.gpu_clocks import sampled_clocks
 from bench.diagnostics.host_cost import held
 
 PARTS = ("eligibility and masks", "weights check", "segment calls", "KV-cache writes", "attention ops")
@@ -135,23 +140,27 @@ def collector_time(spent: List[float]) -> Iterator[None]:
 
 
 def generate_token_ms(model: Any, prompt: mx.array, cache: Any, steps: int,
-                      collections: Optional[List[float]] = None) -> List[float]:
+                      collections: Optional[List[float]] = None, window: Optional[list] = None) -> List[float]:
     """Ms between consecutive decode tokens as mlx-lm's generate_step yields
     them (each step's graph built and launched before the previous token is
     read: the A/B's decode figure is ``steps / sum`` of these); the garbage
-    collections' seconds meanwhile go to ``collections``."""
+    collections' seconds meanwhile go to ``collections``, and the decode's
+    (start, end) in ``time.time()`` seconds to ``window``."""
     from mlx_lm.generate import generate_step
 
     gen = generate_step(prompt, model, max_tokens=steps + 1, prompt_cache=cache)
     next(gen)
     times: List[float] = []
     with collector_time(collections if collections is not None else []):
+        began = time.time()
         last = time.perf_counter()
         for _ in range(steps):
             next(gen)
             now = time.perf_counter()
             times.append(1e3 * (now - last))
             last = now
+    if window is not None:
+        window.extend((began, time.time()))
     gen.close()
     mx.synchronize()
     return times
@@ -174,6 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=1, help="split steps, then decode, this many times (default 1)")
+    p.add_argument("--gpu-clocks", action="store_true",
+                   help="the GPU's clocks, power and load during each decode run (nvidia-smi)")
     p.add_argument("--out", help="also write DIR/decode_split.txt")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
@@ -187,24 +198,33 @@ def main(argv=None) -> int:
     from bench.measure import make_prompt_cache, prompt_array
 
     # As the A/B decodes: a fresh prompt through generate_step, then its tokens.
-    fresh_gc: List[float] = []
-    fresh = generate_token_ms(model, prompt_array(args.context, vocab), make_prompt_cache(model), args.steps,
-                              fresh_gc)
+    def decode_run(prompt: mx.array, cache: Any) -> tuple:
+        """(ms per token, garbage collections' seconds, the GPU's clocks)."""
+        collections: List[float] = []
+        window: list = []
+        with sampled_clocks(args.gpu_clocks) as clocks:
+            times = generate_token_ms(model, prompt, cache, args.steps, collections, window)
+        return times, collections, clocks.summary(*window)
+
+    fresh = decode_run(prompt_array(args.context, vocab), make_prompt_cache(model))
     cache = prefilled_cache(model, vocab, args.context)
     splits, afters = [], []
     for _ in range(args.rounds):
         splits.append(split_steps(model, cache, args.steps))
-        collections: List[float] = []
-        afters.append((generate_token_ms(model, mx.array([1, 2]), cache, args.steps, collections), collections))
+        afters.append(decode_run(mx.array([1, 2]), cache))
     heads = " | ".join(f"round {r + 1}" for r in range(args.rounds))
     lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}), "
              f"median ms over {args.steps} steps", "", f"| phase | {heads} |", "|---|" + "---:|" * args.rounds]
     for phase in ("build", *(f"- {part}" for part in PARTS + ("rest of build",)), "launch", "wait", "step"):
         lines.append(f"| {phase} | " + " | ".join(f"{s[phase.lstrip('- ')]:.2f}" for s in splits) + " |")
-    lines += ["", f"generate_step after a fresh {args.context}-token prompt (as the A/B): "
-              f"{describe_tokens(fresh, fresh_gc)}"]
-    for r, (after, collections) in enumerate(afters):
-        lines.append(f"generate_step after round {r + 1}'s split steps: {describe_tokens(after, collections)}")
+    def described(run: tuple) -> str:
+        times, collections, clocks = run
+        text = describe_tokens(times, collections)
+        return text + (f"; {describe_clocks(clocks)}" if args.gpu_clocks else "")
+
+    lines += ["", f"generate_step after a fresh {args.context}-token prompt (as the A/B): {described(fresh)}"]
+    for r, after in enumerate(afters):
+        lines.append(f"generate_step after round {r + 1}'s split steps: {described(after)}")
     write_report(args.out, "decode_split.txt", "\n".join(lines) + "\n")
     return 0
 
