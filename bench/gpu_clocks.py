@@ -25,6 +25,7 @@ import contextlib
 import datetime
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 from typing import Dict, Iterator, List, Optional
@@ -104,14 +105,17 @@ def sampled_clocks(enabled: bool = True) -> Iterator[ClockLog]:
         log.why_not = "no nvidia-smi"
         yield log
         return
-    proc = subprocess.Popen(
-        [smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", gpu_index(), "-lms", str(INTERVAL_MS)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
+    command = [smi, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-i", gpu_index(),
+               "-lms", str(INTERVAL_MS)]
+    # Line-buffered where coreutils can ask for it, so that no sample waits in
+    # a buffer the stop would lose; stopped as by Ctrl-C, which ends the loop.
+    stdbuf = shutil.which("stdbuf")
+    proc = subprocess.Popen([stdbuf, "-oL", *command] if stdbuf else command,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         yield log
     finally:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)
         try:
             out, _ = proc.communicate(timeout=5)
         except subprocess.TimeoutExpired:
