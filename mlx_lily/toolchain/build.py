@@ -141,6 +141,11 @@ class Launch:
     # neither passes nor allocates them.
     absent: Tuple[str, ...] = ()
 
+    @property
+    def absent_set(self) -> Tuple[str, ...]:
+        """``absent`` in one order: one build and one first-use check per set."""
+        return tuple(sorted(self.absent))
+
 
 def whole_threadgroups(grid: Dim3, threadgroup: Dim3) -> tuple[Dim3, Dim3]:
     """(grid, threadgroup) as every backend will run them.
@@ -511,8 +516,7 @@ class Kernel:
         """
         try:
             launch = self.launch(*args, **kwargs)
-            absent = tuple(sorted(launch.absent))
-            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), absent)
+            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), launch.absent_set)
         except Exception as exc:  # a launcher refusing a shape supports() let through
             return self._off(backend, None, f"launch failed: {_one_line(exc)}", args, kwargs)
         why_not = self._instances.get(key, _UNCHECKED)
@@ -571,7 +575,7 @@ class Kernel:
     def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
-        absent = tuple(sorted(launch.absent))  # one build per set, in any order
+        absent = launch.absent_set
         self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), absent))
         outputs = self._build(backend, absent)(
             inputs=list(launch.inputs),
@@ -672,7 +676,7 @@ class Kernel:
         when ``cuda_includes_work()`` (include lines).
         """
         launch = self.launch(*args, **kwargs)
-        absent = tuple(sorted(launch.absent))
+        absent = launch.absent_set
         header, text = self.mlx_texts("cuda", by_include, absent)
         params = []
         for name, arr in zip(self.present(self.input_names, absent), launch.inputs):
