@@ -127,8 +127,7 @@ def _header(doc: Dict[str, Any], title: str) -> List[str]:
         f"- software: python {s['python']}, mlx {s['mlx']}, mlx-lm {s['mlx_lm']}, "
         f"mlx-lily {s['mlx_lily']} @ {s['git_revision']}; kernels: {s.get('kernel_backend')} "
         f"(MLX_LILY_KERNELS={s['MLX_LILY_KERNELS']}, "
-        f"MLX_LILY_KERNEL_BACKEND={s.get('MLX_LILY_KERNEL_BACKEND')})"
-        + (f"; graph commits: {s['graph_commits']}" if s.get("graph_commits") else ""),
+        f"MLX_LILY_KERNEL_BACKEND={s.get('MLX_LILY_KERNEL_BACKEND')})",
         f"- started {doc['started']}, finished {doc['finished']}",
     ]
 
