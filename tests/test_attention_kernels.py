@@ -116,6 +116,44 @@ def test_decode_split_matches_exact_attention(monkeypatch, S, Hq, Hkv, D, blocks
     assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
 
 
+@pytest.mark.parametrize(
+    "length, capacity, split",
+    [
+        (1, 40, True),    # one key; four of five blocks see none
+        (19, 45, True),   # a partial block, then empty ones
+        (24, 24, True),   # full
+        (13, 30, False),  # the single pass stops at the length
+    ],
+)
+def test_a_bounded_decode_reads_only_the_filled_rows(monkeypatch, length, capacity, split):
+    """A cache of fixed capacity filled to ``length`` (on the device): rows
+    past it hold large values, which any read of them would show."""
+    emulator_or_skip()
+    combine = Spy(monkeypatch, A.attention_combine_kernel)
+    q, k, v, scale, mask, bound = A._bounded_check_inputs(length, capacity, 8, 2, 64)
+    split_from = 1 if split else 1 << 30
+    got = A.run_decode("emulator", q, k, v, scale, mask, bound, split_from=split_from, key_block=8)
+    assert combine.calls == int(split)
+    filled = (q, k[:, :, :length], v[:, :, :length], scale)
+    assert_within_one_bf16_step(got, attention_exact(*filled))
+    # The reference bounds the keys the same way.
+    want = A.attention_reference(q, k, v, scale, None, bound)
+    assert A.attention_agree(got, want) is None
+    # The launch passes the length only when bounded: a build of its own.
+    assert A._launch_decode(q, k, v, scale, None, bound).absent_set == ()
+    assert A._launch_decode(q, k, v, scale, None).absent_set == ("length",)
+
+
+def test_the_op_takes_a_length_bound_for_decode_only(emulator_backend):
+    q, k, v, scale, _, bound = A._bounded_check_inputs(5, 12, 8, 2, 64)
+    assert A.attention_supports(q, k, v, scale, None, bound) is None
+    assert "no mask" in A.decode_supports(q, k, v, scale, "causal", bound)
+    assert "one int32" in A.decode_supports(q, k, v, scale, None, bound.astype(mx.int64))
+    assert A.attention_supports(q, k, v, scale, "causal", bound) is not None
+    prefill = mx.concatenate([q, q], axis=2)
+    assert "decode only" in A.attention_supports(prefill, k, v, scale, None, bound)
+
+
 @pytest.mark.parametrize("S, split", [(15, False), (16, True), (17, True)])
 def test_the_split_starts_at_the_threshold(monkeypatch, S, split):
     # The module's threshold and block, made small so the emulator reaches them.

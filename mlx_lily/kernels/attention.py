@@ -38,8 +38,12 @@ from ..toolchain.registry import LilyOp, register
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
 
-def attention_reference(q, k, v, scale, mask):
-    """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]."""
+def attention_reference(q, k, v, scale, mask, length=None):
+    """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]. ``length`` (an
+    int32 array [1], with no mask) bounds the keys to rows [0, length) of k/v:
+    a cache of fixed capacity filled that far."""
+    if length is not None:
+        mask = mx.arange(k.shape[2], dtype=length.dtype) < length
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -69,8 +73,10 @@ MAX_GROUP = 8
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
 
 
-def decode_supports(q, k, v, scale, mask) -> Optional[str]:
+def decode_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
     """None when the decode kernel takes this call, else why not."""
+    if length is not None and (mask is not None or length.dtype != mx.int32 or length.size != 1):
+        return "a length bound needs no mask and one int32 length"
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
     B, Hq, L, D = q.shape
@@ -107,7 +113,7 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
+def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
     _, Hq, _, D = q.shape
     _, Hkv, S, _ = k.shape
     groups = SPLIT_SIMD_GROUPS if split else SINGLE_PASS_SIMD_GROUPS
@@ -120,7 +126,8 @@ def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = K
     return Launch(
         # The queries are tiny: made contiguous here, so the body indexes them
         # directly; K and V stay as they are (strided views of the cache).
-        inputs=[contiguous(q.reshape(Hq, D)), k, v, _scale_array(float(scale))],
+        inputs=[contiguous(q.reshape(Hq, D)), k, v, _scale_array(float(scale)),
+                *(() if length is None else (length,))],
         grid=(threads * blocks, Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
@@ -131,7 +138,9 @@ def _launch_decode(q, k, v, scale, mask, split: bool = False, key_block: int = K
             ("NSG", groups),
             ("SPLIT", bool(split)),
             ("BLOCK", key_block if split else 0),
+            ("BOUNDED", length is not None),
         ],
+        absent=() if length is not None else ("length",),
     )
 
 
@@ -150,10 +159,12 @@ def _launch_combine(part_o, part_lse) -> Launch:
 
 attention_decode_kernel = Kernel(
     name="attention_decode",
-    input_names=("queries", "keys", "values", "scale"),
+    input_names=("queries", "keys", "values", "scale", "length"),
     output_names=("out", "part_o", "part_lse"),
     body="attention_decode.metal",
     launch=_launch_decode,
+    # Unbounded launches pass no length; the body reads it only when BOUNDED.
+    stand_ins={"length": "auto length = scale;"},
     # For lily_tile_load16 / lily_tile_unpack (16-byte row reads); no tile products.
     tiles=True,
     # The KV cache slice is read in place, through its strides.
@@ -176,15 +187,17 @@ def decode_form(keys: int, kv_heads: int) -> tuple[bool, int]:
     return split, decode_key_block(keys, kv_heads) if split else 0
 
 
-def run_decode(backend: str, q, k, v, scale, mask, split_from: Optional[int] = None,
+def run_decode(backend: str, q, k, v, scale, mask, length=None, split_from: Optional[int] = None,
                key_block: Optional[int] = None) -> mx.array:
     """The decode kernels on ``backend``: [1, Hq, 1, D] (the split and its
-    block size default to ``SPLIT_FROM`` and ``decode_key_block``)."""
+    block size default to ``SPLIT_FROM`` and ``decode_key_block``). With a
+    ``length`` the form follows the view's rows (the cache's capacity), so
+    one launch serves every length up to it."""
     split_from = SPLIT_FROM if split_from is None else split_from
     split = k.shape[2] >= split_from
     key_block = decode_key_block(k.shape[2], k.shape[1]) if key_block is None else key_block
     out, part_o, part_lse = attention_decode_kernel.run_on(
-        backend, q, k, v, scale, mask, split=split, key_block=key_block
+        backend, q, k, v, scale, mask, length, split=split, key_block=key_block
     )
     if split:
         out = attention_combine_kernel.run_on(backend, part_o, part_lse)
@@ -203,8 +216,10 @@ PREFILL_HEAD_DIMS = (32, 64, 128, 256)
 PREFILL_MAX_GROUP = PREFILL_ROWS  # at least one query position per threadgroup
 
 
-def prefill_supports(q, k, v, scale, mask) -> Optional[str]:
+def prefill_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
     """None when the prefill kernel takes this call, else why not."""
+    if length is not None:
+        return "a length bound (decode only)"
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
     B, Hq, L, D = q.shape
@@ -302,6 +317,15 @@ def _decode_check_inputs(S, Hq=4, Hkv=2, D=64, seed=9):
     return q, k, v, D**-0.5, None
 
 
+def _bounded_check_inputs(length, capacity, Hq=4, Hkv=2, D=64, seed=11):
+    """A decode call on a whole cache of ``capacity`` rows filled to
+    ``length``; the rows past it are large, so reading one shows."""
+    q, k, v, scale, _ = _decode_check_inputs(capacity, Hq, Hkv, D, seed)
+    past = mx.arange(capacity)[None, None, :, None] >= length
+    k, v = mx.where(past, 64.0, k).astype(mx.bfloat16), mx.where(past, 64.0, v).astype(mx.bfloat16)
+    return q, k, v, scale, None, mx.array([length], dtype=mx.int32)
+
+
 KERNELS = (
     attention_decode_kernel,
     attention_combine_kernel,
@@ -335,9 +359,12 @@ class AttentionKernels(KernelGroup):
         def split(backend, *args):
             return run_decode(backend, *args, split_from=1, key_block=8)
 
+        # Bounded: 19 of 45 rows, so the split has blocks with no key.
         return [
             ("decode", single, _decode_check_inputs(19)),
             ("decode", split, _decode_check_inputs(19)),
+            ("decode", single, _bounded_check_inputs(19, 45)),
+            ("decode", split, _bounded_check_inputs(19, 45)),
             ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
         ]
 
@@ -392,6 +419,11 @@ class AttentionKernels(KernelGroup):
         every op's kernels the same way)."""
         return self._path(*args, **kwargs)
 
+    def decode_on(self, backend: str) -> bool:
+        """Whether decode calls run the kernels on ``backend`` (built, and the
+        decode self-checks passed)."""
+        return self.ready_on(backend)[0] and self._checked.get(backend, (None, {}))[1].get("decode") is None
+
     def _path(self, *args, **kwargs) -> Optional[str]:
         if decode_supports(*args, **kwargs) is None:
             return "decode"
@@ -399,21 +431,21 @@ class AttentionKernels(KernelGroup):
             return "prefill"
         return None
 
-    def run_on(self, backend: str, q, k, v, scale, mask):
-        path = self._path(q, k, v, scale, mask)
+    def run_on(self, backend: str, q, k, v, scale, mask, length=None):
+        path = self._path(q, k, v, scale, mask, length)
         failed = self._checked.get(backend, (None, {}))[1].get(path)
         if path == "decode" and failed is None:
-            return run_decode(backend, q, k, v, scale, mask)
+            return run_decode(backend, q, k, v, scale, mask, length)
         if path == "prefill" and failed is None:
             return run_prefill(backend, q, k, v, scale, mask)
-        return attention_reference(q, k, v, scale, mask)
+        return attention_reference(q, k, v, scale, mask, length)
 
 
-def attention_supports(q, k, v, scale, mask) -> Optional[str]:
+def attention_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
     """None when one of the attention kernels takes this call, else why not."""
-    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask) is None:
+    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask, length) is None:
         return None
-    return prefill_supports(q, k, v, scale, mask)
+    return prefill_supports(q, k, v, scale, mask, length)
 
 
 # On CUDA, MLX's scaled_dot_product_attention runs prefill as one fused
@@ -426,7 +458,7 @@ def attention_supports(q, k, v, scale, mask) -> Optional[str]:
 CUDA_PREFILL_REFERENCE_FROM = 2**18
 
 
-def attention_prefers_reference(backend, q, k, v, scale, mask) -> Optional[str]:
+def attention_prefers_reference(backend, q, k, v, scale, mask, length=None) -> Optional[str]:
     """Why a call the kernels take runs MLX's sdpa on this backend, or None."""
     if backend == "cuda" and q.shape[2] > 1 and q.shape[2] * k.shape[2] >= CUDA_PREFILL_REFERENCE_FROM:
         return (f"{q.shape[2]} queries x {k.shape[2]} keys on CUDA: MLX's fused sdpa is faster "
@@ -446,8 +478,11 @@ def _fuzz_attention(rng):
     hkv = int(rng.integers(1, 3))
     hq = hkv * int(rng.choice([1, 3, 8]))
     D = int(rng.choice([32, 64, 128]))
+    length = None
     if rng.random() < 0.5:
         L, S, mask = 1, int(rng.integers(1, 300)), None
+        if rng.random() < 0.3:  # a cache of fixed capacity, filled part way
+            length = mx.array([int(rng.integers(1, S + 1))], dtype=mx.int32)
     else:
         L = int(rng.integers(1, 70))
         S = L + int(rng.integers(0, 100))
@@ -457,7 +492,7 @@ def _fuzz_attention(rng):
     q = normal(1, hq, L, D)
     k = normal(1, hkv, S + spare, D)[:, :, :S, :]
     v = normal(1, hkv, S + spare, D)[:, :, :S, :]
-    return (q, k, v, D**-0.5, mask), {}
+    return (q, k, v, D**-0.5, mask), ({} if length is None else {"length": length})
 
 
 attention_kernels = AttentionKernels()

@@ -22,9 +22,12 @@
 // and slices along the sequence or head axes do.
 //
 // Template: D (head dim), G (query heads per KV head), NSG (SIMD groups per
-//           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT).
+//           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT),
+//           BOUNDED (bool: the length input bounds the keys).
 // Inputs:   queries [Hq, D] bf16 (contiguous), keys, values [1, Hkv, S, D] bf16
-//           (strided), scale [1] float (the softmax scale).
+//           (strided), scale [1] float (the softmax scale), length [1] int32
+//           (with BOUNDED: the keys are rows [0, length) of the view; left out
+//           of unbounded launches).
 // Outputs:  out [Hq, D] bf16 (without SPLIT), part_o [Hq, NB, D] float and
 //           part_lse [Hq, NB] float (with SPLIT); the unused ones have one element.
 // Grid: (NSG * 32 * NB, Hkv, 1), threadgroup (NSG * 32, 1, 1).
@@ -45,7 +48,10 @@ const int tid = int(thread_index_in_threadgroup);
 const int kv_head = int(threadgroup_position_in_grid.y);
 const int block = int(threadgroup_position_in_grid.x);
 const int n_blocks = int(threadgroups_per_grid.x);
-const int S = int(keys_shape[2]);
+// BOUNDED: only the first length[0] rows of the view are keys (a cache of
+// fixed capacity, filled to a length known on the device); blocks past it
+// see no key.
+const int S = BOUNDED ? min(int(keys_shape[2]), int(length[0])) : int(keys_shape[2]);
 const int k_begin = SPLIT ? block * BLOCK : 0;
 const int k_end = SPLIT ? min(S, k_begin + BLOCK) : S;
 const int sub = int(lane) / LANES_PER_ROW;             // this lane's row in a pass
@@ -214,7 +220,9 @@ for (int g = 0; g < G; ++g) {
       total += group_acc[i * D + d];
     }
     if (SPLIT) {
-      part_o[(head * n_blocks + block) * D + d] = total / total_sum;
+      // A block that saw no key (past a bounded length) has sum 0: it writes
+      // 0, which the combine weighs by exp2(-inf) = 0, not 0 / 0.
+      part_o[(head * n_blocks + block) * D + d] = total_sum > 0.0f ? total / total_sum : 0.0f;
     } else {
       out[head * D + d] = static_cast<bfloat16_t>(total / total_sum);
     }
