@@ -55,8 +55,9 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     assert (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on) == before
     table = (tmp_path / "host_cost.txt").read_text()
     # The stubbed step took lily's default decode path, as on a GPU.
-    assert "path: lily decode segments" in table and "| whole step |" in table
-    assert "without the weights checks" in table and "without the attention ops" in table
+    assert "path: lily whole decode step" in table and "| whole step |" in table
+    assert "without the weights checks" in table and "| in segments |" in table
+    assert "in segments, without the attention ops" in table
 
 
 def test_launch_cost_times_chains_of_launches(tmp_path):

@@ -8,9 +8,10 @@ CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
 three phases, the next step starting only when the last is done:
 
 * build: ``model(token)`` returns the step's graph, split into its parts
-  (eligibility and masks, the compiled segments' weights check, the compiled
-  segment calls, the KV-cache writes, the attention ops between segments, and
-  the rest);
+  (eligibility and masks, the weights check; on the whole-step path its
+  compiled call and the KV caches' capacity; on the segmented path the
+  compiled segment calls, the KV-cache writes and the attention ops between
+  segments; and the rest);
 * launch: ``mx.async_eval`` returns (MLX encodes and launches every kernel of
   the step; host work on CUDA);
 * wait: until the step's results are ready (the GPU's work not yet done).
@@ -45,7 +46,8 @@ from bench.gpu_clocks import describe as describe_clocks
 from bench.gpu_clocks import sampled_clocks
 from bench.diagnostics.host_cost import held
 
-PARTS = ("eligibility and masks", "weights check", "segment calls", "KV-cache writes", "attention ops")
+PARTS = ("eligibility and masks", "weights check", "whole-step call", "KV capacity", "segment calls",
+         "KV-cache writes", "attention ops")
 
 
 @contextlib.contextmanager
@@ -65,6 +67,7 @@ def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
 
     cls = text_model.LilyTextModel
     segment = cls._segment
+    whole = cls._whole
     masks = cls._segment_masks
 
     def eligibility(self, *args):
@@ -78,6 +81,9 @@ def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
     def timed_segment(self, *args):
         return timing("segment calls", segment(self, *args))
 
+    def timed_whole(self, *args):
+        return timing("whole-step call", whole(self, *args))
+
     class TimedKernels:
         def __getattr__(self, name):
             return getattr(real_kernels, name)
@@ -89,6 +95,9 @@ def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
         stack.enter_context(held(cls, "_segment_masks", eligibility))
         stack.enter_context(held(cls, "_weights_version", timing("weights check", cls._weights_version)))
         stack.enter_context(held(cls, "_segment", timed_segment))
+        stack.enter_context(held(cls, "_whole", timed_whole))
+        stack.enter_context(held(cls, "_whole_takes", timing("eligibility and masks", cls._whole_takes)))
+        stack.enter_context(held(text_model, "reserve_rows", timing("KV capacity", text_model.reserve_rows)))
         stack.enter_context(held(text_model, "K", TimedKernels()))
         for c in cache:
             if hasattr(c, "keys") and hasattr(c, "update_and_fetch"):

@@ -101,6 +101,14 @@ def restore_kv_position(saved: tuple) -> None:
         cache._idx = index
 
 
+def write_row(buffer: mx.array, row: mx.array, position: mx.array) -> mx.array:
+    """``buffer`` [B, H, capacity, D] with ``row`` [B, H, 1, D] at sequence
+    index ``position`` (an int32 array [1]): one scatter, in place where MLX
+    may reuse the buffer, at a position a compiled graph takes as input."""
+    index = mx.broadcast_to(position.reshape(1, 1, 1, 1), row.shape)
+    return mx.put_along_axis(buffer, index, row, axis=2)
+
+
 def _one_step_mask(mask: Any) -> bool:
     """A DeltaNet padding mask for one step of one row: [1, 1] bool."""
     return isinstance(mask, mx.array) and mask.dtype == mx.bool_ and tuple(mask.shape) == (1, 1)
@@ -368,6 +376,17 @@ class LilyDecoderLayer(DecoderLayer):
             queries, keys, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.rope, position
         )
         return queries, keys, values, gate
+
+    def _attention_step(self, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array):
+        """The whole attention layer on a KV cache of fixed capacity (the
+        whole-stack step in ``text_model.py``): the new row written at
+        ``position`` (an array), the attention over rows [0, position]
+        -> (output, keys_cache, values_cache)."""
+        queries, keys, values, gate = self._attention_in(x, position)
+        keys_cache = write_row(keys_cache, keys, position)
+        values_cache = write_row(values_cache, values, position)
+        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=position + 1)
+        return self._attention_out(out, gate, x), keys_cache, values_cache
 
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""

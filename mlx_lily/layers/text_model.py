@@ -28,10 +28,13 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
+from ..kernels.attention import attention_kernels
+from ..toolchain.registry import kernel_backend
 from .decoder import (
     LilyDecoderLayer, compile_enabled, compiled_step, kv_position, next_position, restore_kv_position,
     weights_version,
@@ -42,6 +45,16 @@ from .fast_path import record
 class LilyTextModel(Qwen3_5TextModel):
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
         masks = self._segment_masks(inputs, cache) if input_embeddings is None else None
+        if masks is not None and self._whole_takes(cache, *masks[:2]):
+            try:
+                return self._decode_whole(inputs, cache, masks[2])
+            except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
+                self.__dict__["_lily_whole_ok"] = False
+                notice_once(
+                    f"whole-step-failed:{type(exc).__name__}",
+                    f"lily's compiled whole decode step failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                    "the model decodes in segments from now on",
+                )
         if masks is not None:
             touched: List[Any] = []
             try:
@@ -167,6 +180,97 @@ class LilyTextModel(Qwen3_5TextModel):
             return (*states, queries, keys, values, gate, h)
 
         return segment
+
+    # -- the whole step -------------------------------------------------------------
+
+    def _whole_takes(self, cache: Any, fa_mask: Any, ssm_mask: Any) -> bool:
+        """Whether the whole stack is one compiled step for this token: no
+        masks (``mlx_lm.generate``'s caches), every attention layer's cache a
+        KVCache filled to one offset, in bf16, and the attention's decode
+        kernels on (the reference path stays stock's op sequence: segments)."""
+        if fa_mask is not None or ssm_mask is not None or self.fa_idx is None:
+            return False
+        if self.__dict__.get("_lily_whole_ok") is False:
+            return False
+        kv = [cache[i] for i in self._cuts()]
+        if not all(type(c) is KVCache and c.keys is not None and c.keys.dtype == mx.bfloat16 for c in kv):
+            return False
+        if len({c.offset for c in kv}) != 1:
+            return False
+        backend = kernel_backend()[0]
+        return backend is not None and attention_kernels.decode_on(backend)
+
+    def _decode_whole(self, inputs: mx.array, cache: Any, version: int) -> mx.array:
+        if self.ssm_idx is not None:
+            record("Gated DeltaNet", "lily whole decode step", _ONE_TOKEN, None, cache[self.ssm_idx])
+        record("full attention", "lily whole decode step", _ONE_TOKEN, None, cache[self.fa_idx])
+        record("MoE", "lily whole decode step", _ONE_TOKEN, None, None)
+        offset = cache[self.fa_idx].offset
+        for i in self._cuts():
+            reserve_rows(cache[i], offset + 1)
+        args = [inputs]
+        for layer, c in zip(self.layers, cache):
+            args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
+        args.append(mx.array([offset], dtype=mx.int32))
+        outputs = self._whole(version)(*args)
+        # The step's caches replace the old ones, which only the new graph
+        # then holds: MLX writes each new KV row in place.
+        del args
+        for layer, c, (a, b) in zip(self.layers, cache, zip(outputs[0::2], outputs[1::2])):
+            if layer.is_linear:
+                c[0], c[1] = a, b
+                c.advance(1)
+            else:
+                c.keys, c.values = a, b
+                c.offset += 1
+        return outputs[-1]
+
+    def _whole(self, version: int) -> Callable:
+        """The whole stack's step, compiled per weights ``version`` (and by
+        MLX per KV capacity); a new one runs eagerly once first."""
+        store = self.__dict__.setdefault("_lily_segments", {})
+        return compiled_step(store, "whole", version, self._whole_fn)
+
+    def _whole_fn(self) -> Callable:
+        layers = self.layers
+
+        def step(tokens, *rest):
+            position = rest[-1]
+            h = self.embed_tokens(tokens)
+            outputs = []
+            for i, layer in enumerate(layers):
+                if layer.is_linear:
+                    h, a, b = layer._linear_step(h, rest[2 * i], rest[2 * i + 1])
+                else:
+                    h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position)
+                outputs += [a, b]
+            return (*outputs, self.norm(h))
+
+        return step
+
+
+# KV caches on the whole-step path hold a multiple of this many rows: each
+# capacity is one trace of the compiled step (a new one each CAPACITY_STEP
+# tokens, ~1 s of decode at 1024), and the decode attention's grid follows
+# the capacity, not the filled length.
+CAPACITY_STEP = 1024
+
+
+def reserve_rows(cache: KVCache, rows: int) -> None:
+    """Give a KVCache room for ``rows`` rows, its capacity a multiple of
+    CAPACITY_STEP (stock's KVCache grows 256 rows at a time). The rows past
+    its offset are zeros; the cache stays a valid KVCache for stock's code."""
+    capacity = cache.keys.shape[2]
+    wanted = -(-max(rows, capacity) // CAPACITY_STEP) * CAPACITY_STEP
+    if wanted == capacity:
+        return
+
+    def grown(a: mx.array) -> mx.array:
+        B, H, _, D = a.shape
+        kept = a[..., : cache.offset, :]
+        return mx.concatenate([kept, mx.zeros((B, H, wanted - cache.offset, D), dtype=a.dtype)], axis=2)
+
+    cache.keys, cache.values = grown(cache.keys), grown(cache.values)
 
 
 class _OneToken:

@@ -97,3 +97,45 @@ def test_prefill_at_real_shapes(backend, L, S):
     A.attention_kernels.ready_on(backend)
     got = A.attention_kernels.run_on(backend, q, k, v, scale, "causal")
     assert_prefill_close(got, exact(q, k, v, scale, "causal"), v)
+
+
+def test_a_bounded_decode_over_a_cache_of_fixed_capacity(backend):
+    # The whole decode step's form: the grid follows the capacity (here a
+    # split into many blocks), the keys stop at the length on the device.
+    q, k, v, scale = cache_view(8192)
+    for length in (1, 4097, 8192):
+        bound = mx.array([length], dtype=mx.int32)
+        got = A.run_decode(backend, q, k, v, scale, None, bound)
+        assert_within_one_bf16_step(got, exact(q, k[:, :, :length], v[:, :, :length], scale))
+
+
+def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_checkpoint):
+    """Compiled on the GPU: the whole stack in one call (KV rows scattered in
+    at an array position, the attention bounded by it) against the compiled
+    segments, over a capacity step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_lily
+    from mlx_lily import paths
+    from mlx_lily.layers import text_model as T
+
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    tokens = mx.array([[(i * 2654435761) % 2**32 % 500 for i in range(T.CAPACITY_STEP + 40)]])
+    prompt = T.CAPACITY_STEP - 8
+
+    def decode(whole):
+        model.language_model.model.__dict__["_lily_whole_ok"] = None if whole else False
+        cache = make_prompt_cache(model)
+        out = [model(tokens[:, :prompt], cache=cache)[:, -1:]]
+        paths.start()
+        out += [model(tokens[:, t : t + 1], cache=cache) for t in range(prompt, tokens.shape[1])]
+        seen = {r["path"] for r in paths.seen()}
+        paths.stop()
+        return mx.concatenate(out, axis=1).astype(mx.float32), seen
+
+    got, seen = decode(True)
+    want, seen_segments = decode(False)
+    assert seen == {"lily whole decode step"} and seen_segments == {"lily decode segments"}
+    # Near-ties may flip one greedy token of 48 (the split follows the capacity).
+    assert (got.argmax(-1) != want.argmax(-1)).sum().item() <= 1
+    assert mx.abs(got - want).max().item() <= 2**-6 * mx.abs(want).max().item()
