@@ -1,7 +1,7 @@
 """Where the host's time goes in one lily decode step, part by part.
 
     python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1]
-        [--gpu-clocks] [--out DIR]
+        [--gpu-clocks] [--segments] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), a prompt of
 CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
@@ -194,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="split steps, then decode, this many times (default 1)")
     p.add_argument("--gpu-clocks", action="store_true",
                    help="the GPU's clocks, power and load during each decode run (nvidia-smi)")
+    p.add_argument("--segments", action="store_true",
+                   help="decode in compiled segments (the server's path, and the path before the whole step)")
     p.add_argument("--out", help="also write DIR/decode_split.txt")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
@@ -204,6 +206,8 @@ def main(argv=None) -> int:
 
     model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
     switch(model, "lily")
+    if args.segments:
+        model.language_model.model.__dict__["_lily_whole_ok"] = False
     from bench.measure import make_prompt_cache, prompt_array
 
     # As the A/B decodes: a fresh prompt through generate_step, then its tokens.
@@ -222,7 +226,8 @@ def main(argv=None) -> int:
         splits.append(split_steps(model, cache, args.steps))
         afters.append(decode_run(mx.array([1, 2]), cache))
     heads = " | ".join(f"round {r + 1}" for r in range(args.rounds))
-    lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}), "
+    path = "compiled segments" if args.segments else "lily's default path"
+    lines = [f"One lily decode step at {args.context} tokens of context ({args.shape}, {path}), "
              f"median ms over {args.steps} steps", "", f"| phase | {heads} |", "|---|" + "---:|" * args.rounds]
     for phase in ("build", *(f"- {part}" for part in PARTS + ("rest of build",)), "launch", "wait", "step"):
         lines.append(f"| {phase} | " + " | ".join(f"{s[phase.lstrip('- ')]:.2f}" for s in splits) + " |")
