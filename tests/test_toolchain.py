@@ -479,6 +479,28 @@ def test_each_instantiation_is_checked_at_first_use(emulator_backend, fresh_noti
     assert len(lines) == 1 and "scaled_copy" in lines[0] and "SCALE=3" in lines[0], lines
 
 
+def test_a_first_use_inside_a_trace_answers_with_the_reference_and_checks_later(emulator_backend, fresh_notices,
+                                                                                  capsys):
+    """A first use can come inside mx.compile's trace (a compiled decode step
+    whose eager first run left an instantiation unchecked: a reference with
+    inf or NaN), where nothing can be evaluated. The reference answers that
+    call; the instantiation is not turned off, and the next call outside a
+    trace checks it and runs the kernel."""
+    kernel = Kernel(
+        "scaled_copy_traced", ("x",), ("out",), _scaled_copy_launch, source=_SCALED_COPY,
+        reference=lambda x, scale: x * 1, sample=lambda: ((mx.arange(8, dtype=mx.float32), 1), {}),
+    )
+    op = LilyOp("scaled_copy_traced_test", lambda x, scale: x * 1, kernel=kernel)
+    x = mx.arange(40, dtype=mx.float32)
+    assert kernel.ready_on("emulator")[0]  # the self-check, eagerly
+    traced = mx.compile(lambda x: op(x, 1))
+    assert mx.array_equal(traced(x), x).item()
+    assert op.last_path == "reference" and "graph transformation" in op.last_reason
+    assert not kernel._instances  # no verdict
+    assert mx.array_equal(op(x, 1), x).item() and op.last_path == "kernel"
+    assert not [l for l in capsys.readouterr().err.splitlines() if "kernel off" in l]
+
+
 def test_an_instantiation_that_fails_to_run_falls_back_without_raising(emulator_backend, fresh_notices):
     kernel = Kernel(
         "scaled_copy_bad_group", ("x",), ("out",),
