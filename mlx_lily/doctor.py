@@ -63,12 +63,21 @@ def check_op(op, tolerance: float) -> tuple[str, str]:
 
 def decode_path() -> str:
     """How one decode token of one sequence runs (README, "Decode")."""
+    from .kernels.attention import attention_kernels
     from .layers.decoder import COMPILE_ENV, compile_enabled
+    from .toolchain.registry import kernel_backend
 
     fused = "one token of one sequence: each layer's fused step (its ops on their paths above)"
-    if compile_enabled():
-        return f"{fused}; the layer stack in mx.compile-d segments"
-    return f"{fused}; not compiled ({COMPILE_ENV}=0 or the CPU emulator)"
+    if not compile_enabled():
+        return f"{fused}; not compiled ({COMPILE_ENV}=0 or the CPU emulator)"
+    backend = kernel_backend()[0]
+    segments = f"{fused}; the layer stack in mx.compile-d segments"
+    if backend is None:
+        return f"{segments} (no kernels: the reference path)"
+    if not attention_kernels.decode_on(backend):
+        return f"{segments} (the decode kernels the whole step needs are off)"
+    return (f"{fused}; the whole layer stack one mx.compile-d step (mlx_lm.generate's caches), "
+            "compiled segments for the server's batch caches")
 
 
 def prefill_pacing() -> str:

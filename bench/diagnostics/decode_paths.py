@@ -8,7 +8,10 @@ each path a decode token can take:
 * ``stock``: mlx-lm's own layers;
 * ``lily eager``: lily's fused layer steps, not compiled (``MLX_LILY_COMPILE_DECODE=0``);
 * ``lily layers``: each layer's steps compiled on their own;
-* ``lily segments``: the layer stack in compiled segments (lily's default).
+* ``lily segments``: the layer stack in compiled segments (the server's path);
+* ``lily whole step``: the whole stack one compiled call (lily's default for
+  ``mlx_lm.generate``'s caches; where the attention's decode kernels are off,
+  on the reference backend say, it runs the segments, and the row says so).
 
 Per path, the median over STEPS steps of: the host's time to build one step's
 graph (``host ms``), and the whole step, built and evaluated (``step ms``).
@@ -24,7 +27,7 @@ import os
 
 import mlx.core as mx
 
-PATHS = ("stock", "lily eager", "lily layers", "lily segments")
+PATHS = ("stock", "lily eager", "lily layers", "lily segments", "lily whole step")
 
 
 def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[float, float, str]:
@@ -40,6 +43,10 @@ def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[flo
         text.__dict__["_lily_segments_ok"] = False
     else:
         text.__dict__.pop("_lily_segments_ok", None)
+    if path == "lily whole step":
+        text.__dict__.pop("_lily_whole_ok", None)
+    else:
+        text.__dict__["_lily_whole_ok"] = False
     cache = prefilled_cache(model, vocab, context)
     from mlx_lily import paths
 
