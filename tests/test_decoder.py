@@ -346,3 +346,37 @@ def test_the_weights_check_says_changed_when_a_place_is_gone():
     assert not _same(places, held) and weights_version(store, [root]) == (1, True)
     root.layers[0]["extra"] = mx.zeros((1,))  # an added entry changes the counts
     assert not _same(_places(root), held)
+
+
+@pytest.mark.parametrize("traces_with_first_uses, traces", [(1, 2), (10, 1 + D.MAX_RETRACES)])
+def test_a_compiled_step_traces_again_after_a_first_use_inside_its_trace(monkeypatch, traces_with_first_uses, traces):
+    """A kernel first met inside a trace runs its reference there (see
+    toolchain/build.py); the step then runs eagerly once more, for the checks,
+    and traces afresh, up to MAX_RETRACES times."""
+    from mlx_lily.toolchain import build
+
+    calls = []
+
+    def fn(x):
+        calls.append("eager" if isinstance(x, mx.array) and not _tracing(x) else "trace")
+        if calls[-1] == "trace" and calls.count("trace") <= traces_with_first_uses:
+            build._FIRST_USES_IN_TRACES[0] += 1  # as a first use inside this trace does
+        return x * 2
+
+    store = {}
+    x = mx.arange(4, dtype=mx.float32)
+    for _ in range(6):
+        step = D.compiled_step(store, "step", 0, lambda: fn)
+        assert mx.array_equal(step(x), x * 2).item()
+    assert calls.count("trace") == traces
+    # The first call's eager run, then one more after each trace that met a first use.
+    assert calls.count("eager") == 1 + min(traces_with_first_uses, D.MAX_RETRACES)
+
+
+def _tracing(x: mx.array) -> bool:
+    """Whether ``x`` is a tracer of mx.compile (it cannot be evaluated)."""
+    try:
+        mx.eval(x)
+        return False
+    except ValueError:
+        return True

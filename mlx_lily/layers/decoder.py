@@ -56,7 +56,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
 from .._notice import notice_once
-from ..toolchain.build import tracing
+from ..toolchain.build import first_uses_in_traces, tracing
 from ..toolchain.registry import kernel_backend
 from .fast_path import record, why_stock
 
@@ -174,19 +174,41 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
     A new compiled step first runs the function eagerly, once, and evaluates
     it: its kernels' first-use checks evaluate arrays, which a trace may not.
     That result is dropped and the compiled step answers this call too, so
-    every token (the first included) comes from the same computation."""
+    every token (the first included) comes from the same computation.
+
+    A kernel can still meet its first use inside a trace: a trace for new
+    input shapes (a KV capacity), or a check the eager run left for later (its
+    reference was not finite). There the reference answers, and MLX would
+    replay it for good; so the step then runs eagerly once more (the checks)
+    and is traced afresh at its next call, up to MAX_RETRACES times."""
     held = store.get(name)
     if held is not None and held[0] == key:
         return held[1]
     fn = build()
-    compiled = mx.compile(fn)
-    store[name] = (key, compiled)
+    state = {"compiled": mx.compile(fn), "retraces": 0}
+
+    def step(*args):
+        before = first_uses_in_traces()
+        out = state["compiled"](*args)
+        if first_uses_in_traces() != before and state["retraces"] < MAX_RETRACES:
+            state["retraces"] += 1
+            mx.eval(fn(*args))
+            # A new function object: MLX keys its traces by the function.
+            state["compiled"] = mx.compile(lambda *a: fn(*a))
+        return out
+
+    store[name] = (key, step)
 
     def first_call(*args):
         mx.eval(fn(*args))
-        return compiled(*args)
+        return step(*args)
 
     return first_call
+
+
+# Fresh traces a compiled step makes after kernels' first uses inside its
+# trace; past it, those kernels stay on their references in that step.
+MAX_RETRACES = 3
 
 
 # Rows (batch x tokens) of a prompt call from which each layer bounds the work

@@ -543,7 +543,9 @@ class Kernel:
             if _inside_transformation(exc):
                 # Traced by mx.compile (say), where nothing can be evaluated:
                 # the reference answers, and a later call outside the trace
-                # checks the kernel (a failure here is no verdict on it).
+                # checks the kernel (a failure here is no verdict on it). The
+                # count tells a compiled step to run eagerly and trace again.
+                _FIRST_USES_IN_TRACES[0] += 1
                 return self.reference(*args, **kwargs), "first use inside a graph transformation; not checked yet"
             return self._off(backend, key, f"failed to run: {_one_line(exc)}", args, kwargs)
         want = self.reference(*args, **kwargs)
@@ -835,6 +837,17 @@ def describe_instance(template, dtypes) -> str:
 
     args = ", ".join(f"{name}={text(value)}" for name, value in template)
     return f"{args or 'no template'}; inputs {', '.join(text(d) for d in dtypes)}"
+
+
+# First uses that met a graph transformation, so ran the reference unchecked.
+_FIRST_USES_IN_TRACES = [0]
+
+
+def first_uses_in_traces() -> int:
+    """How many first uses so far came inside a graph transformation: a
+    compiled step whose trace raised this count holds references where a
+    kernel would run once checked."""
+    return _FIRST_USES_IN_TRACES[0]
 
 
 def _inside_transformation(exc: Exception) -> bool:
