@@ -150,6 +150,8 @@ def test_the_op_takes_a_length_bound_for_decode_only(emulator_backend):
     assert "no mask" in A.decode_supports(q, k, v, scale, "causal", bound)
     assert "one int32" in A.decode_supports(q, k, v, scale, None, bound.astype(mx.int64))
     assert A.attention_supports(q, k, v, scale, "causal", bound) is not None
+    with pytest.raises(ValueError, match="takes no mask"):  # not a silently dropped mask
+        A.attention(q, k, v, scale, "causal", length=bound)
     prefill = mx.concatenate([q, q], axis=2)
     assert "decode only" in A.attention_supports(prefill, k, v, scale, None, bound)
 

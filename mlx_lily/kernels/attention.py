@@ -43,6 +43,8 @@ def attention_reference(q, k, v, scale, mask, length=None):
     int32 array [1], with no mask) bounds the keys to rows [0, length) of k/v:
     a cache of fixed capacity filled that far."""
     if length is not None:
+        if mask is not None:
+            raise ValueError("attention: a length bound takes no mask (the bound is the mask)")
         mask = mx.arange(k.shape[2], dtype=length.dtype) < length
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
