@@ -184,17 +184,27 @@ def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
 
 def _prime_attention_decode(model: Any) -> None:
     """One attention decode call per form (``decode_contexts``) on stand-in
-    keys: the chunks above reach only the shorter contexts."""
+    keys: the chunks above reach only the shorter contexts. Each form also
+    bounded, as the whole decode step calls it: over a cache of whole
+    capacity steps, its form set by the capacity, the length on the device."""
     from . import kernels as K
+    from .kernels.attention import decode_form
+    from .layers.text_model import CAPACITY_STEP
 
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None)
     if attn is None:
         return
     Hq, Hkv, D = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
     q = mx.zeros((1, Hq, 1, D), mx.bfloat16)
+    bounded = set()
     for n in decode_contexts(Hkv):
         kv = mx.zeros((1, Hkv, n, D), mx.bfloat16)
         mx.eval(K.attention(q, kv, kv, attn.scale, None))
+        capacity = -(-n // CAPACITY_STEP) * CAPACITY_STEP
+        if decode_form(capacity, Hkv) not in bounded:
+            bounded.add(decode_form(capacity, Hkv))
+            kv = mx.zeros((1, Hkv, capacity, D), mx.bfloat16)
+            mx.eval(K.attention(q, kv, kv, attn.scale, None, length=mx.array([n], dtype=mx.int32)))
 
 
 def _is_lily(model: Any) -> bool:

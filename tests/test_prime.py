@@ -86,6 +86,9 @@ def test_priming_for_generate_covers_its_calls(demo_checkpoint, emulator_backend
     assert {(False, False), (True, False)} <= states  # generate's caches: no masks
     blocks = {(dict(key[2])["SPLIT"], dict(key[2])["BLOCK"]) for key in primed if key[0] == "attention_decode"}
     assert {(False, 0), (True, 64), (True, 128), (True, 256)} <= blocks  # (the self-check adds its own)
+    # The whole decode step's forms: bounded, split by its cache's capacity.
+    bounded = {dict(key[2])["BLOCK"] for key in primed if key[0] == "attention_decode" and dict(key[2])["BOUNDED"]}
+    assert {64, 128, 256} <= bounded
     ids = [(7 * i) % 400 + 3 for i in range(430)]
     for n, step in ((5, 2048), (200, 2048), (430, 210)):
         generate(model, tokenizer, ids[:n], max_tokens=3, prompt_cache=make_prompt_cache(model),
