@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 import mlx_lily
 from mlx_lily import paths
@@ -36,13 +36,16 @@ def lily(demo_checkpoint, emulator_backend, monkeypatch):
 
 def _decode(model, whole: bool = True):
     """Logits of the prompt and each decode token, the paths the decode
-    tokens took, and the caches."""
+    tokens took, and the caches. The first decode token comes as int32 and
+    the others as uint32, as from mlx_lm.generate (its prompt, its sampler)."""
     model.language_model.model.__dict__["_lily_whole_ok"] = None if whole else False
     cache = make_prompt_cache(model)
     out = [model(TOKENS[:, :PROMPT], cache=cache)]
     paths.start()
     try:
-        out += [model(TOKENS[:, t : t + 1], cache=cache) for t in range(PROMPT, TOKENS.shape[1])]
+        for t in range(PROMPT, TOKENS.shape[1]):
+            token = TOKENS[:, t : t + 1]
+            out.append(model(token if t == PROMPT else token.astype(mx.uint32), cache=cache))
         seen = {r["path"] for r in paths.seen()}
     finally:
         paths.stop()
@@ -83,14 +86,14 @@ def test_the_caches_grow_between_tokens_and_stay_stock_caches(lily, monkeypatch)
     monkeypatch.setattr(KVCache, "step", 4)
     monkeypatch.setattr(T, "CAPACITY_STEP", 4)
     got, seen, cache = _decode(lily)
-    want, _, _ = _decode(lily, whole=False)
+    want, _, want_cache = _decode(lily, whole=False)
     assert seen == {WHOLE}
     _close(got, want)
     assert {c.keys.shape[2] for c in _kv(cache)} == {16}
-    # Stock's own prefill goes on from the whole step's caches.
-    more = lily(TOKENS[:, :5], cache=cache)
+    # Stock's own prefill goes on from the whole step's caches as from the segments'.
+    more, more_wanted = lily(TOKENS[:, :5], cache=cache), lily(TOKENS[:, :5], cache=want_cache)
     assert {c.offset for c in _kv(cache)} == {TOKENS.shape[1] + 5}
-    assert more.shape[1] == 5
+    _close(more, more_wanted)
 
 
 def test_reserve_rows_keeps_the_filled_rows_and_zeros_the_rest():
@@ -145,3 +148,72 @@ def test_a_failing_whole_step_falls_back_to_segments_once(lily, monkeypatch, fre
     err = capsys.readouterr().err
     assert err.count("whole decode step failed") == 1 and "whole step broke" in err
     assert text._lily_whole_ok is False
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda cache, kv: setattr(kv[0], "offset", kv[0].offset - 1), "offsets differ between layers"),
+    (lambda cache, kv: [setattr(c, "keys", None) for c in kv], "no keys yet"),
+    (lambda cache, kv: [setattr(c, "keys", c.keys.astype(mx.float32)) for c in kv], "float32 keys"),
+    (lambda cache, kv: cache.__setitem__(cache.index(kv[0]), RotatingKVCache(max_size=64)), "a rotating cache"),
+    (lambda cache, kv: cache.__setitem__(cache.index(kv[0]), kv[0].to_quantized(group_size=32)), "a quantized cache"),
+])
+def test_the_whole_step_declines_what_it_does_not_take(emulator_backend, change, why):
+    from mlx_lily.checkpoints import SHAPES, build_model
+    from mlx_lily.models.qwen3_5_moe import Model
+
+    # Eight layers: two attention layers, whose offsets can differ.
+    lily, _ = build_model(dict(SHAPES["demo"], num_hidden_layers=8), seed=0, model_class=Model)
+    text = lily.language_model.model
+    cache = make_prompt_cache(lily)
+    lily(TOKENS[:, :PROMPT], cache=cache)
+    assert len(_kv(cache)) == 2
+    assert text._whole_takes(cache, None, None)
+    assert not text._whole_takes(cache, mx.array([[True]]), None)  # a mask: the server's caches
+    kv = _kv(cache)
+    change(cache, kv)
+    assert not text._whole_takes(cache, None, None), why
+
+
+@pytest.fixture
+def compiled_reference(demo_checkpoint, monkeypatch):
+    """Lily's demo model on the reference backend with the whole step let in
+    (its ops run their references) and MLX's real mx.compile."""
+    monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
+    monkeypatch.setattr(T, "kernel_backend", lambda: ("cuda", "as on a GPU"))
+    monkeypatch.setattr(T.attention_kernels, "decode_on", lambda backend: True)
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    return model
+
+
+def test_compiled_the_whole_step_traces_once_per_capacity(compiled_reference, monkeypatch):
+    lily = compiled_reference
+    monkeypatch.setattr(KVCache, "step", 4)
+    monkeypatch.setattr(T, "CAPACITY_STEP", 4)
+    runs = []
+    real = T.LilyTextModel._whole_fn
+
+    def counted(self):
+        step = real(self)
+        return lambda *args: runs.append(args[-2].shape[2]) or step(*args)
+
+    monkeypatch.setattr(T.LilyTextModel, "_whole_fn", counted)
+    got, seen, _ = _decode(lily)
+    want, _, _ = _decode(lily, whole=False)
+    assert seen == {WHOLE}
+    _close(got, want)
+    # The eager first run, then one trace per capacity (12 rows, then 16 from
+    # position 12): neither the tokens' dtypes nor their positions trace anew.
+    assert runs == [12, 12, 16]
+
+
+def test_compiled_the_whole_step_leaves_arrays_held_elsewhere_as_they_were(compiled_reference):
+    lily = compiled_reference
+    cache = make_prompt_cache(lily)
+    lily(TOKENS[:, :PROMPT], cache=cache)
+    lily(TOKENS[:, PROMPT : PROMPT + 1], cache=cache)
+    held = [(c.keys, mx.array(c.keys)) for c in _kv(cache)]  # the cache's array and a copy
+    for t in range(PROMPT + 1, PROMPT + 4):
+        mx.eval(lily(TOKENS[:, t : t + 1], cache=cache))
+    for (kept, copy), c in zip(held, _kv(cache)):
+        assert mx.array_equal(kept, copy).item()  # written out of place: someone held it
+        assert not mx.array_equal(c.keys, kept).item()  # the cache's own rows did change

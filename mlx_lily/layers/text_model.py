@@ -1,25 +1,34 @@
-"""The layer stack for one decode token, in compiled segments.
+"""The layer stack for one decode token: one compiled step, or compiled segments.
 
 Per layer (``decoder.py``) a decode token costs the host a compiled call or
-two, plus the layer's Python. Here the stack is cut only where it must be: at
-each full-attention layer's KV-cache write and attention, whose shapes grow
-with the context. Everything between two such cuts (the previous attention
-layer's output projection and MoE, the Gated DeltaNet layers, the next
-attention layer's projections, q/k norm and RoPE) is one ``mx.compile``-d
-segment; the embedding opens the first segment and the final norm closes the
-last. For Qwen3.6-35B-A3B (attention every 4th layer) that is 11 compiled
-calls and 10 attention steps per token instead of 50 compiled calls.
+two, plus the layer's Python. Here the whole stack is compiled, in one of two
+forms:
 
-The segments compute exactly what the per-layer path computes (the same
-layer methods, in the same order), so the two give the same bits. They take
-``mlx_lm.generate``'s caches and the server's batch caches of one row, with
-the masks stock builds from those (the DeltaNet padding mask enters the
-segments, the attention mask the attention steps). Every call the segmented
-path does not take (prefill, batches of several rows, pipeline parallelism,
-compilation off, a layer that is not fused) runs the stock stack of lily's
-layers. A failing segmented step restores the KV
-offsets it advanced, assigns no state, prints one notice, and the model
-decodes per layer from then on.
+* **The whole step** (``mlx_lm.generate``'s caches: plain ``KVCache``s filled
+  to one offset, no masks, and the attention's decode kernels on): the whole
+  stack, embedding to final norm, is one ``mx.compile``-d call. The KV caches
+  are held at a capacity of whole CAPACITY_STEP rows (``reserve_rows``); the
+  step scatters each new row in at the position, an array input, and bounds
+  the decode attention by it, so one trace serves every token up to the
+  capacity. A failing whole step assigns nothing, prints one notice, and the
+  model decodes in segments from then on.
+* **Segments** (the server's batch caches of one row, with the masks stock
+  builds from them; and the reference path, which stays stock's op sequence):
+  the stack is cut at each full-attention layer's KV-cache write (stock's)
+  and attention, whose shapes grow with the context. Everything between two
+  cuts (the previous attention layer's output projection and MoE, the Gated
+  DeltaNet layers, the next attention layer's projections, q/k norm and
+  RoPE) is one compiled segment; the embedding opens the first, the final
+  norm closes the last: for Qwen3.6-35B-A3B, 11 compiled calls and 10
+  attention steps per token. A failing segmented step restores the KV offsets
+  it advanced, assigns no state, prints one notice, and the model decodes
+  per layer from then on.
+
+Both compute what the per-layer path computes (the same layer methods, in the
+same order); the segments give the same bits, the whole step differs only in
+the bounded attention's split of the keys. Every call neither takes
+(prefill, batches of several rows, pipeline parallelism, compilation off, a
+layer that is not fused) runs the stock stack of lily's layers.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ class LilyTextModel(Qwen3_5TextModel):
                     f"lily's compiled whole decode step failed ({type(exc).__name__}: {str(exc)[:200]}); "
                     "the model decodes in segments from now on",
                 )
-        if masks is not None:
+        if masks is not None and self.__dict__.get("_lily_segments_ok") is not False:
             touched: List[Any] = []
             try:
                 return self._decode_segments(inputs, cache, touched, *masks)
@@ -74,12 +83,12 @@ class LilyTextModel(Qwen3_5TextModel):
 
     def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[Tuple[Any, Any, int]]:
         """(attention mask, DeltaNet mask, weights version), the masks as
-        stock builds them from the caches, when the segmented step takes this
-        call; else None. The weights are checked first: a change there also
+        stock builds them from the caches, when a compiled step (whole or in
+        segments) takes this call; else None. The weights are checked first: a change there also
         has each layer check again whether its fused path fits."""
         if cache is None or inputs.ndim != 2 or inputs.shape != (1, 1):
             return None
-        if self.__dict__.get("_lily_segments_ok") is False or not compile_enabled():
+        if not compile_enabled():
             return None
         if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
             return None
@@ -109,7 +118,7 @@ class LilyTextModel(Qwen3_5TextModel):
         record("MoE", "lily decode segments", _ONE_TOKEN, None, None)
         cuts = self._cuts()
         bounds = [-1] + cuts + [len(self.layers)]
-        carry = [inputs]
+        carry = [one_token_dtype(inputs)]
         new_states = []
         for s in range(len(bounds) - 1):
             first, last = bounds[s], bounds[s + 1]
@@ -208,7 +217,7 @@ class LilyTextModel(Qwen3_5TextModel):
         offset = cache[self.fa_idx].offset
         for i in self._cuts():
             reserve_rows(cache[i], offset + 1)
-        args = [inputs]
+        args = [one_token_dtype(inputs)]
         for layer, c in zip(self.layers, cache):
             args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
         args.append(mx.array([offset], dtype=mx.int32))
@@ -226,8 +235,11 @@ class LilyTextModel(Qwen3_5TextModel):
         return outputs[-1]
 
     def _whole(self, version: int) -> Callable:
-        """The whole stack's step, compiled per weights ``version`` (and by
-        MLX per KV capacity); a new one runs eagerly once first."""
+        """The whole stack's step, compiled per weights ``version`` (and
+        traced by MLX once per KV capacity); a new one runs eagerly once first
+        (a later capacity's trace meets its kernels inside the trace, where a
+        first use runs the reference and has the step rebuilt: see
+        ``compiled_step``)."""
         store = self.__dict__.setdefault("_lily_segments", {})
         return compiled_step(store, "whole", version, self._whole_fn)
 
@@ -258,8 +270,10 @@ CAPACITY_STEP = 1024
 
 def reserve_rows(cache: KVCache, rows: int) -> None:
     """Give a KVCache room for ``rows`` rows, its capacity a multiple of
-    CAPACITY_STEP (stock's KVCache grows 256 rows at a time). The rows past
-    its offset are zeros; the cache stays a valid KVCache for stock's code."""
+    CAPACITY_STEP (stock's KVCache grows 256 rows at a time). Growing keeps
+    the rows up to its offset and adds zeros; rows past the offset are never
+    read (the attention is bounded by the position). The cache stays a valid
+    KVCache for stock's code."""
     capacity = cache.keys.shape[2]
     wanted = -(-max(rows, capacity) // CAPACITY_STEP) * CAPACITY_STEP
     if wanted == capacity:
@@ -271,6 +285,13 @@ def reserve_rows(cache: KVCache, rows: int) -> None:
         return mx.concatenate([kept, mx.zeros((B, H, wanted - cache.offset, D), dtype=a.dtype)], axis=2)
 
     cache.keys, cache.values = grown(cache.keys), grown(cache.values)
+
+
+def one_token_dtype(tokens: mx.array) -> mx.array:
+    """The token as uint32, the dtype mlx-lm's samplers give: the prompt's
+    last token comes as int32, and a compiled step traces each input dtype
+    anew (the whole 40-layer stack, once more per generation)."""
+    return tokens if tokens.dtype == mx.uint32 else tokens.astype(mx.uint32)
 
 
 class _OneToken:

@@ -109,7 +109,7 @@ def test_a_bounded_decode_over_a_cache_of_fixed_capacity(backend):
         assert_within_one_bf16_step(got, exact(q, k[:, :, :length], v[:, :, :length], scale))
 
 
-def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditioned_checkpoint, capsys):
+def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditioned_checkpoint, fresh_notices, capsys):
     """Compiled on the GPU: the whole stack in one call (KV rows scattered in
     at an array position, the attention bounded by it) against the compiled
     segments, over a capacity step. On the conditioned checkpoint (scaled
@@ -121,8 +121,10 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     import mlx_lily
     from mlx_lily import paths
     from mlx_lily.layers import text_model as T
+    from mlx_lily.toolchain.build import first_uses_in_traces
 
     model, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
+    unchecked = first_uses_in_traces()
     tokens = mx.array([[(i * 2654435761) % 2**32 % 500 for i in range(T.CAPACITY_STEP + 40)]])
     prompt = T.CAPACITY_STEP - 8
 
@@ -140,6 +142,7 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     want, seen_segments = decode(False)
     assert seen == {"lily whole decode step"} and seen_segments == {"lily decode segments"}
     assert "kernel off" not in capsys.readouterr().err
+    assert first_uses_in_traces() == unchecked  # every kernel checked outside the traces
     # Near-ties may flip one greedy token of 48 (the split follows the capacity).
     assert (got.argmax(-1) != want.argmax(-1)).sum().item() <= 1
     assert mx.abs(got - want).max().item() <= 2**-6 * mx.abs(want).max().item()
