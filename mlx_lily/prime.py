@@ -189,7 +189,7 @@ def _prime_attention_decode(model: Any) -> None:
     capacity steps, its form set by the capacity, the length on the device."""
     from . import kernels as K
     from .kernels.attention import decode_form
-    from .layers.text_model import CAPACITY_STEP
+    from .layers.text_model import whole_capacity
 
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None)
     if attn is None:
@@ -200,7 +200,7 @@ def _prime_attention_decode(model: Any) -> None:
     for n in decode_contexts(Hkv):
         kv = mx.zeros((1, Hkv, n, D), mx.bfloat16)
         mx.eval(K.attention(q, kv, kv, attn.scale, None))
-        capacity = -(-n // CAPACITY_STEP) * CAPACITY_STEP
+        capacity = whole_capacity(n)
         if decode_form(capacity, Hkv) not in bounded:
             bounded.add(decode_form(capacity, Hkv))
             kv = mx.zeros((1, Hkv, capacity, D), mx.bfloat16)

@@ -268,6 +268,11 @@ class LilyTextModel(Qwen3_5TextModel):
 CAPACITY_STEP = 1024
 
 
+def whole_capacity(rows: int) -> int:
+    """The smallest whole number of CAPACITY_STEP rows that holds ``rows``."""
+    return -(-rows // CAPACITY_STEP) * CAPACITY_STEP
+
+
 def reserve_rows(cache: KVCache, rows: int) -> None:
     """Give a KVCache room for ``rows`` rows, its capacity a multiple of
     CAPACITY_STEP (stock's KVCache grows 256 rows at a time). Growing keeps
@@ -275,7 +280,7 @@ def reserve_rows(cache: KVCache, rows: int) -> None:
     read (the attention is bounded by the position). The cache stays a valid
     KVCache for stock's code."""
     capacity = cache.keys.shape[2]
-    wanted = -(-max(rows, capacity) // CAPACITY_STEP) * CAPACITY_STEP
+    wanted = whole_capacity(max(rows, capacity))
     if wanted == capacity:
         return
 
