@@ -236,9 +236,9 @@ class LilyTextModel(Qwen3_5TextModel):
 
     def _whole(self, version: int) -> Callable:
         """The whole stack's step, compiled per weights ``version`` (and
-        traced by MLX once per KV capacity); a new one runs eagerly once first
-        (a later capacity's trace meets its kernels inside the trace, where a
-        first use runs the reference and has the step rebuilt: see
+        traced by MLX once per KV capacity); a new one runs eagerly once first.
+        A kernel first met inside a later capacity's trace runs its reference
+        there, and the step runs eagerly again and is traced afresh (see
         ``compiled_step``)."""
         store = self.__dict__.setdefault("_lily_segments", {})
         return compiled_step(store, "whole", version, self._whole_fn)
@@ -263,7 +263,7 @@ class LilyTextModel(Qwen3_5TextModel):
 
 # KV caches on the whole-step path hold a multiple of this many rows: each
 # capacity is one trace of the compiled step (a new one each CAPACITY_STEP
-# tokens, ~1 s of decode at 1024), and the decode attention's grid follows
+# tokens, several seconds of decode), and the decode attention's grid follows
 # the capacity, not the filled length.
 CAPACITY_STEP = 1024
 
