@@ -184,9 +184,10 @@ def _arm_line(result: Dict[str, Any]) -> str:
 
 def _clocks_note(clocks: Optional[Dict[str, Any]]) -> str:
     """The decode's GPU clocks for the arm's log line, where they were asked for."""
-    if not clocks or clocks.get("unavailable") == "not asked for":
+    from bench.gpu_clocks import NOT_ASKED, describe
+
+    if not clocks or clocks.get("unavailable") == NOT_ASKED:
         return ""
-    from bench.gpu_clocks import describe
 
     return f"; decode: {describe(clocks)}"
 

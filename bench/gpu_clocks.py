@@ -31,6 +31,8 @@ import subprocess
 from typing import Dict, Iterator, List, Optional
 
 INTERVAL_MS = 50
+# The summary's "unavailable" where sampling was not asked for.
+NOT_ASKED = "not asked for"
 FIELDS = ("sm_mhz", "mem_mhz", "power_w", "util_pct")
 QUERY = "timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu"
 TIMESTAMP = "%Y/%m/%d %H:%M:%S.%f"  # nvidia-smi's, in local time
@@ -97,7 +99,7 @@ def sampled_clocks(enabled: bool = True) -> Iterator[ClockLog]:
     its summary and costs nothing."""
     log = ClockLog()
     if not enabled:
-        log.why_not = "not asked for"
+        log.why_not = NOT_ASKED
         yield log
         return
     smi = shutil.which("nvidia-smi")

@@ -424,7 +424,11 @@ class AttentionKernels(KernelGroup):
     def decode_on(self, backend: str) -> bool:
         """Whether decode calls run the kernels on ``backend`` (built, and the
         decode self-checks passed)."""
-        return self.ready_on(backend)[0] and self._checked.get(backend, (None, {}))[1].get("decode") is None
+        return self.ready_on(backend)[0] and self._failed(backend, "decode") is None
+
+    def _failed(self, backend: str, path: Optional[str]) -> Optional[str]:
+        """Why ``path``'s self-check failed on ``backend``, or None."""
+        return self._checked.get(backend, (None, {}))[1].get(path)
 
     def _path(self, *args, **kwargs) -> Optional[str]:
         if decode_supports(*args, **kwargs) is None:
@@ -435,7 +439,7 @@ class AttentionKernels(KernelGroup):
 
     def run_on(self, backend: str, q, k, v, scale, mask, length=None):
         path = self._path(q, k, v, scale, mask, length)
-        failed = self._checked.get(backend, (None, {}))[1].get(path)
+        failed = self._failed(backend, path)
         if path == "decode" and failed is None:
             return run_decode(backend, q, k, v, scale, mask, length)
         if path == "prefill" and failed is None:

@@ -146,6 +146,11 @@ class Launch:
         """``absent`` in one order: one build and one first-use check per set."""
         return tuple(sorted(self.absent))
 
+    def instance(self, backend: str) -> tuple:
+        """(backend, template, input dtypes, absent names): the kernel
+        instantiation this launch runs, checked once at its first use."""
+        return (backend, tuple(self.template), tuple(a.dtype for a in self.inputs), self.absent_set)
+
 
 def whole_threadgroups(grid: Dim3, threadgroup: Dim3) -> tuple[Dim3, Dim3]:
     """(grid, threadgroup) as every backend will run them.
@@ -516,7 +521,7 @@ class Kernel:
         """
         try:
             launch = self.launch(*args, **kwargs)
-            key = (backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), launch.absent_set)
+            key = launch.instance(backend)
         except Exception as exc:  # a launcher refusing a shape supports() let through
             return self._off(backend, None, f"launch failed: {_one_line(exc)}", args, kwargs)
         why_not = self._instances.get(key, _UNCHECKED)
@@ -582,9 +587,8 @@ class Kernel:
     def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
-        absent = launch.absent_set
-        self.launched.add((backend, tuple(launch.template), tuple(a.dtype for a in launch.inputs), absent))
-        outputs = self._build(backend, absent)(
+        self.launched.add(launch.instance(backend))
+        outputs = self._build(backend, launch.absent_set)(
             inputs=list(launch.inputs),
             template=list(launch.template) or None,
             grid=grid,
