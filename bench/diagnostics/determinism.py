@@ -3,7 +3,8 @@
     python3 bench/diagnostics/determinism.py [--runs 5] [--out DIR]
 
 Each candidate op of stock mlx-lm's forward runs RUNS times on identical
-inputs (built once, evaluated, then reused) on the default device, at the
+inputs (built once, evaluated, then reused; freed memory filled with NaN
+between runs, so reads of unwritten memory show) on the default device, at the
 shapes the model uses, in fp32 and bf16; a row says whether every run is
 bit-identical to the first, and how far the worst one is. The last rows run
 whole models (stock and lily, a small random checkpoint in fp32 and bf16,
@@ -29,15 +30,27 @@ def _arrays(result):
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
+def fill_freed_memory() -> None:
+    """Leave NaN in the buffers MLX's allocator hands out next (up to 64 MiB
+    each), so that a kernel reading memory it never wrote differs run to run."""
+    for shift in range(6, 25):
+        junk = mx.full((1 << shift,), float("nan"), mx.float32)
+        mx.eval(junk)
+        del junk
+
+
 def repeat(fn, runs: int):
     """(bit-identical, max |diff| over runs, ms per run)."""
     first = _arrays(fn())
     mx.eval(first)
     same, worst = True, 0.0
-    start = time.perf_counter()
+    elapsed = 0.0
     for _ in range(runs - 1):
+        fill_freed_memory()
+        start = time.perf_counter()
         again = _arrays(fn())
         mx.eval(again)
+        elapsed += time.perf_counter() - start
         for a, b in zip(first, again):
             if not mx.array_equal(a, b, equal_nan=True).item():
                 same = False
@@ -46,7 +59,7 @@ def repeat(fn, runs: int):
                 else:
                     d = float((a != b).sum().item())
                 worst = max(worst, d)
-    ms = 1e3 * (time.perf_counter() - start) / max(runs - 1, 1)
+    ms = 1e3 * elapsed / max(runs - 1, 1)
     return same, worst, ms
 
 
@@ -60,6 +73,10 @@ def op_cases(dtype, L: int = 256):
     w = normal(4096, D)
     lin = nn.QuantizedLinear(D, 4096, bias=False, group_size=64, bits=4)
     lin.update({"scales": lin.scales.astype(dtype), "biases": lin.biases.astype(dtype)})
+    # A down projection of the demo shape: one quantization group per row.
+    narrow = nn.QuantizedLinear(64, 128, bias=False, group_size=64, bits=4)
+    narrow.update({"scales": narrow.scales.astype(dtype), "biases": narrow.biases.astype(dtype)})
+    x64 = normal(1, L, 64)
     from mlx_lm.models.switch_layers import SwitchGLU
 
     experts = SwitchGLU(D, F, E)
@@ -75,10 +92,11 @@ def op_cases(dtype, L: int = 256):
     gv, ga, gb = normal(1, L, 32, 128), normal(1, L, 32), normal(1, L, 32)
     A_log, dt_bias = mx.zeros((32,)), mx.ones((32,))
     rope = nn.RoPE(64, base=1e7)
-    mx.eval(x, w, lin.parameters(), experts.parameters(), inds, gates, q, kk, v, conv_x, conv_w, gq, gk, gv, ga, gb)
+    mx.eval(x, w, lin.parameters(), narrow.parameters(), x64, experts.parameters(), inds, gates, q, kk, v, conv_x, conv_w, gq, gk, gv, ga, gb)
     return [
         ("matmul x @ W^T", lambda: x @ w.T),
         ("quantized_matmul (QuantizedLinear)", lambda: lin(x)),
+        ("quantized_matmul, one group per row (K=64)", lambda: narrow(x64)),
         ("gather_qmm (SwitchGLU, sorted)", lambda: experts(x, inds)),
         ("gather_qmm (SwitchGLU, 1 token)", lambda: experts(x[:, :1], inds[:, :1])),
         ("softmax precise", lambda: mx.softmax(gates, axis=-1, precise=True)),

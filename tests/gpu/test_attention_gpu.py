@@ -109,13 +109,13 @@ def test_a_bounded_decode_over_a_cache_of_fixed_capacity(backend):
         assert_within_one_bf16_step(got, exact(q, k[:, :, :length], v[:, :, :length], scale))
 
 
-def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditioned_checkpoint, fresh_notices, capsys):
+def test_the_whole_decode_step_decodes_as_the_segments_do(backend, wide_conditioned_checkpoint, fresh_notices, capsys):
     """Compiled on the GPU: the whole stack in one call (KV rows scattered in
     at an array position, the attention bounded by it) against the compiled
-    segments, over a capacity step. On the conditioned checkpoint (scaled
-    weights): after a long prompt on the plain demo checkpoint, the H200 saw
-    first-use checks whose reference was not finite, which leave kernel
-    instantiations unchecked and the runs on different paths."""
+    segments, over a capacity step. On a checkpoint whose stock quantized
+    matmuls are deterministic on CUDA (see ``wide_conditioned_checkpoint``):
+    on the demo shape, MLX's shared expert alone makes two runs of the same
+    prompt differ."""
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_lily
@@ -123,7 +123,7 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     from mlx_lily.layers import text_model as T
     from mlx_lily.toolchain.build import first_uses_in_traces
 
-    model, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
+    model, _ = mlx_lily.load(str(wide_conditioned_checkpoint), backend="lily")
     unchecked = first_uses_in_traces()
     tokens = mx.array([[(i * 2654435761) % 2**32 % 500 for i in range(T.CAPACITY_STEP + 40)]])
     prompt = T.CAPACITY_STEP - 8
@@ -143,6 +143,5 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     assert seen == {"lily whole decode step"} and seen_segments == {"lily decode segments"}
     assert "kernel off" not in capsys.readouterr().err
     assert first_uses_in_traces() == unchecked  # every kernel checked outside the traces
-    # Near-ties may flip one greedy token of 48 (the split follows the capacity).
-    assert (got.argmax(-1) != want.argmax(-1)).sum().item() <= 1
+    assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()
     assert mx.abs(got - want).max().item() <= 2**-6 * mx.abs(want).max().item()
