@@ -30,7 +30,9 @@ from mlx.utils import tree_flatten
 from ._cache import cache_dir
 
 # Bump when the files written here change, so cached checkpoints are rebuilt.
-FORMAT_VERSION = 2  # 2: the model's vocabulary is the tokenizer's
+# 2: the model's vocabulary is the tokenizer's; 3: the demo shape's experts are
+# 128 wide (at 64, MLX 0.32.4's CUDA quantized matmul returned NaN).
+FORMAT_VERSION = 3
 MARKER = "lily_checkpoint.json"
 
 _COMMON = {
@@ -59,8 +61,11 @@ SHAPES: Dict[str, Dict[str, Any]] = {
         "linear_conv_kernel_dim": 4,
         "num_experts": 8,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": 64,
-        "shared_expert_intermediate_size": 64,
+        # Two quantization groups per row of the down projections: MLX 0.32.4's
+        # CUDA quantized matmul returns NaN or varying values for 4-bit weights
+        # of one group per row (bench/diagnostics/determinism.py).
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
         "intermediate_size": 256,
         "vocab_size": 512,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},

@@ -41,22 +41,6 @@ def demo_conditioned_checkpoint(tmp_path_factory):
     )
 
 
-# The demo shape with expert and shared-expert widths of 128: every quantized
-# projection reads at least two groups of 64. MLX 0.32.4's CUDA quantized
-# matmul returns NaN or varying values for a 4-bit weight of one group per
-# row (K = 64) at 8 or more rows (bench/diagnostics/determinism.py shows it),
-# which the demo shape's down projections are; GPU tests that compare long
-# prompts run on this one.
-WIDE_EXPERTS = {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 128}
-
-
-@pytest.fixture(scope="session")
-def wide_conditioned_checkpoint(tmp_path_factory):
-    return make_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "demo-wide-conditioned", shape=WIDE_EXPERTS, conditioned=True
-    )
-
-
 @pytest.fixture(scope="session")
 def alt_conditioned_checkpoint(tmp_path_factory):
     return make_checkpoint(

@@ -124,7 +124,11 @@ def test_rotating_kv_cache_takes_stock_attention(engines, op_calls):
     assert op_calls["attention"] == 0 and op_calls["gated_delta"] > 0
 
 
-def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):
+def test_kernels_in_the_emulator_match_stock(demo_conditioned_checkpoint, monkeypatch):
+    # On the conditioned checkpoint: the plain one is chaotic in rounding, and
+    # there the DeltaNet kernel's one-bf16-step differences from stock (1e-4
+    # of its output, as close to an fp32 oracle as stock's) grow into logits
+    # 0.4 apart.
     monkeypatch.setenv(BACKEND_ENV, "emulator")
     for op in K.OPS.values():
         monkeypatch.setattr(op, "last_path", None)
@@ -136,8 +140,8 @@ def test_kernels_in_the_emulator_match_stock(demo_checkpoint, monkeypatch):
     # decode GEMV and MoE chain (test_gemv.py, test_moe_decode.py).
     for name in ("moe_experts", "moe_combine", "moe_decode", "quantized_matvec"):
         monkeypatch.setattr(K.OPS[name], "kernel", None)
-    stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
-    lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    stock, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="mlx")
+    lily, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
     cs, cl = make_prompt_cache(stock), make_prompt_cache(lily)
     assert close(lily(TOKENS[:, :10], cache=cl), stock(TOKENS[:, :10], cache=cs)) <= LOGIT_ATOL
     prefill = {name: op.last_path for name, op in K.OPS.items() if op.kernel is not None}

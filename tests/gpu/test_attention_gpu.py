@@ -109,13 +109,12 @@ def test_a_bounded_decode_over_a_cache_of_fixed_capacity(backend):
         assert_within_one_bf16_step(got, exact(q, k[:, :, :length], v[:, :, :length], scale))
 
 
-def test_the_whole_decode_step_decodes_as_the_segments_do(backend, wide_conditioned_checkpoint, fresh_notices, capsys):
+def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditioned_checkpoint, fresh_notices, capsys):
     """Compiled on the GPU: the whole stack in one call (KV rows scattered in
     at an array position, the attention bounded by it) against the compiled
-    segments, over a capacity step. On a checkpoint whose stock quantized
-    matmuls are deterministic on CUDA (see ``wide_conditioned_checkpoint``):
-    on the demo shape, MLX's shared expert alone makes two runs of the same
-    prompt differ."""
+    segments, over a capacity step. The demo shape's experts are 128 wide: at
+    64 (one quantization group per row), MLX's CUDA quantized matmul in the
+    shared expert alone made two runs of the same prompt differ."""
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_lily
@@ -123,7 +122,7 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, wide_conditio
     from mlx_lily.layers import text_model as T
     from mlx_lily.toolchain.build import first_uses_in_traces
 
-    model, _ = mlx_lily.load(str(wide_conditioned_checkpoint), backend="lily")
+    model, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
     unchecked = first_uses_in_traces()
     tokens = mx.array([[(i * 2654435761) % 2**32 % 500 for i in range(T.CAPACITY_STEP + 40)]])
     prompt = T.CAPACITY_STEP - 8
