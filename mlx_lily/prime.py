@@ -201,8 +201,9 @@ def _prime_attention_decode(model: Any) -> None:
         kv = mx.zeros((1, Hkv, n, D), mx.bfloat16)
         mx.eval(K.attention(q, kv, kv, attn.scale, None))
         capacity = whole_capacity(n)
-        if decode_form(capacity, Hkv) not in bounded:
-            bounded.add(decode_form(capacity, Hkv))
+        form = decode_form(capacity, Hkv)
+        if form not in bounded:
+            bounded.add(form)
             kv = mx.zeros((1, Hkv, capacity, D), mx.bfloat16)
             mx.eval(K.attention(q, kv, kv, attn.scale, None, length=mx.array([n], dtype=mx.int32)))
 

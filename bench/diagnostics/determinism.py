@@ -74,11 +74,14 @@ def op_cases(dtype, L: int = 256):
     D, E, TOPK, F = 2048, 64, 8, 512
     x = normal(1, L, D)
     w = normal(4096, D)
-    lin = nn.QuantizedLinear(D, 4096, bias=False, group_size=64, bits=4)
-    lin.update({"scales": lin.scales.astype(dtype), "biases": lin.biases.astype(dtype)})
-    # A down projection of the demo shape: one quantization group per row.
-    narrow = nn.QuantizedLinear(64, 128, bias=False, group_size=64, bits=4)
-    narrow.update({"scales": narrow.scales.astype(dtype), "biases": narrow.biases.astype(dtype)})
+
+    def quantized(d_in: int, d_out: int) -> nn.QuantizedLinear:
+        layer = nn.QuantizedLinear(d_in, d_out, bias=False, group_size=64, bits=4)
+        layer.update({"scales": layer.scales.astype(dtype), "biases": layer.biases.astype(dtype)})
+        return layer
+
+    lin = quantized(D, 4096)
+    narrow = quantized(64, 128)  # one quantization group per row, as 64-wide experts' down projections
     x64 = normal(1, L, 64)
     from mlx_lm.models.switch_layers import SwitchGLU
 
