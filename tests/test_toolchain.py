@@ -501,6 +501,29 @@ def test_a_first_use_inside_a_trace_answers_with_the_reference_and_checks_later(
     assert not [l for l in capsys.readouterr().err.splitlines() if "kernel off" in l]
 
 
+def test_an_input_that_fails_to_evaluate_raises_and_leaves_the_kernel_on(emulator_backend, fresh_notices, capsys):
+    """An op's input that the device cannot compute (CPU MLX's float16
+    GatherMM) fails as it would on the reference path; the first-use check
+    does not blame the kernel, and its next call with good inputs runs it."""
+    kernel = Kernel(
+        "scaled_copy_bad_input", ("x",), ("out",), _scaled_copy_launch, source=_SCALED_COPY,
+        reference=lambda x, scale: x * 1, sample=lambda: ((mx.arange(8, dtype=mx.float32), 1), {}),
+    )
+    op = LilyOp("scaled_copy_bad_input_test", lambda x, scale: x * 1, kernel=kernel)
+    assert kernel.ready_on("emulator")[0]
+    a = mx.ones((2, 4, 8), dtype=mx.float16)
+    b = mx.ones((3, 8, 4), dtype=mx.float16)
+    upstream = mx.gather_mm(a, b, rhs_indices=mx.array([0, 1])).reshape(-1)
+    with pytest.raises(RuntimeError, match="GatherMM"):
+        mx.eval(op(upstream, 1))
+    with pytest.raises(RuntimeError, match="GatherMM"):  # the reference path fails alike
+        mx.eval(upstream * 1)
+    assert not kernel._instances  # no verdict on the kernel
+    x = mx.arange(32, dtype=mx.float16)
+    assert mx.array_equal(op(x, 1), x).item() and op.last_path == "kernel"
+    assert not [l for l in capsys.readouterr().err.splitlines() if "kernel off" in l]
+
+
 def test_an_instantiation_that_fails_to_run_falls_back_without_raising(emulator_backend, fresh_notices):
     kernel = Kernel(
         "scaled_copy_bad_group", ("x",), ("out",),

@@ -44,6 +44,7 @@ import math
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -541,20 +542,27 @@ class Kernel:
         if self.reference is None:
             self._instances[key] = None
             return self._run_launch(backend, launch), None
+        started = time.perf_counter()
+        try:
+            # The inputs first: a failure upstream (an op the device cannot
+            # run) is the caller's, raised as the reference path would raise
+            # it, and no verdict on this kernel.
+            mx.eval(list(launch.inputs))
+        except Exception as exc:
+            if _inside_transformation(exc):
+                return self._unchecked_in_trace(args, kwargs)
+            raise
         try:
             got = self._run_launch(backend, launch)
             mx.eval(got)
         except Exception as exc:  # a compile error of this instantiation surfaces here
             if _inside_transformation(exc):
-                # Traced by mx.compile (say), where nothing can be evaluated:
-                # the reference answers, and a later call outside the trace
-                # checks the kernel (a failure here is no verdict on it). The
-                # count tells a compiled step to run eagerly and trace again.
-                _FIRST_USES_IN_TRACES[0] += 1
-                return self.reference(*args, **kwargs), "first use inside a graph transformation; not checked yet"
+                return self._unchecked_in_trace(args, kwargs)
             return self._off(backend, key, f"failed to run: {_one_line(exc)}", args, kwargs)
+        kernel_done = time.perf_counter()
         want = self.reference(*args, **kwargs)
         mx.eval(want)
+        FIRST_USE_TIME.add(kernel_done - started, time.perf_counter() - kernel_done)
         if not _all_finite(want):
             # Nothing to judge against (NaN or inf in the reference's result):
             # answer with the reference and check again on a later call.
@@ -567,6 +575,14 @@ class Kernel:
             return self._off(backend, key, f"disagrees with the reference: {mismatch}", args, kwargs, want)
         self._instances[key] = None
         return got, None
+
+    def _unchecked_in_trace(self, args, kwargs) -> tuple[Any, str]:
+        """Traced by mx.compile (say), where nothing can be evaluated: the
+        reference answers, and a later call outside the trace checks the
+        kernel (a failure here is no verdict on it). The count tells a
+        compiled step to run eagerly and trace again."""
+        _FIRST_USES_IN_TRACES[0] += 1
+        return self.reference(*args, **kwargs), "first use inside a graph transformation; not checked yet"
 
     def _off(self, backend, key, why, args, kwargs, want=None) -> tuple[Any, str]:
         """Turn one instantiation off (key None: this call only), warn once, run the reference."""
@@ -845,6 +861,30 @@ def describe_instance(template, dtypes) -> str:
 
 # First uses that met a graph transformation, so ran the reference unchecked.
 _FIRST_USES_IN_TRACES = [0]
+
+
+class _FirstUseTime:
+    """Seconds spent in first-use checks so far in this process: building
+    and running each instantiation (on CUDA mostly NVRTC's compile) and its
+    reference; what a cold start costs beyond stock's (bench --cold-start)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.checks, self.kernel_s, self.reference_s = 0, 0.0, 0.0
+
+    def add(self, kernel_s: float, reference_s: float) -> None:
+        self.checks += 1
+        self.kernel_s += kernel_s
+        self.reference_s += reference_s
+
+    def as_dict(self) -> dict:
+        return {"checks": self.checks, "kernel_s": round(self.kernel_s, 3),
+                "reference_s": round(self.reference_s, 3)}
+
+
+FIRST_USE_TIME = _FirstUseTime()
 
 
 def first_uses_in_traces() -> int:
