@@ -56,18 +56,25 @@ def _is_mlx_lm_program(name):
     return name is not None and name.split(".")[0] == "mlx_lm"
 
 
+NEEDS_VALUE = "--backend needs a value: lily or mlx"
+
+
 def _take_backend_flag(argv):
     """Remove --backend X / --backend=X from argv; return X or None."""
     for i, arg in enumerate(argv):
         if arg == "--backend":
-            if i + 1 >= len(argv):
-                _fail("--backend needs a value: lily or mlx")
+            # A following flag is not a value: '--backend --model M' forgot it.
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                _fail(NEEDS_VALUE)
             value = argv[i + 1]
             del argv[i : i + 2]
             return value
         if arg.startswith("--backend="):
+            value = arg.split("=", 1)[1]
+            if not value:
+                _fail(NEEDS_VALUE)
             del argv[i]
-            return arg.split("=", 1)[1]
+            return value
     return None
 
 

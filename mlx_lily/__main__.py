@@ -35,21 +35,36 @@ generate/serve/chat/benchmark accept --backend lily|mlx (default lily).
 """
 
 
+# The startup hook's words (hook/mlx_lily_hook.py), so that every entry point
+# taking --backend says the same; exit status 2, as argparse's usage errors.
+NEEDS_VALUE = "mlx-lily: --backend needs a value: lily or mlx"
+
+
+def _usage_error(message: str) -> None:
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 def take_backend(argv: list[str], default: str) -> str:
     """Remove --backend X / --backend=X from argv (in place); return X."""
     for i, arg in enumerate(argv):
-        if arg == "--backend" and i + 1 < len(argv):
+        if arg == "--backend":
+            # A following flag is not a value: '--backend --model M' forgot it.
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                _usage_error(NEEDS_VALUE)
             value = argv[i + 1]
             del argv[i : i + 2]
             break
         if arg.startswith("--backend="):
             value = arg.split("=", 1)[1]
+            if not value:
+                _usage_error(NEEDS_VALUE)
             del argv[i]
             break
     else:
         return default
     if value not in backend.BACKENDS:
-        sys.exit(f"mlx-lily: unknown backend {value!r}: use lily or mlx")
+        _usage_error(f"mlx-lily: unknown backend {value!r}: use lily or mlx")
     return value
 
 

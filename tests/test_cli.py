@@ -171,3 +171,18 @@ def test_benchmark_and_chat_take_the_flag(demo_checkpoint):
     )
     assert chat.returncode == 0, chat.stderr
     assert "runs on lily's model" in chat.stderr
+
+
+def test_backend_without_a_value_says_so_everywhere(demo_checkpoint):
+    # The hook's message, from every entry point that takes --backend; a flag
+    # after --backend is not its value, and --backend= is empty.
+    model = ["--model", str(demo_checkpoint), "--prompt", "hi", "--max-tokens", "1"]
+    for command in (["mlx_lm.generate"], ["mlx_lm.server"], [sys.executable, "-m", "mlx_lm", "generate"],
+                    [sys.executable, "-m", "mlx_lily", "generate"], [sys.executable, "-m", "mlx_lily", "serve"]):
+        for args in ([*model, "--backend"], ["--backend", *model], [*model, "--backend="]):
+            out = run([*command, *args], timeout=120)
+            assert out.returncode == 2, (command, args, out.stderr)
+            assert out.stderr.strip().splitlines() == ["mlx-lily: --backend needs a value: lily or mlx"], (
+                command, args, out.stderr)
+    out = run([sys.executable, "-m", "mlx_lily", "generate", *model, "--backend", "fast"])
+    assert out.returncode == 2 and out.stderr.strip() == "mlx-lily: unknown backend 'fast': use lily or mlx"
