@@ -358,12 +358,8 @@ def make_checkpoint(
     path = Path(path)
     marker = path / MARKER
     want = _marker(shape, seed, conditioned)
-    if not force and marker.exists():
-        try:
-            if json.loads(marker.read_text()) == want:
-                return path
-        except (OSError, ValueError):
-            pass
+    if not force and _read_marker(path).get("identity") == want:
+        return path
     _refuse_foreign(path)
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -379,15 +375,78 @@ def make_checkpoint(
         save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         tokenizer.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(want))
+        written = sorted(p.name for p in tmp.iterdir()) + [MARKER]
+        (tmp / MARKER).write_text(json.dumps(want | {"files": written}))
         if path.exists():
             _refuse_foreign(path)  # checked again: it may have changed meanwhile
-            shutil.rmtree(path)
-        tmp.rename(path)
+            _replace_own_files(path, tmp, written)
+        else:
+            tmp.rename(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _read_marker(path: Path) -> Dict[str, Any]:
+    """The marker's contents: "identity" (what the checkpoint is: format,
+    shape, seed...) and "files" (what lily wrote), or {} if none is readable."""
+    try:
+        content = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(content, dict):
+        return {}
+    files = content.pop("files", None)
+    return {"identity": content, "files": files}
+
+
+# What lily's earlier formats wrote, for a marker that lists no files: the
+# weights (one file, or shards and their index) besides the names this
+# version writes.
+_OLD_WEIGHT_FILES = ("model*.safetensors", "model.safetensors.index.json")
+
+
+def _replace_own_files(path: Path, new: Path, written: list) -> None:
+    """Put the checkpoint built in ``new`` at ``path`` (a folder lily wrote),
+    removing only the files lily wrote there; anything else stays, and one
+    notice names it."""
+    listed = _read_marker(path).get("files")
+    if isinstance(listed, list):
+        own = set(map(str, listed))
+    else:
+        own = set(written) | {p.name for pattern in _OLD_WEIGHT_FILES for p in path.glob(pattern)}
+    own.add(MARKER)
+    others = sorted(p.name for p in path.iterdir() if p.name not in own)
+    if not others:
+        # Only lily's files: swap the whole folder, so a crash never leaves a
+        # mix of the old checkpoint and the new under the name.
+        shutil.rmtree(path)
+        new.rename(path)
+        return
+    clash = sorted(set(others) & set(written))
+    if clash:
+        raise FileExistsError(
+            f"{path} holds {', '.join(clash)}, which lily did not write there and would overwrite; "
+            "move it away or choose another path for the checkpoint"
+        )
+    # File by file. First the marker lists both sets of files and no identity:
+    # interrupted, the folder is still lily's (rebuilt on the next call) and
+    # every file lily may have written is on its list.
+    (path / MARKER).write_text(json.dumps({"files": sorted(own | set(written))}))
+    for name in sorted(own - {MARKER}):
+        old = path / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old.exists() or old.is_symlink():
+            old.unlink()
+    for name in written:
+        if name != MARKER:
+            (new / name).replace(path / name)
+    (new / MARKER).replace(path / MARKER)  # last: the checkpoint is whole
+    new.rmdir()
+    print(f"[mlx-lily] left {len(others)} entr{'y' if len(others) == 1 else 'ies'} in {path} that lily "
+          f"did not write: {', '.join(others)}", file=sys.stderr, flush=True)
 
 
 def _refuse_foreign(path: Path) -> None:

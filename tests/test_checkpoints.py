@@ -116,10 +116,37 @@ def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
     folder.mkdir()
     path = make_checkpoint(folder, shape="demo")
     assert (path / checkpoints.MARKER).is_file()
-    (path / "stale.txt").write_text("written inside lily's checkpoint")
     make_checkpoint(folder, shape="demo", force=True)  # lily's own: rebuilt
-    assert not (path / "stale.txt").exists()
+    assert (path / checkpoints.MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_rebuild_keeps_what_lily_did_not_write(tmp_path, capsys):
+    path = make_checkpoint(tmp_path / "x", shape="demo")
+    written = sorted(p.name for p in path.iterdir())
+    (path / "MY_NOTES.txt").write_text("keep me")
+    (path / "mine").mkdir()
+    (path / "mine" / "data").write_text("and me")
+    capsys.readouterr()
+    make_checkpoint(path, shape="small-alt")  # another shape: rebuilt in place
+    assert (path / "MY_NOTES.txt").read_text() == "keep me"
+    assert (path / "mine" / "data").read_text() == "and me"
+    assert json.loads((path / checkpoints.MARKER).read_text())["shape"] == "small-alt"
+    assert sorted(p.name for p in path.iterdir()) == sorted(written + ["MY_NOTES.txt", "mine"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no leftovers beside it
+    notices = [line for line in capsys.readouterr().err.splitlines() if "did not write" in line]
+    assert len(notices) == 1 and "MY_NOTES.txt" in notices[0] and "mine" in notices[0], notices
+    # The rebuilt checkpoint is the small-alt one, and loads.
+    config = json.loads((path / "config.json").read_text())
+    assert config["text_config"]["num_experts"] == 16
+    # A checkpoint of an older format (its marker lists no files): the same.
+    marker = json.loads((path / checkpoints.MARKER).read_text())
+    marker.pop("files", None)
+    marker["format"] = 2
+    (path / checkpoints.MARKER).write_text(json.dumps(marker))
+    make_checkpoint(path, shape="demo")
+    assert (path / "MY_NOTES.txt").read_text() == "keep me"
+    assert json.loads((path / "config.json").read_text())["text_config"]["num_experts"] == 8
 
 
 def test_tokenizer_covers_the_model_vocabulary(demo_checkpoint):
