@@ -44,6 +44,28 @@ def test_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, Dv, w
     assert same >= 0.99 * sum(w.size for w in want)
 
 
+@pytest.mark.parametrize("B, T, Hk, ratio, Dk, Dv, width", SHAPES)
+def test_fp16_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, Dv, width):
+    # fp16 rounds at the same points as bf16, 8 times finer (a step of 2^-10):
+    # the contract's bound is 2^-8 |want| + 2^-12 max|want| (three roundings,
+    # each tipped by at most one step by the fp32 sums' order).
+    emulator_or_skip()
+    args, _ = make_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk, dtype=mx.float16)
+    assert conv_qk_norm_supports(*args) is None
+    got = conv_qk_norm_kernel.emulate(*args)
+    want = conv_qk_norm_reference(*args)
+    assert all(g.dtype == w.dtype == mx.float16 for g, w in zip(got, want))
+    assert conv_qk_norm_agree(got, want, *args) is None
+    same = sum(int(mx.sum(g == w).item()) for g, w in zip(got, want))
+    assert same >= 0.99 * sum(w.size for w in want)
+    # Against the same sequence in fp32: a handful of fp16 roundings (the
+    # conv sum, sigmoid, SiLU, the norm, the scale) of half a step each.
+    oracle = conv_qk_norm_reference(*(a.astype(mx.float32) for a in args[:3]), *args[3:])
+    for g, o in zip(got, oracle):
+        err = mx.abs(g.astype(mx.float32) - o)
+        assert mx.all(err <= 2.0**-7 * mx.abs(o) + 2.0**-11 * mx.abs(o).max()).item()
+
+
 def test_the_judge_catches_a_shifted_tap_and_a_missing_scale():
     args, _ = make_call(1, 9, 2, 4, 32, 32, seed=5)
     q, k, v = conv_qk_norm_reference(*args)
@@ -58,8 +80,10 @@ def test_the_judge_catches_a_shifted_tap_and_a_missing_scale():
 
 def test_refuses_what_it_does_not_take():
     args, _ = make_call(1, 4, 1, 2, 32, 32)
-    half = (args[0].astype(mx.float16),) + args[1:]
-    assert "bfloat16" in conv_qk_norm_supports(*half)
+    single = (args[0].astype(mx.float32),) + args[1:]
+    assert "bfloat16" in conv_qk_norm_supports(*single)
+    mixed = (args[0].astype(mx.float16),) + args[1:]
+    assert "conv_state" in conv_qk_norm_supports(*mixed)
     odd, _ = make_call(1, 4, 1, 1, 48, 32)
     assert "head dims" in conv_qk_norm_supports(*odd)
     wrong = args[:3] + (2,) + args[4:]
@@ -70,6 +94,8 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
     # The real shape (16 key heads, 32 value heads, dims 128, width 4) and an odd one.
     units = {f"conv_{Hk}": conv_qk_norm_kernel.cuda_translation_unit(*make_call(1, 8, Hk, Hv, Dk, Dv, K=w)[0])
              for Hk, Hv, Dk, Dv, w in ((16, 32, 128, 128, 4), (3, 9, 64, 96, 3))}
+    units["conv_fp16"] = conv_qk_norm_kernel.cuda_translation_unit(
+        *make_call(1, 8, 16, 32, 128, 128, K=4, dtype=mx.float16)[0])
     for text in nvcc_ptx(tmp_path, units).values():
         assert "ld.local" not in text and "st.local" not in text
 

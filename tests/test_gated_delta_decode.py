@@ -33,17 +33,17 @@ from test_toolchain import emulator_or_skip, nvcc_ptx
 SHAPES = [(1, 1, 32, 32), (1, 3, 64, 32), (2, 2, 32, 64), (3, 1, 64, 64), (3, 3, 32, 32), (2, 3, 64, 64)]
 
 
-def run_steps(Hk, ratio, Dk, Dv, steps, with_state, seed):
+def run_steps(Hk, ratio, Dk, Dv, steps, with_state, seed, dtype=mx.bfloat16):
     """`steps` decode steps through the kernel and through the reference,
     each carrying its own conv and recurrent state; every step's outputs
     meet the contract, and the conv states are equal throughout."""
     rng = np.random.default_rng(seed)
-    args, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, with_state=with_state, rng=rng)
+    args, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, with_state=with_state, rng=rng, dtype=dtype)
     args = list(args)
     kernel_conv, kernel_state = args[4], args[8]
     for step in range(steps):
         if step:
-            fresh, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, rng=rng)
+            fresh, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, rng=rng, dtype=dtype)
             args[:4] = fresh[:4]  # a new token's qkv, z, a, b
         kernel_args = tuple(args[:4]) + (kernel_conv,) + tuple(args[5:8]) + (kernel_state,) + tuple(args[9:])
         assert gated_delta_decode_supports(*kernel_args) is None
@@ -62,6 +62,16 @@ def run_steps(Hk, ratio, Dk, Dv, steps, with_state, seed):
 def test_steps_carry_conv_and_recurrent_state(Hk, ratio, Dk, Dv):
     emulator_or_skip()
     run_steps(Hk, ratio, Dk, Dv, steps=3, with_state=True, seed=Hk * 10 + ratio + Dk + Dv)
+
+
+@pytest.mark.parametrize("Hk, ratio, Dk, Dv", SHAPES[:4])
+def test_fp16_steps_carry_conv_and_recurrent_state(Hk, ratio, Dk, Dv):
+    # Judged with gated_delta's fp16 bounds (out within 4e-3, state within
+    # 2.5e-3 of the reference's largest value: bf16's 3e-2 and 2e-2 scaled by
+    # fp16's 8 times finer step, with room for the fp32 sums' order).
+    emulator_or_skip()
+    got, want = run_steps(Hk, ratio, Dk, Dv, steps=3, with_state=True, seed=Hk + Dk + Dv, dtype=mx.float16)
+    assert got[0].dtype == want[0].dtype == got[1].dtype == mx.float16 and got[2].dtype == mx.float32
 
 
 def test_from_a_zero_state():
@@ -129,9 +139,14 @@ def test_supports_takes_one_bf16_token_only():
     two[0] = mx.concatenate([args[0], args[0]], axis=1)
     two[1] = mx.concatenate([args[1], args[1]], axis=1)
     assert "T=2" in gated_delta_decode_supports(*two)
-    half = list(args)
-    half[0] = args[0].astype(mx.float16)
-    assert "bfloat16" in gated_delta_decode_supports(*half)
+    single = list(args)
+    single[0] = args[0].astype(mx.float32)
+    assert "bfloat16" in gated_delta_decode_supports(*single)
+    mixed = list(args)
+    mixed[0] = args[0].astype(mx.float16)
+    assert "qkv's" in gated_delta_decode_supports(*mixed)
+    half, _ = make_decode_inputs(2, 4, 32, 32, seed=6, dtype=mx.float16)
+    assert gated_delta_decode_supports(*half) is None
     odd_dk, _ = make_decode_inputs(1, 1, 48, 32, seed=6)
     assert "Dk=48" in gated_delta_decode_supports(*odd_dk)
 
@@ -177,6 +192,8 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         f"gdd_{Hv}": gated_delta_decode_kernel.cuda_translation_unit(*make_decode_inputs(Hk, Hv, Dk, Dv, seed=0)[0])
         for Hk, Hv, Dk, Dv in ((16, 32, 128, 128), (3, 9, 64, 48))
     }
+    units["gdd_fp16"] = gated_delta_decode_kernel.cuda_translation_unit(
+        *make_decode_inputs(16, 32, 128, 128, seed=0, dtype=mx.float16)[0])
     for text in nvcc_ptx(tmp_path, units).values():
         # State rows, q and k stay in registers.
         assert "ld.local" not in text and "st.local" not in text

@@ -15,8 +15,8 @@ The reference is the layer's own sequence (the concatenation, ``mx.conv1d``
 + ``nn.silu``, the split and ``normalize_qk``), so on the reference path the
 layer stays stock's to the bit. The kernel (``conv_qk_norm.metal``) does it
 in one dispatch: one SIMD group per (batch, token, head), no intermediate
-conv output, no concatenated copy of the chunk. It takes bf16 activations
-and weights, head dims that are multiples of 32 up to 256, any batch; other
+conv output, no concatenated copy of the chunk. It takes bf16 or fp16
+activations and weights (one dtype), head dims that are multiples of 32 up to 256, any batch; other
 calls (and decode, which ``gated_delta_decode`` covers) run the reference.
 
 Contract (``conv_qk_norm_agree``), per output element against the reference
@@ -29,7 +29,8 @@ the scale's, each to bf16), but its fp32 sums of the taps and of the squares
 run in another order, which can tip a rounding by one step; three roundings
 in a row make at most three steps (2^-7 |want| each at worst in bf16). A
 shifted tap, a wrong head or a missing scale moves far more elements by far
-more.
+more. In fp16 each step is 8 times finer (``dtypes.py``): 2^-8 |want| + 2^-12
+max|want|.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import numpy as np
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
 from ..toolchain.registry import LilyOp, register
+from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 from .gated_delta import l2norm_qk_reference
 
 # The stock L2 norm's epsilon (added to sum(x^2)), as the layer passes it.
@@ -85,9 +87,11 @@ def conv_qk_norm_supports(qkv, conv_state, conv_weight, num_k_heads, num_v_heads
     K = conv_state.shape[1] + 1
     if tuple(conv_state.shape) != (B, K - 1, C) or tuple(conv_weight.shape) != (C, K, 1):
         return f"conv state {tuple(conv_state.shape)}, weight {tuple(conv_weight.shape)} (kernel: [B, K-1, C], [C, K, 1])"
-    for name, a in (("qkv", qkv), ("conv_state", conv_state), ("conv_weight", conv_weight)):
-        if a.dtype != mx.bfloat16:
-            return f"{name} dtype {a.dtype} (kernel: bfloat16)"
+    if qkv.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("qkv", qkv.dtype)
+    for name, a in (("conv_state", conv_state), ("conv_weight", conv_weight)):
+        if a.dtype != qkv.dtype:
+            return f"{name} dtype {a.dtype} (kernel: qkv's, {qkv.dtype})"
     if B * (T + K) * C >= MAX_ELEMENTS:
         return "too large for 32-bit indexing"
     return None
@@ -120,21 +124,22 @@ def conv_qk_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     if args:
         want = on_cpu(conv_qk_norm_reference, *args, **kwargs)
     for name, g, w in zip("qkv", got, want):
-        mismatch = elementwise_mismatch(g, w, rel=2.0**-5, of_max=2.0**-9)
+        scale = step_scale(w.dtype)
+        mismatch = elementwise_mismatch(g, w, rel=2.0**-5 * scale, of_max=2.0**-9 * scale)
         if mismatch is not None:
             return f"{name}: {mismatch}"
     return None
 
 
-def make_call(B, T, Hk, Hv, Dk, Dv, K=4, rng=None, seed=0):
-    """A prompt chunk's prologue call at these shapes: random bf16 activations,
-    conv state and conv weights (as the model holds them)."""
+def make_call(B, T, Hk, Hv, Dk, Dv, K=4, rng=None, seed=0, dtype=mx.bfloat16):
+    """A prompt chunk's prologue call at these shapes: random activations,
+    conv state and conv weights in ``dtype`` (as the model holds them)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     C = 2 * Hk * Dk + Hv * Dv
-    qkv = normal(B, T, C).astype(mx.bfloat16)
-    conv_state = normal(B, K - 1, C).astype(mx.bfloat16)
-    conv_weight = (0.5 * normal(C, K, 1)).astype(mx.bfloat16)
+    qkv = normal(B, T, C).astype(dtype)
+    conv_state = normal(B, K - 1, C).astype(dtype)
+    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
     return (qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv), {}
 
 
@@ -144,11 +149,12 @@ def _sample():
 
 def _fuzz(rng):
     """A random chunk: batch 1-2, 1-40 tokens (fewer than the taps too), value/key
-    head ratio 1-3, head dims 32-128, conv widths 2-4."""
+    head ratio 1-3, head dims 32-128, conv widths 2-4, bf16 or fp16."""
     Hk = int(rng.integers(1, 3))
     return make_call(int(rng.integers(1, 3)), int(rng.integers(1, 41)), Hk, Hk * int(rng.integers(1, 4)),
                      int(rng.choice([32, 64, 128])), int(rng.choice([32, 64, 96])),
-                     K=int(rng.choice([2, 3, 4])), rng=rng)
+                     K=int(rng.choice([2, 3, 4])), rng=rng,
+                     dtype=ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))])
 
 
 conv_qk_norm_kernel = Kernel(

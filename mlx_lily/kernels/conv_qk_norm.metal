@@ -18,7 +18,7 @@
 // product each rounded to InT; rms_norm's x * rsqrt(...) to InT, then the
 // scale (rounded to InT) times it, to InT.
 //
-// Template: InT (bfloat16), Dk, Dv (multiples of 32, <= 256), Hk, Hv, CONV_K.
+// Template: InT (bfloat16 or float16), Dk, Dv (multiples of 32, <= 256), Hk, Hv, CONV_K.
 // Inputs:   qkv [B, T, C] (C = 2 Hk Dk + Hv Dv); conv_state [B, CONV_K - 1, C];
 //           conv_weight [C, CONV_K, 1] (all row-contiguous); scalars fp32 [3]:
 //           the norm's eps (added to the mean), q's and k's scales.

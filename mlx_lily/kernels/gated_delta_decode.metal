@@ -26,7 +26,7 @@
 // product in fp32, then InT). Sums are fp32, in another order than the
 // reference's.
 //
-// Template: InT (bfloat16: qkv, z, conv state and weight, a, b, outputs),
+// Template: InT (bfloat16 or float16: qkv, z, conv state and weight, a, b, outputs),
 //           SumT, BetaT (the gates' rounding, see gated_delta.metal), NormT
 //           (rms_norm's output dtype: InT promoted with the norm weight's),
 //           Dk (a multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),

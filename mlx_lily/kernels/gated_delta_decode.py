@@ -6,15 +6,17 @@ and the q/k L2 norm with the readout scale (``conv_qk_norm``), the gates and
 the recurrence on the fp32 state (``gated_delta``), and the gated RMSNorm
 (``gated_rms_norm``). The reference composes those ops' references exactly as
 the layer does, so on the reference path the layer stays stock's to the bit.
-The kernel (``gated_delta_decode.metal``) takes bf16 decode calls (B = 1, T =
-1, no padding mask); other calls go through the separate ops.
+The kernel (``gated_delta_decode.metal``) takes bf16 and fp16 decode calls
+(B = 1, T = 1, no padding mask; the state fp32); other calls go through the
+separate ops.
 
 Contract (``gated_delta_decode_agree``): the conv state is copied, so it is
 the reference's exactly; the output within 3e-2 and the state within 2e-2 of
 the reference's largest value (gated_delta's bf16 bounds: the same gates,
 rounded the same way, and the same per-step math; the convolution and norms
 add one bf16 rounding each that a different fp32 summation order can move by
-one step, which the recurrence's bound covers).
+one step, which the recurrence's bound covers). In fp16, gated_delta's fp16
+bounds: 4e-3 and 2.5e-3.
 
 The reference it is judged against runs on the CPU, whose MLX ops round bf16
 where the kernel (and Metal) round. MLX's CUDA element-wise ops round some
@@ -35,6 +37,7 @@ import numpy as np
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, contiguous, on_cpu
 from ..toolchain.registry import LilyOp, register
 from .conv import conv1d_silu_reference
+from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason
 from .gated_delta import (
     KERNEL_DTYPES,
     MAX_DK,
@@ -113,9 +116,11 @@ def gated_delta_decode_supports(
     K = conv_state.shape[1] + 1
     if K < 2 or tuple(conv_weight.shape) != (C, K, 1):
         return f"conv_weight {tuple(conv_weight.shape)} with {K - 1} conv state rows (kernel: [C, K, 1], K >= 2)"
-    for name, x in (("qkv", qkv), ("z", z), ("a", a), ("b", b), ("conv_state", conv_state), ("conv_weight", conv_weight)):
-        if x.dtype != mx.bfloat16:
-            return f"{name} dtype {x.dtype} (kernel: bfloat16)"
+    if qkv.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("qkv", qkv.dtype)
+    for name, x in (("z", z), ("a", a), ("b", b), ("conv_state", conv_state), ("conv_weight", conv_weight)):
+        if x.dtype != qkv.dtype:
+            return f"{name} dtype {x.dtype} (kernel: qkv's, {qkv.dtype})"
     for name, gate in (("a", a), ("b", b)):
         if tuple(gate.shape) != (1, 1, Hv):
             return f"{name} {tuple(gate.shape)} (kernel: [1, 1, {Hv}])"
@@ -180,12 +185,15 @@ def gated_delta_decode_agree(got, want, *args, **kwargs) -> Optional[str]:
     (out, conv, s), (out_ref, conv_ref, s_ref) = got, want
     if conv.shape != conv_ref.shape or not mx.array_equal(conv, conv_ref).item():
         return "conv state: not the reference's rows"
+    # The activations' dtype sets the bounds (gated_delta's, per dtype).
+    y_tol = Y_TOLERANCE.get(out_ref.dtype, Y_TOLERANCE[mx.bfloat16])
+    s_tol = STATE_TOLERANCE.get(out_ref.dtype, STATE_TOLERANCE[mx.bfloat16])
     err = _relative_error(out, out_ref)
-    if not err <= Y_TOLERANCE[mx.bfloat16]:
-        return f"out: max |kernel - reference| / max |reference| = {err:.3g} (> {Y_TOLERANCE[mx.bfloat16]:g})"
+    if not err <= y_tol:
+        return f"out: max |kernel - reference| / max |reference| = {err:.3g} (> {y_tol:g})"
     err = _relative_error(s, s_ref)
-    if not err <= STATE_TOLERANCE[mx.bfloat16]:
-        return f"state: max |kernel - reference| / max |reference| = {err:.3g} (> {STATE_TOLERANCE[mx.bfloat16]:g})"
+    if not err <= s_tol:
+        return f"state: max |kernel - reference| / max |reference| = {err:.3g} (> {s_tol:g})"
     return None
 
 
@@ -196,22 +204,23 @@ def gated_delta_decode_compare(got, want) -> tuple[bool, float]:
     return mismatch is None, max(errors)
 
 
-def make_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0):
-    """A decode call at these shapes: random bf16 activations and conv state,
-    the model's parameter dtypes (fp32 A_log, dt_bias; bf16 norm weight)."""
+def make_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0, dtype=mx.bfloat16):
+    """A decode call at these shapes: random activations and conv state in
+    ``dtype``, the model's parameter dtypes (fp32 A_log, dt_bias; the norm
+    weight in ``dtype``)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     C = 2 * Hk * Dk + Hv * Dv
-    qkv = normal(1, 1, C).astype(mx.bfloat16)
-    z = normal(1, 1, Hv, Dv).astype(mx.bfloat16)
-    a = normal(1, 1, Hv).astype(mx.bfloat16)
-    b = normal(1, 1, Hv).astype(mx.bfloat16)
-    conv_state = normal(1, K - 1, C).astype(mx.bfloat16)
-    conv_weight = (0.5 * normal(C, K, 1)).astype(mx.bfloat16)
+    qkv = normal(1, 1, C).astype(dtype)
+    z = normal(1, 1, Hv, Dv).astype(dtype)
+    a = normal(1, 1, Hv).astype(dtype)
+    b = normal(1, 1, Hv).astype(dtype)
+    conv_state = normal(1, K - 1, C).astype(dtype)
+    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
     A_log = mx.log(mx.array(rng.uniform(1, 16, (Hv,)).astype(np.float32)))
     dt_bias = mx.array(rng.uniform(0.5, 1.5, (Hv,)).astype(np.float32))
     state = 0.1 * normal(1, Hv, Dv, Dk) if with_state else None
-    norm_weight = (1 + 0.1 * normal(Dv)).astype(mx.bfloat16)
+    norm_weight = (1 + 0.1 * normal(Dv)).astype(dtype)
     return (qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, 1e-6, Hk), {}
 
 
@@ -221,13 +230,14 @@ def _sample():
 
 def _fuzz(rng):
     """A random decode call: heads (value/key ratio 1-3), head dims, conv width,
-    a state or none, and the gate/norm parameters' dtypes."""
+    a state or none, bf16 or fp16 activations, and the gate/norm parameters' dtypes."""
     Hk = int(rng.integers(1, 4))
     Hv = Hk * int(rng.integers(1, 4))
     Dk = int(rng.choice([32, 64, 128]))
     Dv = int(rng.choice([8, 32, 48, 64, 128]))
     K = int(rng.choice([2, 4, 4]))
-    args, kwargs = make_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng)
+    dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
+    args, kwargs = make_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng, dtype=dtype)
     args = list(args)
     pick = lambda: KERNEL_DTYPES[int(rng.integers(len(KERNEL_DTYPES)))]  # noqa: E731
     args[6], args[7], args[9] = args[6].astype(pick()), args[7].astype(pick()), args[9].astype(pick())

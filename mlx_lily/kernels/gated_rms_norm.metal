@@ -13,7 +13,7 @@
 // rms_norm's x * rsqrt(mean(x^2) + eps) to NormT, times the weight to NormT;
 // silu(z) and the product in fp32 (mlx-lm's precise_swiglu), then to InT.
 //
-// Template: InT (x, z, out), NormT (rms_norm's output: InT promoted with the
+// Template: InT (x, z, out: bfloat16 or float16), NormT (rms_norm's output: InT promoted with the
 //           weight's dtype), Dv (a multiple of 32, <= 256).
 // Inputs:   x, z [rows, Dv] InT (row-contiguous); weight [Dv]; scalars fp32
 //           [1]: eps.

@@ -8,8 +8,8 @@ weight [Dv]. The reference is stock's (``mx.fast.rms_norm``, then mlx-lm's
 ``precise_swiglu``: silu and the product in fp32), so on the reference path
 the layer stays stock's to the bit. The kernel (``gated_rms_norm.metal``)
 does it in one dispatch, one SIMD group per row, for any number of rows (a
-prompt chunk's, or a batch's decode step); it takes bf16 x and z, a bf16 or
-fp32 weight, Dv a multiple of 32 up to 256. Decode steps of one sequence do
+prompt chunk's, or a batch's decode step); it takes bf16 or fp16 x and z (one
+dtype), a bf16, fp16 or fp32 weight, Dv a multiple of 32 up to 256. Decode steps of one sequence do
 this inside ``gated_delta_decode``.
 
 Contract (``gated_rms_norm_agree``), per element against the reference
@@ -20,6 +20,8 @@ fp32 sum of squares runs in another order and its exp is the backend's, which
 can tip the norm's two roundings and the last one by one step each (2^-7 |want|
 at worst in bf16 for the last; the norm's steps reach the output scaled by
 silu(z)); a wrong weight, gate or norm moves far more elements by far more.
+In fp16 the same steps are 8 times finer (``dtypes.py``): 2^-9 |want| + 2^-13
+max|want|.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from mlx_lm.models.activations import precise_swiglu
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
 from ..toolchain.registry import LilyOp, register
+from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 
 SIMD_GROUPS = 8
 MAX_DV = 256
-WEIGHT_DTYPES = (mx.bfloat16, mx.float32)
+WEIGHT_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_ELEMENTS = 2**31
 
 
@@ -52,10 +55,12 @@ def gated_rms_norm_supports(x, z, weight, eps) -> Optional[str]:
     Dv = x.shape[-1]
     if Dv % SIMD_WIDTH or Dv > MAX_DV:
         return f"Dv={Dv} (kernel: a multiple of {SIMD_WIDTH}, at most {MAX_DV})"
-    if x.dtype != mx.bfloat16 or z.dtype != mx.bfloat16:
-        return f"dtypes {x.dtype}, {z.dtype} (kernel: bfloat16)"
+    if x.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("x", x.dtype)
+    if z.dtype != x.dtype:
+        return f"dtypes {x.dtype}, {z.dtype} (kernel: x's dtype for z)"
     if weight.ndim != 1 or weight.shape[0] != Dv or weight.dtype not in WEIGHT_DTYPES:
-        return f"weight {tuple(weight.shape)} {weight.dtype} (kernel: [{Dv}] bfloat16 or float32)"
+        return f"weight {tuple(weight.shape)} {weight.dtype} (kernel: [{Dv}] bfloat16, float16 or float32)"
     if x.size >= MAX_ELEMENTS:
         return "too large for 32-bit indexing"
     return None
@@ -82,15 +87,16 @@ def gated_rms_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     (``on_cpu``), as the other DeltaNet contracts."""
     if args:
         want = on_cpu(gated_rms_norm_reference, *args, **kwargs)
-    return elementwise_mismatch(got, want, rel=2.0**-6, of_max=2.0**-10)
+    scale = step_scale(want.dtype)
+    return elementwise_mismatch(got, want, rel=2.0**-6 * scale, of_max=2.0**-10 * scale)
 
 
-def make_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0):
-    """x, z of this shape (bf16), a weight near 1 (as trained norms are)."""
+def make_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0, dtype=mx.bfloat16):
+    """x, z of this shape (``dtype``), a weight near 1 (as trained norms are)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    x = normal(*shape).astype(mx.bfloat16)
-    z = (2 * normal(*shape)).astype(mx.bfloat16)
+    x = normal(*shape).astype(dtype)
+    z = (2 * normal(*shape)).astype(dtype)
     w = (1 + 0.1 * normal(shape[-1])).astype(weight_dtype)
     return (x, z, w, 1e-6), {}
 
@@ -100,10 +106,13 @@ def _sample():
 
 
 def _fuzz(rng):
-    """A random call: batch 1-2, 1-40 tokens, 1-5 heads, Dv 32-128, a bf16 or fp32 weight."""
+    """A random call: batch 1-2, 1-40 tokens, 1-5 heads, Dv 32-128, bf16 or fp16
+    activations, a bf16, fp16 or fp32 weight."""
     shape = (int(rng.integers(1, 3)), int(rng.integers(1, 41)), int(rng.integers(1, 6)),
              int(rng.choice([32, 64, 96, 128])))
-    return make_call(shape, WEIGHT_DTYPES[int(rng.integers(2))], rng=rng)
+    weight = WEIGHT_DTYPES[int(rng.integers(len(WEIGHT_DTYPES)))]
+    dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
+    return make_call(shape, weight, rng=rng, dtype=dtype)
 
 
 gated_rms_norm_kernel = Kernel(
