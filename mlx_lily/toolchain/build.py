@@ -482,6 +482,8 @@ class Kernel:
     # each is one build of the kernel (MLX caches builds by name and template
     # arguments; each set of absent names has its own name).
     launched: set = field(default_factory=set, init=False, repr=False)
+    # absent names -> (header, source) as the CUDA build gave them to MLX.
+    _cuda_texts: Dict[tuple, tuple] = field(default_factory=dict, init=False, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False)
 
     def __post_init__(self):
@@ -603,8 +605,13 @@ class Kernel:
     def _run_launch(self, backend: str, launch: Launch):
         grid, group = whole_threadgroups(tuple(launch.grid), tuple(launch.threadgroup))
         self._check_group(group)
-        self.launched.add(launch.instance(backend))
-        outputs = self._build(backend, launch.absent_set)(
+        built = self._build(backend, launch.absent_set)
+        instance = launch.instance(backend)
+        if instance not in self.launched:
+            if backend == "cuda" and not _TRACING.active:
+                self._cached_module(launch)
+            self.launched.add(instance)
+        outputs = built(
             inputs=list(launch.inputs),
             template=list(launch.template) or None,
             grid=grid,
@@ -614,6 +621,33 @@ class Kernel:
             init_value=launch.init_value,
         )
         return launch.finish(outputs) if launch.finish is not None else outputs
+
+    def cuda_function(self, launch: Launch) -> tuple[str, str]:
+        """(function name, source) MLX generates for this launch on CUDA."""
+        from . import cuda_cache
+
+        absent = launch.absent_set
+        header, source = self._cuda_texts[absent]
+        function = "custom_kernel_" + self.backend_name("cuda", absent) + cuda_cache.template_suffix(launch.template)
+        return function, cuda_cache.generated_source(
+            function, header, source, self.present(self.input_names, absent), [a.ndim for a in launch.inputs],
+            self.present(self.output_names, absent), launch.output_dtypes, [a.dtype for a in launch.inputs],
+            launch.template)
+
+    def _cached_module(self, launch: Launch) -> None:
+        """This instantiation's compiled module in MLX's folder before MLX
+        looks for it (``toolchain/cuda_cache.py``); where that fails, MLX
+        compiles it itself, as without the cache."""
+        from . import cuda_cache
+
+        cache = cuda_cache.module_cache()
+        if cache is None:
+            return
+        try:
+            cache.submit(*self.cuda_function(launch)).result()
+        except Exception as exc:  # noqa: BLE001 - MLX's own compile still works
+            notice_once(f"cuda-cache-failed:{self.name}", f"kernel {self.name}: lily's CUDA kernel cache "
+                                                          f"could not compile it ({_one_line(exc)}); MLX compiles it")
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
         """Build and self-check once per backend and process; warn once on failure."""
@@ -637,6 +671,7 @@ class Kernel:
         with self._lock:
             self._text = None
             self._built.clear()
+            self._cuda_texts.clear()
             self._checked.clear()
             self._instances.clear()
             self.launched.clear()
@@ -771,6 +806,7 @@ class Kernel:
                 header=header, atomic_outputs=self.atomic_outputs, **common
             )
         if backend == "cuda":
+            self._cuda_texts[absent] = (header, source)
             return mx.fast.cuda_kernel(
                 header=header, shared_memory=self.shared_memory, **common
             )
