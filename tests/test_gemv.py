@@ -68,6 +68,38 @@ def test_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residua
     assert same >= rows - max(1, rows // 20)
 
 
+@pytest.mark.parametrize("K_, rows, bits, prologue, residual", CASES)
+def test_fp16_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residual):
+    # fp16 activations, scales and biases: judged by the contract's fp16 bound
+    # (2^-10 |expected|, one fp16 step, + 2^-12 A; module docstring), and
+    # all but a rare few rows equal the fp32-summed reference's to the bit.
+    emulator_or_skip()
+    args, kwargs = make_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows) + 1, dtype=mx.float16)
+    got, want = check(args, kwargs)
+    assert all(g.dtype == w.dtype == mx.float16 for g, w in zip(got, want))
+    precise, _ = precise_reference(*args, **kwargs)
+    n = sum(rows)
+    same = sum(int(mx.sum(g == p).item()) for g, p in zip(got, precise))
+    assert same >= n - max(1, n // 20)
+
+
+def test_fp16_rows_are_within_one_fp16_step_of_an_fp32_oracle():
+    # The whole call in fp32 from the same fp16 values: the kernel's rows
+    # differ by the prologue's fp16 roundings (half a step of each input,
+    # 2^-11 A at most in all) and the output's (half a step).
+    emulator_or_skip()
+    args, kwargs = make_call(320, (33, 7), (4, 8), "norm", False, seed=5, dtype=mx.float16)
+    got, _ = check(args, kwargs)
+    x, weights = args
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    oracle = quantized_matvec_reference(
+        f32(x), tuple((w, f32(s), f32(b)) for w, s, b in weights), norm_weight=f32(kwargs["norm_weight"]), eps=1e-6)
+    _, sizes = precise_reference(*args, **kwargs)
+    for g, o, (A, _) in zip(got, oracle, sizes):
+        err = mx.abs(f32(g) - o)
+        assert mx.all(err <= 2.0**-11 * mx.abs(o) + 2.0**-10 * f32(A)).item()
+
+
 @pytest.mark.parametrize("rows_per_simdgroup", [1, 2, 4])
 @pytest.mark.parametrize("simdgroups", [1, 3, 8, 16])
 def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgroups):
@@ -108,6 +140,10 @@ def test_tuning_choices_out_of_range_are_refused():
 def test_fp32_norm_weight_keeps_fp32_like_stock():
     emulator_or_skip()
     args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3)
+    got, want = check(args, kwargs)
+    assert got[0].dtype == want[0].dtype == mx.float32
+    args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3,
+                             dtype=mx.float16)
     got, want = check(args, kwargs)
     assert got[0].dtype == want[0].dtype == mx.float32
 
@@ -261,9 +297,9 @@ def test_the_op_takes_the_kernel_through_the_registry(emulator_backend, fresh_no
     assert K.quantized_matvec.last_path == "reference" and "one token" in K.quantized_matvec.last_reason
 
 
-def _zeros_weights(Kd, rows, bits):
+def _zeros_weights(Kd, rows, bits, dtype=mx.bfloat16):
     return tuple(
-        (mx.zeros((n, Kd * b // 32), mx.uint32), mx.zeros((n, Kd // 64), mx.bfloat16), mx.zeros((n, Kd // 64), mx.bfloat16))
+        (mx.zeros((n, Kd * b // 32), mx.uint32), mx.zeros((n, Kd // 64), dtype), mx.zeros((n, Kd // 64), dtype))
         for n, b in zip(rows, bits)
     )
 
@@ -292,6 +328,17 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
                    {**norm, "rows_per_simdgroup": 1, "simdgroups": 16}),
         "rows_2": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)),
                    {**norm, "rows_per_simdgroup": 2, "simdgroups": 32}),
+        # fp16 activations: the norm, the gate and the residual.
+        "fp16_norm": (x2k.astype(mx.float16), _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4), mx.float16),
+                      {"norm_weight": mx.ones((2048,), mx.float16), "eps": 1e-6}),
+        "fp16_o_proj": (
+            x4k.astype(mx.float16),
+            _zeros_weights(4096, (2048,), (4,), mx.float16),
+            {
+                "gate": mx.split(mx.zeros((1, 1, 16, 512), mx.float16), 2, axis=-1)[1],
+                "residual": mx.zeros((1, 1, 2048), mx.float16),
+            },
+        ),
     }
     units = {}
     for name, (x, weights, kwargs) in calls.items():

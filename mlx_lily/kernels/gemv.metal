@@ -20,21 +20,21 @@
 // each row.
 //
 // Rounding: xin is rounded where MLX's ops round it (rms_norm: x * inv_rms
-// rounded to XT, times the weight rounded to XT; gate: sigmoid rounded to bf16,
-// the product rounded to bf16); each row is rounded once to XT (the matmul's
+// rounded to XT, times the weight rounded to XT; gate: sigmoid rounded to XT,
+// the product rounded to XT); each row is rounded once to XT (the matmul's
 // output) and, with RESIDUAL, residual + that rounded to OutT. Sums are fp32,
 // in another order than MLX's.
 //
-// Template: XT (the matmul's input and output dtype: bfloat16, or float32 when
-//           the norm weight is), OutT (the output's dtype), K (a multiple of
+// Template: XT (the matmul's input and output dtype: x's, bfloat16 or float16,
+//           promoted with the norm weight's as rms_norm promotes it), OutT (the output's dtype), K (a multiple of
 //           64), S (segments, 1..4), BITS0..BITS3 (4 or 8; 0 past S), NSG (SIMD
 //           groups per threadgroup), ROWS (rows per SIMD group), PROLOGUE (0,
 //           1, 2), RESIDUAL (bool).
-// Inputs:   x [1, 1, K] bf16 (strided); w<s> [N_s, K * BITS<s> / 32] uint32
+// Inputs:   x [1, 1, K] bf16 or fp16 (strided); w<s> [N_s, K * BITS<s> / 32] uint32
 //           (row-contiguous; value j of a word in bits BITS*j ...), scales<s>,
-//           biases<s> [N_s, K / 64] bf16 (row-contiguous); norm_weight [K]
-//           (strided); gate [1, 1, G, D] bf16 with G * D = K (strided);
-//           residual [1, 1, N_0] bf16 (strided); layout uint32 [8]: each
+//           biases<s> [N_s, K / 64] x's dtype (row-contiguous); norm_weight [K]
+//           (strided); gate [1, 1, G, D] x's dtype with G * D = K (strided);
+//           residual [1, 1, N_0] x's dtype (strided); layout uint32 [8]: each
 //           segment's end in row blocks (4), rows (4);
 //           scalars fp32 [1]: eps. An unused norm_weight, gate or residual
 //           is a small dummy; the arrays of segments past S are not passed
@@ -100,10 +100,11 @@ for (uint k = tid; k < K; k += THREADS) {
     uint g = k / d_size;
     uint d = k - g * d_size;
     float gx = static_cast<float>(gate[g * gate_strides[2] + d * gate_strides[3]]);
-    // sigmoid as MLX computes it for bf16, rounded to bf16, then the product.
-    float e = static_cast<float>(static_cast<bfloat16_t>(metal::precise::exp(metal::abs(gx))));
+    // sigmoid as MLX computes it in the gate's dtype (XT: x's, which the
+    // gate shares; no norm here), rounded to it, then the product.
+    float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
     float sigmoid_neg = 1.0f / (1.0f + e);
-    float sig = static_cast<float>(static_cast<bfloat16_t>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+    float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
     v = v * sig;
   }
   uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);

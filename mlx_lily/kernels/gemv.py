@@ -10,7 +10,7 @@ add as its epilogue::
     quantized_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
         -> tuple of S arrays [1, 1, N_s]
 
-* ``x`` [1, 1, K] bf16; ``weights``: S triples ``(w, scales, biases)`` as
+* ``x`` [1, 1, K] bf16 or fp16; ``weights``: S triples ``(w, scales, biases)`` as
   ``nn.QuantizedLinear`` stores them (affine, no linear bias).
 * ``norm_weight`` [K]: the input is ``mx.fast.rms_norm(x, norm_weight, eps)``;
   or ``gate`` [1, 1, G, D] (G * D = K, any strides, e.g. one half of each
@@ -24,11 +24,12 @@ one output per projection, each [1, 1, N_s]: no views for the graph to carry
 (a decode token's graph would otherwise hold a slice and a reshape per
 projection, each a node MLX replays and evaluates on the host).
 
-The kernel takes: batch and tokens 1, bf16 x (and gate, residual), affine
-group-64 quantization at 4 or 8 bits (per segment), bf16 scales and biases,
-1 to 4 segments, K a multiple of 64 up to MAX_K (8192; 4096 with an fp32 norm
-weight, whose output stays fp32 as stock's does), a norm weight in bf16 or
-fp32. Everything else runs the reference.
+The kernel takes: batch and tokens 1, bf16 or fp16 x (and gate, residual,
+scales and biases in x's dtype), affine group-64 quantization at 4 or 8 bits
+(per segment), 1 to 4 segments, K a multiple of 64 up to MAX_K (8192; 4096
+with an fp32 norm weight, whose output stays fp32 as stock's does), a norm
+weight in x's dtype or fp32. Everything else
+runs the reference.
 
 Contract (``quantized_matvec_agree``), per output row, against
 ``precise_reference``: the reference's own prologue output xin (stock's, to
@@ -51,6 +52,12 @@ that term) in rare cases; 2^-10 A covers such flips unless they carry an
 eighth of A. In the emulator all but about one row in 3000 equal the expected
 ones to the bit. A wrong group's scale or a missing part of K moves a row by
 far more than 2^-10 A.
+
+In fp16 the matmul's output step is 2^-10 (8 times finer): the bound is
+2^-10 |expected| + 2^-10 |R| (residual only) + 2^-12 A. The 2^-12 A (not
+2^-13, bf16's term scaled) leaves room for the fp32 sums' order, which at K =
+8192 can reach a few 2^-24 K A in the worst case; a flipped prologue rounding
+moves a term by 2^-10 of itself, within 2^-12 A unless it carries a quarter of A.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ import numpy as np
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
 from ..toolchain.registry import LilyOp, gpu_backend, register
+from .dtypes import ACTIVATION_DTYPES, STEP, activation_dtype_reason
 
 GROUP_SIZE = 64
 KERNEL_BITS = (4, 8)
@@ -107,10 +115,10 @@ def _bits_and_group(x: mx.array, w: mx.array, scales: mx.array) -> tuple[int, in
     return w.shape[-1] * 32 // K, K // scales.shape[-1]
 
 
-def _input_dtype(norm_weight) -> mx.Dtype:
-    """The matmuls' input (and output) dtype: rms_norm's result is fp32 with
-    an fp32 weight, bf16 otherwise."""
-    return mx.float32 if norm_weight is not None and norm_weight.dtype == mx.float32 else mx.bfloat16
+def _input_dtype(x, norm_weight) -> mx.Dtype:
+    """The matmuls' input (and output) dtype: x's, or rms_norm's result
+    (x's dtype promoted with the weight's: fp32 with an fp32 weight)."""
+    return x.dtype if norm_weight is None else mx.result_type(x.dtype, norm_weight.dtype)
 
 
 def prologue_reference(x, norm_weight=None, eps=0.0, gate=None):
@@ -152,8 +160,8 @@ def quantized_matvec_supports(
     """None when the kernel takes this call, else why not."""
     if x.ndim != 3 or tuple(x.shape[:2]) != (1, 1):
         return f"x {tuple(x.shape)} (kernel: [1, 1, K], one token of one sequence)"
-    if x.dtype != mx.bfloat16:
-        return f"x dtype {x.dtype} (kernel: bfloat16)"
+    if x.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("x", x.dtype)
     K = x.shape[-1]
     if K == 0 or K % GROUP_SIZE:
         return f"K={K} (kernel: a positive multiple of {GROUP_SIZE})"
@@ -175,8 +183,8 @@ def quantized_matvec_supports(
         for name, a in (("scales", scales), ("biases", biases)):
             if tuple(a.shape) != (N, K // GROUP_SIZE):
                 return f"projection {s}: {name} {tuple(a.shape)} (kernel: group {GROUP_SIZE}, [{N}, {K // GROUP_SIZE}])"
-            if a.dtype != mx.bfloat16:
-                return f"projection {s}: {name} dtype {a.dtype} (kernel: bfloat16)"
+            if a.dtype != x.dtype:
+                return f"projection {s}: {name} dtype {a.dtype} (kernel: x's, {x.dtype})"
         if N * w.shape[1] >= MAX_WORDS:
             return f"projection {s}: too large for 32-bit indexing"
     if norm_weight is not None and gate is not None:
@@ -185,15 +193,15 @@ def quantized_matvec_supports(
     if norm_weight is not None:
         if tuple(norm_weight.shape) != (K,):
             return f"norm_weight {tuple(norm_weight.shape)} (kernel: [{K}])"
-        if norm_weight.dtype not in (mx.bfloat16, mx.float32):
-            return f"norm_weight dtype {norm_weight.dtype} (kernel: bfloat16 or float32)"
-        if norm_weight.dtype == mx.float32:
+        if norm_weight.dtype not in (x.dtype, mx.float32):
+            return f"norm_weight dtype {norm_weight.dtype} (kernel: x's, {x.dtype}, or float32)"
+        if _input_dtype(x, norm_weight) == mx.float32:
             limit = MAX_K_FLOAT
     if K > limit:
         return f"K={K} (kernel: at most {limit})"
     if gate is not None:
-        if gate.dtype != mx.bfloat16:
-            return f"gate dtype {gate.dtype} (kernel: bfloat16)"
+        if gate.dtype != x.dtype:
+            return f"gate dtype {gate.dtype} (kernel: x's, {x.dtype})"
         if gate.ndim == 3:
             if tuple(gate.shape) != (1, 1, K):
                 return f"gate {tuple(gate.shape)} (kernel: [1, 1, {K}] or [1, 1, G, D], G * D = {K})"
@@ -205,8 +213,8 @@ def quantized_matvec_supports(
         N = weights[0][0].shape[0]
         if tuple(residual.shape) != (1, 1, N):
             return f"residual {tuple(residual.shape)} (kernel: [1, 1, {N}])"
-        if residual.dtype != mx.bfloat16:
-            return f"residual dtype {residual.dtype} (kernel: bfloat16)"
+        if residual.dtype != x.dtype:
+            return f"residual dtype {residual.dtype} (kernel: x's, {x.dtype})"
     return None
 
 
@@ -280,8 +288,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     threadgroups = -(-blocks // nsg)
     dummy_h, dummy_gate, dummy_res = _dummies()
     prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
-    XT = _input_dtype(norm_weight)
-    OutT = XT  # residual (bf16) + XT
+    XT = _input_dtype(x, norm_weight)
+    OutT = XT if residual is None else mx.result_type(residual.dtype, XT)  # residual + XT
     inputs = [x]
     for s in range(S):
         inputs.extend(weights[s])
@@ -371,9 +379,10 @@ def quantized_matvec_agree(got, want, x, weights, norm_weight=None, eps=0.0, gat
         if g.shape != w.shape or g.dtype != w.dtype:
             return f"segment {s}: {tuple(g.shape)} {g.dtype} (reference: {tuple(w.shape)} {w.dtype})"
         e = _f64(e)
-        tol = 2.0**-7 * np.abs(e) + 2.0**-10 * _f64(sums)
+        step = STEP[mx.float16] if w.dtype == mx.float16 else 2.0**-7
+        tol = step * np.abs(e) + (2.0**-12 if w.dtype == mx.float16 else 2.0**-10) * _f64(sums)
         if s == 0 and residual is not None:
-            tol += 2.0**-7 * np.abs(_f64(rows))
+            tol += step * np.abs(_f64(rows))
         gf = _f64(g)
         err = np.abs(gf - e)
         bad = ~(err <= tol)
@@ -404,25 +413,28 @@ def quantized_matvec_compare(got, want) -> tuple[bool, float]:
 # -- inputs for tests, the self-check and the fuzz ------------------------------------
 
 
-def make_weights(K: int, rows: Sequence[int], bits: Sequence[int], rng=None, seed=0):
+def make_weights(K: int, rows: Sequence[int], bits: Sequence[int], rng=None, seed=0, dtype=mx.bfloat16):
     """Quantized projections (w, scales, biases) [N, K] at these bits, group 64,
-    as ``nn.QuantizedLinear`` would hold them."""
+    as ``nn.QuantizedLinear`` would hold them (scales and biases in ``dtype``)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     out = []
     for n, b in zip(rows, bits):
-        dense = mx.array((rng.standard_normal((n, K)) * K**-0.5).astype(np.float32)).astype(mx.bfloat16)
+        dense = mx.array((rng.standard_normal((n, K)) * K**-0.5).astype(np.float32)).astype(dtype)
         out.append(tuple(mx.quantize(dense, group_size=GROUP_SIZE, bits=b)))
     return tuple(out)
 
 
-def make_call(K, rows, bits, prologue="none", residual=False, norm_dtype=mx.bfloat16, rng=None, seed=0):
+def make_call(K, rows, bits, prologue="none", residual=False, norm_dtype=None, rng=None, seed=0,
+              dtype=mx.bfloat16):
     """A call at these shapes: (args, kwargs). prologue 'none', 'norm' or
     'gate' (a strided [1, 1, G, D] view: the second half of each of G rows of
-    a [1, 1, G, 2D] tensor)."""
+    a [1, 1, G, 2D] tensor); activations, scales and biases in ``dtype``, the
+    norm weight in ``norm_dtype`` (default: ``dtype``)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    x = normal(1, 1, K).astype(mx.bfloat16)
-    weights = make_weights(K, rows, bits, rng=rng)
+    norm_dtype = dtype if norm_dtype is None else norm_dtype
+    x = normal(1, 1, K).astype(dtype)
+    weights = make_weights(K, rows, bits, rng=rng, dtype=dtype)
     kwargs = {}
     if prologue == "norm":
         kwargs["norm_weight"] = (1 + 0.2 * normal(K)).astype(norm_dtype)
@@ -431,10 +443,10 @@ def make_call(K, rows, bits, prologue="none", residual=False, norm_dtype=mx.bflo
         heads = [g for g in (1, 2, 3, 5, 8) if K % g == 0 and (K // g) % 2 == 0]
         G = heads[int(rng.integers(len(heads)))]
         D = K // G
-        both = (2 * normal(1, 1, G, 2 * D)).astype(mx.bfloat16)
+        both = (2 * normal(1, 1, G, 2 * D)).astype(dtype)
         kwargs["gate"] = mx.split(both, 2, axis=-1)[1]
     if residual:
-        kwargs["residual"] = normal(1, 1, rows[0]).astype(mx.bfloat16)
+        kwargs["residual"] = normal(1, 1, rows[0]).astype(dtype)
     return (x, weights), kwargs
 
 
@@ -450,9 +462,10 @@ def _fuzz(rng):
     rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
     bits = tuple(int(rng.choice(KERNEL_BITS)) for _ in range(S))
     prologue = ("none", "norm", "gate")[int(rng.integers(3))]
-    norm_dtype = mx.float32 if rng.random() < 0.25 else mx.bfloat16
+    dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
+    norm_dtype = mx.float32 if rng.random() < 0.25 else dtype
     residual = S == 1 and rng.random() < 0.5
-    return make_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng)
+    return make_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng, dtype=dtype)
 
 
 def _segment_names(s: int) -> tuple:
