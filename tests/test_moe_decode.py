@@ -64,6 +64,30 @@ def test_kernels_meet_the_contract_in_the_emulator(D, E, k, I, IS, normalize):
     assert moe_decode_agree(want, want, *args) is None
 
 
+@pytest.mark.parametrize("D, E, k, I, IS, normalize", SHAPES)
+def test_fp16_kernels_meet_the_contract_in_the_emulator(D, E, k, I, IS, normalize):
+    # fp16 h, logits, norm weight, scales and biases: the kernels round to
+    # fp16 where they round to bf16 for bf16 calls; the contract's bound is
+    # 2^-10 of each element's magnitudes (bf16's 2^-7, 8 times finer).
+    emulator_or_skip()
+    args, _ = make_moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k, dtype=mx.float16)
+    got, want = check(args)
+    assert got.dtype == want.dtype == mx.float16
+    # Against the same math in fp32 (no rounding but the inputs'): a handful
+    # of fp16 roundings of half a step (2^-11) each along the chain.
+    precise, magnitude = moe_decode_precise(*args)
+    f32 = lambda a: a.astype(mx.float32)  # noqa: E731
+    h, logits, gate_logit, norm_weight, eps, top_k, norm_topk, glu, shared = args
+    xn = mx.fast.rms_norm(f32(h), f32(norm_weight), eps)
+    order, weights, _ = router_topk_ground_truth(logits.reshape(1, -1), top_k, norm_topk)
+    y = mx.zeros((1, 1, h.shape[-1]))
+    for j, e in enumerate(order[0].tolist()):
+        y = y + float(weights[0][j]) * glu(xn, mx.array([[[e]]], mx.uint32)).reshape(1, 1, -1)
+    oracle = f32(h) + y + mx.sigmoid(f32(gate_logit)) * shared(xn)
+    err = mx.abs(f32(got) - oracle).reshape(-1)
+    assert mx.all(err <= 2.0**-8 * (magnitude + mx.abs(oracle).reshape(-1))).item()
+
+
 def test_routing_outputs_follow_the_router_with_ties():
     emulator_or_skip()
     # Runs of equal logits across the 3rd place: the higher expert index first.
@@ -176,21 +200,24 @@ def test_the_reference_is_stock_s_block_to_the_bit(normalize, monkeypatch):
 def test_compiles_for_cuda_without_local_memory(tmp_path):
     units = {}
     # The real shape (D 2048, 256 experts top-8, I 512) and a small odd one.
-    for D, E, k, I, IS in ((2048, 256, 8, 512, 512), (192, 24, 3, 64, 128)):
-        glu, shared = quantized_moe(D, I, IS, E if E < 64 else 2, seed=0)
+    # The real shape in fp16 too.
+    for D, E, k, I, IS, dt in ((2048, 256, 8, 512, 512, mx.bfloat16), (192, 24, 3, 64, 128, mx.bfloat16),
+                               (2048, 256, 8, 512, 512, mx.float16)):
+        glu, shared = quantized_moe(D, I, IS, E if E < 64 else 2, seed=0, dtype=dt)
         if E >= 64:  # the real shape's arrays, without the real model's memory
             glu = SimpleNamespace(**{n: SimpleNamespace(
                 weight=mx.zeros((E, *getattr(glu, n).weight.shape[1:]), mx.uint32),
-                scales=mx.zeros((E, *getattr(glu, n).scales.shape[1:]), mx.bfloat16),
-                biases=mx.zeros((E, *getattr(glu, n).biases.shape[1:]), mx.bfloat16))
+                scales=mx.zeros((E, *getattr(glu, n).scales.shape[1:]), dt),
+                biases=mx.zeros((E, *getattr(glu, n).biases.shape[1:]), dt))
                 for n in ("gate_proj", "up_proj", "down_proj")})
-        h = mx.zeros((1, 1, D), mx.bfloat16)
-        logits = mx.zeros((1, 1, E), mx.bfloat16)
-        units[f"gate_up_{D}"] = moe_decode_gate_up_kernel.cuda_translation_unit(
-            h, logits, mx.zeros((D,), mx.bfloat16), 1e-6, k, True, glu, shared)
-        units[f"down_{D}"] = moe_decode_down_kernel.cuda_translation_unit(
-            h, mx.zeros((k + 1, max(I, IS)), mx.bfloat16), mx.zeros((k,), mx.uint32),
-            mx.zeros((k,), mx.bfloat16), mx.zeros((1, 1, 1), mx.bfloat16), glu, shared)
+        h = mx.zeros((1, 1, D), dt)
+        logits = mx.zeros((1, 1, E), dt)
+        tag = f"{D}" if dt == mx.bfloat16 else f"{D}_fp16"
+        units[f"gate_up_{tag}"] = moe_decode_gate_up_kernel.cuda_translation_unit(
+            h, logits, mx.zeros((D,), dt), 1e-6, k, True, glu, shared)
+        units[f"down_{tag}"] = moe_decode_down_kernel.cuda_translation_unit(
+            h, mx.zeros((k + 1, max(I, IS)), dt), mx.zeros((k,), mx.uint32),
+            mx.zeros((k,), dt), mx.zeros((1, 1, 1), dt), glu, shared)
     for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
         # Top-k ranks, activations and accumulators stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name

@@ -21,8 +21,8 @@ the same GEMV as the rest of the layer's small projections) and does the rest:
 
 Two launches for the whole block after the gates' GEMV. The reference is
 stock's op sequence (it calls the stock modules as stock does, so the
-reference path is stock's to the bit); the kernels take bf16 calls of one
-token with 4-bit affine group-64 experts and shared expert without biases, up
+reference path is stock's to the bit); the kernels take bf16 or fp16 calls of
+one token (activations, logits, norm weight, scales and biases in one dtype) with 4-bit affine group-64 experts and shared expert without biases, up
 to ``MAX_EXPERTS`` experts, 1 <= k <= min(E, ``MAX_K``), D a multiple of 64 up
 to ``MAX_D``, I and the shared I multiples of 64 (their down projections are
 group-64 quantized along them).
@@ -41,6 +41,8 @@ of: |h| + sum_j |s_j| (|W_down_j| . |act_j|) + sigmoid(g) (|W_shared_down| .
 has NaN (a NaN or infinite logits row: NaN routing weights, as stock's).
 Against stock on the same machine (doctor's ``compare``), the largest
 difference relative to the output's largest value, within ``STOCK_TOLERANCE``.
+In fp16 the kernels round at the same points to fp16, whose step is 8 times
+finer (2^-11 relative): each element within 2^-10 of those magnitudes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ..toolchain.build import SIMD_WIDTH, Kernel, SampleCheckedKernels, Launch
 from ..toolchain.registry import LilyOp, register
+from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 from .moe import moe_combine_reference
 from .moe_gemm import _quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
@@ -91,15 +94,15 @@ def moe_decode_reference(
     return h + moe_combine_reference(y, scores, shared, shared_gate_logit)
 
 
-def _linear_as_kernel_takes(layer) -> Optional[str]:
+def _linear_as_kernel_takes(layer, dtype=mx.bfloat16) -> Optional[str]:
     if not isinstance(layer, nn.QuantizedLinear):
         return f"{type(layer).__name__} (kernel: 4-bit QuantizedLinear)"
     if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
         return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
     if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
         return "quantization without biases, or with a linear bias (kernel: affine, no bias)"
-    if layer.scales.dtype != mx.bfloat16 or layer.biases.dtype != mx.bfloat16:
-        return f"scales {layer.scales.dtype} (kernel: bfloat16)"
+    if layer.scales.dtype != dtype or layer.biases.dtype != dtype:
+        return f"scales {layer.scales.dtype} (kernel: {str(dtype).rsplit('.', 1)[-1]})"
     return None
 
 
@@ -122,10 +125,12 @@ def moe_decode_supports(
         return f"shared_gate_logit {tuple(shared_gate_logit.shape)} (kernel: [1, 1, 1])"
     if tuple(norm_weight.shape) != (D,):
         return f"norm_weight {tuple(norm_weight.shape)} (kernel: [{D}])"
-    for name, x in (("h", h), ("router_logits", router_logits), ("shared_gate_logit", shared_gate_logit),
+    if h.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("h", h.dtype)
+    for name, x in (("router_logits", router_logits), ("shared_gate_logit", shared_gate_logit),
                     ("norm_weight", norm_weight)):
-        if x.dtype != mx.bfloat16:
-            return f"{name} dtype {x.dtype} (kernel: bfloat16)"
+        if x.dtype != h.dtype:
+            return f"{name} dtype {x.dtype} (kernel: h's, {h.dtype})"
     if D % GROUP_SIZE or D > MAX_D:
         return f"D={D} (kernel: a multiple of {GROUP_SIZE}, at most {MAX_D})"
     if not 1 <= E <= MAX_EXPERTS:
@@ -139,7 +144,7 @@ def moe_decode_supports(
     for owner, module in (("switch_mlp", switch_mlp), ("shared_expert", shared_expert)):
         check = _quantized_as_kernel_takes if owner == "switch_mlp" else _linear_as_kernel_takes
         for name in ("gate_proj", "up_proj", "down_proj"):
-            why = check(getattr(module, name))
+            why = check(getattr(module, name), h.dtype)
             if why is not None:
                 return f"{owner}.{name}: {why}"
     (I, Dg), (Iu, Du), (Dd, Id) = (_dims(getattr(switch_mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
@@ -188,8 +193,8 @@ def _launch_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, s
         grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, k + 1, 1),
         threadgroup=(GATE_UP_THREADS, 1, 1),
         output_shapes=[(k + 1, IMAX), (k,), (k,)],
-        output_dtypes=[mx.bfloat16, mx.uint32, mx.bfloat16],
-        template=[("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)), ("NORMALIZE", bool(norm_topk_prob)),
+        output_dtypes=[h.dtype, mx.uint32, h.dtype],
+        template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)), ("NORMALIZE", bool(norm_topk_prob)),
                   ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX)],
         finish=tuple,
     )
@@ -207,8 +212,8 @@ def _launch_down(h, act, inds, scores, shared_gate_logit, switch_mlp, shared_exp
         grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
         threadgroup=(DOWN_THREADS, 1, 1),
         output_shapes=[(1, 1, D)],
-        output_dtypes=[mx.bfloat16],
-        template=[("E", E), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", act.shape[-1])],
+        output_dtypes=[h.dtype],
+        template=[("T", h.dtype), ("E", E), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", act.shape[-1])],
         finish=lambda outputs: outputs[0],
     )
 
@@ -247,8 +252,8 @@ def run_moe_decode(
 # -- the contract ----------------------------------------------------------------
 
 
-def _bf16(a: mx.array) -> mx.array:
-    return a.astype(mx.bfloat16).astype(mx.float32)
+def _rounded(a: mx.array, dtype=mx.bfloat16) -> mx.array:
+    return a.astype(dtype).astype(mx.float32)
 
 
 def _dequantized(weight, scales, biases) -> mx.array:
@@ -260,40 +265,44 @@ def _dequantized(weight, scales, biases) -> mx.array:
 def moe_decode_precise(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ):
-    """(out [1, 1, D] bf16, magnitudes [D] fp32): stock's math with fp32
+    """(out [1, 1, D] in h's dtype, magnitudes [D] fp32): stock's math with fp32
     accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
     and stock's bf16 roundings; magnitudes is what the tolerance scales with
     (module docstring). Dequantizes the k selected experts only."""
     D = h.shape[-1]
     k = int(top_k)
+
+    def rounded(a):  # to the activations' dtype (bf16 or fp16), as the kernels round
+        return _rounded(a, h.dtype)
+
     hf = h.reshape(D).astype(mx.float32)
     xn = mx.fast.rms_norm(h, norm_weight, eps).reshape(D).astype(mx.float32)
     order, weights, _ = router_topk_ground_truth(router_logits.reshape(1, -1), k, bool(norm_topk_prob))
-    scores = _bf16(mx.array(weights[0].astype(np.float32)))
+    scores = rounded(mx.array(weights[0].astype(np.float32)))
     gate, up, down = _parts(switch_mlp)
     sgate, sup, sdown = _parts(shared_expert)
 
     def activations(g_parts, u_parts):
-        g = _bf16(_dequantized(*g_parts) @ xn)
-        u = _bf16(_dequantized(*u_parts) @ xn)
-        sig = _bf16(1.0 / (1.0 + mx.exp(-g)))
-        return _bf16(_bf16(g * sig) * u)
+        g = rounded(_dequantized(*g_parts) @ xn)
+        u = rounded(_dequantized(*u_parts) @ xn)
+        sig = rounded(1.0 / (1.0 + mx.exp(-g)))
+        return rounded(rounded(g * sig) * u)
 
     routed = mx.zeros((D,), mx.float32)
     magnitude = mx.abs(hf)
     for j, e in enumerate(order[0].tolist()):
         a = activations(*([p[e] for p in part] for part in (gate, up)))
         wd = _dequantized(*(p[e] for p in down))
-        y = _bf16(wd @ a)
-        routed = routed + _bf16(y * scores[j])
+        y = rounded(wd @ a)
+        routed = routed + rounded(y * scores[j])
         magnitude = magnitude + mx.abs(scores[j]) * (mx.abs(wd) @ mx.abs(a))
     a_s = activations(sgate, sup)
     wsd = _dequantized(*sdown)
-    open_ = _bf16(mx.sigmoid(shared_gate_logit.reshape(1).astype(mx.float32)))
-    gated = _bf16(open_ * _bf16(wsd @ a_s))
+    open_ = rounded(mx.sigmoid(shared_gate_logit.reshape(1).astype(mx.float32)))
+    gated = rounded(open_ * rounded(wsd @ a_s))
     magnitude = magnitude + open_ * (mx.abs(wsd) @ mx.abs(a_s))
-    out = _bf16(hf + _bf16(_bf16(routed) + gated))
-    return out.astype(mx.bfloat16).reshape(1, 1, D), magnitude
+    out = rounded(hf + rounded(rounded(routed) + gated))
+    return out.astype(h.dtype).reshape(1, 1, D), magnitude
 
 
 def moe_decode_agree(got, want, *args, **kwargs) -> Optional[str]:
@@ -307,11 +316,12 @@ def moe_decode_agree(got, want, *args, **kwargs) -> Optional[str]:
     if not np.array_equal(np.isnan(g), np.isnan(p)):
         return f"NaN in {int(np.isnan(g).sum())} elements vs the precise result's {int(np.isnan(p).sum())}"
     ok = ~np.isnan(p)
-    bound = RELATIVE_TOLERANCE * (np.nan_to_num(m[ok], nan=np.inf) + np.abs(p[ok])) + 1e-30
+    tolerance = RELATIVE_TOLERANCE * step_scale(got.dtype)
+    bound = tolerance * (np.nan_to_num(m[ok], nan=np.inf) + np.abs(p[ok])) + 1e-30
     excess = np.abs(g[ok] - p[ok]) / bound
     if excess.size and not excess.max() <= 1.0:
         worst = int(np.argmax(excess))
-        return (f"max |kernel - precise| / (2^-7 of its terms' magnitudes) = {excess.max():.3g} "
+        return (f"max |kernel - precise| / ({tolerance:.3g} of its terms' magnitudes) = {excess.max():.3g} "
                 f"(element {worst}: {g[ok][worst]:.6g} vs {p[ok][worst]:.6g})")
     return None
 
@@ -329,29 +339,29 @@ def moe_decode_compare(got, want) -> tuple[bool, float]:
 # -- inputs ------------------------------------------------------------------------
 
 
-def quantized_moe(hidden: int, inter: int, shared_inter: int, experts: int, seed: int = 0):
-    """(switch_mlp, shared_expert): 4-bit group-64 bf16 modules, as the checkpoints have them."""
+def quantized_moe(hidden: int, inter: int, shared_inter: int, experts: int, seed: int = 0, dtype=mx.bfloat16):
+    """(switch_mlp, shared_expert): 4-bit group-64 modules in ``dtype``, as the checkpoints have them."""
     mx.random.seed(seed)
     glu = SwitchGLU(hidden, inter, experts)
     shared = Qwen3NextMLP(hidden, shared_inter)
     for module in (glu, shared):
-        module.set_dtype(mx.bfloat16)
+        module.set_dtype(dtype)
         nn.quantize(module, group_size=GROUP_SIZE, bits=BITS)
     mx.eval(glu.parameters(), shared.parameters())
     return glu, shared
 
 
-def make_moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None):
-    """A decode call at these shapes: random bf16 h, norm weight and gate logits."""
+def make_moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None, dtype=mx.bfloat16):
+    """A decode call at these shapes: random h, norm weight and gate logits in ``dtype``."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    glu, shared = quantized_moe(D, I, IS, E, seed=int(rng.integers(1 << 30)))
-    h = (4.0 * normal(1, 1, D)).astype(mx.bfloat16)
-    norm_weight = (1.0 + 0.1 * normal(D)).astype(mx.bfloat16)
+    glu, shared = quantized_moe(D, I, IS, E, seed=int(rng.integers(1 << 30)), dtype=dtype)
+    h = (4.0 * normal(1, 1, D)).astype(dtype)
+    norm_weight = (1.0 + 0.1 * normal(D)).astype(dtype)
     if logits is None:
         logits = 2.0 * rng.standard_normal((1, 1, E))
-    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(1, 1, E).astype(mx.bfloat16)
-    shared_gate_logit = normal(1, 1, 1).astype(mx.bfloat16)
+    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(1, 1, E).astype(dtype)
+    shared_gate_logit = normal(1, 1, 1).astype(dtype)
     return (h, router_logits, shared_gate_logit, norm_weight, 1e-6, k, normalize, glu, shared), {}
 
 
@@ -362,7 +372,7 @@ def _sample():
 
 def _fuzz(rng):
     """A random decode call: D, E, k, I and the shared I, renormalised or not,
-    and logits rows with ties, -inf and NaN among the plain ones."""
+    logits rows with ties, -inf and NaN among the plain ones, bf16 or fp16."""
     D = int(rng.choice([64, 128, 192]))
     E = int(rng.choice([int(rng.integers(1, 33)), int(rng.integers(33, 80))]))
     k = int(rng.integers(1, min(E, 8) + 1))
@@ -376,7 +386,9 @@ def _fuzz(rng):
         logits[int(rng.integers(E))] = 1.0
     elif kind == "nan":
         logits[int(rng.integers(E))] = np.nan
-    return make_moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits)
+    dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
+    return make_moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
+                                  dtype=dtype)
 
 
 class MoeDecodeKernel(SampleCheckedKernels):

@@ -18,7 +18,9 @@
 // accumulates scale * sum(q * a) + bias * sum(a) in fp32; a SIMD sum finishes
 // each row. The slot's activations are read once per unit for its rows.
 //
-// Template: E (experts), K (top k), D (hidden size), I (experts' hidden
+// "bf16" here stands for T, the activations' dtype (bfloat16 or float16).
+//
+// Template: T (the activations' dtype), E (experts), K (top k), D (hidden size), I (experts' hidden
 //           size), IS (shared expert's), IMAX (= max(I, IS)); I and IS are
 //           multiples of 64.
 // Inputs:   h [D] bf16 (any shape, read flat); act [K + 1, IMAX] bf16 (launch 1); inds [K] uint32;
@@ -46,7 +48,7 @@ for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
   routed[rr] = 0.0f;
   gated[rr] = 0.0f;
 }
-const float open = static_cast<float>(static_cast<bfloat16_t>(
+const float open = static_cast<float>(static_cast<T>(
     1.0f / (1.0f + metal::exp(-static_cast<float>(gate_logit[0])))));
 
 for (uint j = 0; j <= uint(K); ++j) {
@@ -59,8 +61,8 @@ for (uint j = 0; j <= uint(K); ++j) {
   const uint expert = is_shared ? 0u : min(inds[j], uint(E - 1));
   const uint row_base = is_shared ? 0u : expert * uint(D);
   const device uint32_t* w = is_shared ? sdown_w : down_w;
-  const device bfloat16_t* s = is_shared ? sdown_s : down_s;
-  const device bfloat16_t* b = is_shared ? sdown_b : down_b;
+  const device T* s = is_shared ? sdown_s : down_s;
+  const device T* b = is_shared ? sdown_b : down_b;
 
   float acc[ROWS_PER_SG];
   for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
@@ -90,11 +92,11 @@ for (uint j = 0; j <= uint(K); ++j) {
     }
   }
   for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-    float y = static_cast<float>(static_cast<bfloat16_t>(simd_sum(acc[rr])));
+    float y = static_cast<float>(static_cast<T>(simd_sum(acc[rr])));
     if (is_shared) {
-      gated[rr] = static_cast<float>(static_cast<bfloat16_t>(open * y));
+      gated[rr] = static_cast<float>(static_cast<T>(open * y));
     } else {
-      routed[rr] += static_cast<float>(static_cast<bfloat16_t>(y * static_cast<float>(scores[j])));
+      routed[rr] += static_cast<float>(static_cast<T>(y * static_cast<float>(scores[j])));
     }
   }
 }
@@ -102,8 +104,8 @@ for (uint j = 0; j <= uint(K); ++j) {
 for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
   const uint d = d0 + rr;
   if (lane == 0 && d < uint(D)) {
-    float moe = static_cast<float>(static_cast<bfloat16_t>(
-        static_cast<float>(static_cast<bfloat16_t>(routed[rr])) + gated[rr]));
-    out[d] = static_cast<bfloat16_t>(static_cast<float>(h[d]) + moe);
+    float moe = static_cast<float>(static_cast<T>(
+        static_cast<float>(static_cast<T>(routed[rr])) + gated[rr]));
+    out[d] = static_cast<T>(static_cast<float>(h[d]) + moe);
   }
 }

@@ -22,7 +22,9 @@
 // act = bf16(bf16(gate * bf16(sigmoid(gate))) * up).
 // The threadgroup (0, 0) also writes the selected experts and their weights.
 //
-// Template: E (experts), K (top k), VALS (= ceil(E / 32)), NORMALIZE (bool),
+// "bf16" here stands for T, the activations' dtype (bfloat16 or float16).
+//
+// Template: T (the activations' dtype), E (experts), K (top k), VALS (= ceil(E / 32)), NORMALIZE (bool),
 //           D (hidden size, a multiple of 64), I (experts' hidden size), IS
 //           (shared expert's), IMAX (= max(I, IS)).
 // Inputs:   h [D] bf16; logits [E] bf16 (each of any shape, read flat); norm_weight [D] bf16; eps [1] fp32;
@@ -75,10 +77,10 @@ for (uint j = 0; j < H_PER_THREAD; ++j) {
 // -- routing: every SIMD group, identically ------------------------------------
 uint pick = 0u;
 float weight = 0.0f;
-LILY_ROUTER_TOPK(bfloat16_t, E, K, VALS, NORMALIZE, logits, 0u, lane, pick, weight);
+LILY_ROUTER_TOPK(T, E, K, VALS, NORMALIZE, logits, 0u, lane, pick, weight);
 if (block == 0 && slot == 0 && sg == 0 && lane < uint(K)) {
   inds[lane] = pick;
-  scores[lane] = static_cast<bfloat16_t>(weight);
+  scores[lane] = static_cast<T>(weight);
 }
 // The router's picks are in [0, E) whatever the logits; min() keeps the
 // weight reads in range even so.
@@ -98,20 +100,20 @@ const float inv_rms = metal::precise::rsqrt(total / float(D) + eps[0]);
 for (uint j = 0; j < H_PER_THREAD; ++j) {
   const uint i = tid + j * THREADS;
   if (i < uint(D)) {
-    float n = static_cast<float>(static_cast<bfloat16_t>(h_mine[j] * inv_rms));
+    float n = static_cast<float>(static_cast<T>(h_mine[j] * inv_rms));
     xs[(i / UNIT) * XS_STRIDE + i % UNIT] =
-        static_cast<float>(static_cast<bfloat16_t>(static_cast<float>(norm_weight[i]) * n));
+        static_cast<float>(static_cast<T>(static_cast<float>(norm_weight[i]) * n));
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // -- gate and up rows of this slot ---------------------------------------------
 const device uint32_t* gw = is_shared ? sgate_w : gate_w;
-const device bfloat16_t* gs = is_shared ? sgate_s : gate_s;
-const device bfloat16_t* gb = is_shared ? sgate_b : gate_b;
+const device T* gs = is_shared ? sgate_s : gate_s;
+const device T* gb = is_shared ? sgate_b : gate_b;
 const device uint32_t* uw = is_shared ? sup_w : up_w;
-const device bfloat16_t* us = is_shared ? sup_s : up_s;
-const device bfloat16_t* ub = is_shared ? sup_b : up_b;
+const device T* us = is_shared ? sup_s : up_s;
+const device T* ub = is_shared ? sup_b : up_b;
 const uint row_base = is_shared ? 0u : expert * uint(I);
 const uint r0 = block * ROWS_PER_TG + sg * ROWS_PER_SG;
 
@@ -153,10 +155,10 @@ for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
   float gate = simd_sum(acc_gate[rr]);
   float up = simd_sum(acc_up[rr]);
   if (lane == 0 && r0 + rr < rows) {
-    gate = static_cast<float>(static_cast<bfloat16_t>(gate));
-    up = static_cast<float>(static_cast<bfloat16_t>(up));
-    float sig = static_cast<float>(static_cast<bfloat16_t>(1.0f / (1.0f + metal::exp(-gate))));
-    float silu = static_cast<float>(static_cast<bfloat16_t>(gate * sig));
-    act[slot * uint(IMAX) + r0 + rr] = static_cast<bfloat16_t>(silu * up);
+    gate = static_cast<float>(static_cast<T>(gate));
+    up = static_cast<float>(static_cast<T>(up));
+    float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
+    float silu = static_cast<float>(static_cast<T>(gate * sig));
+    act[slot * uint(IMAX) + r0 + rr] = static_cast<T>(silu * up);
   }
 }

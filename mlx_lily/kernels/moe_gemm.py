@@ -48,15 +48,15 @@ def moe_experts_reference(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx
     return experts(x, inds)
 
 
-def _quantized_as_kernel_takes(layer) -> Optional[str]:
+def _quantized_as_kernel_takes(layer, dtype=mx.bfloat16) -> Optional[str]:
     if not isinstance(layer, QuantizedSwitchLinear):
         return f"{type(layer).__name__} (kernel: 4-bit QuantizedSwitchLinear)"
     if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
         return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
     if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
         return "quantization without biases, or with a linear bias (kernel: affine, no bias)"
-    if layer.scales.dtype != mx.bfloat16 or layer.biases.dtype != mx.bfloat16:
-        return f"scales {layer.scales.dtype} (kernel: bfloat16)"
+    if layer.scales.dtype != dtype or layer.biases.dtype != dtype:
+        return f"scales {layer.scales.dtype} (kernel: {str(dtype).rsplit('.', 1)[-1]})"
     return None
 
 
