@@ -9,7 +9,9 @@ lets it load normally and then, only in an mlx-lm command-line program
 * takes ``--backend lily|mlx`` out of ``sys.argv`` so mlx-lm's own argument
   parser never sees it, and adds it to that parser's ``--help``;
 * if the backend asked for (the flag, else ``MLX_LM_BACKEND``) is ``lily``,
-  asks mlx_lily to enable itself, and makes lily's errors one line.
+  asks mlx_lily to enable itself, and makes lily's errors one line; in
+  ``mlx_lm.server`` it also checks the ``--model`` checkpoint before the
+  server starts, and exits with lily's one-line error if lily refuses it.
 
 Any other program that imports mlx_lm is left alone, whatever the environment
 says: it chooses lily with ``mlx_lily.load`` or ``mlx_lily.enable()``.
@@ -127,6 +129,27 @@ def _after_mlx_lm_utils():
         _fail(f"unknown backend {backend!r}: use lily or mlx")
     if backend == "lily":
         request_lily()
+        if name == "mlx_lm.server":
+            _check_before_serving()
+
+
+def _check_before_serving():
+    """Refuse a checkpoint lily cannot load before the server starts: it loads
+    its model in a background thread while answering, so a refusal there
+    leaves a server that fails every request."""
+    backend = sys.modules.get("mlx_lily.backend")
+    check = getattr(backend, "check_before_serving", None)
+    if check is None:  # mlx_lily.backend is still importing (it came first)
+        return
+    import mlx_lily.errors as errors
+
+    try:
+        check(sys.argv[1:])
+    except errors.LilyError as e:
+        if errors.want_traceback():
+            raise
+        sys.stderr.write(errors.one_line(e) + "\n")
+        raise SystemExit(1)
 
 
 class _Loader:

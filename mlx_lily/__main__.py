@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             add_backend_to_help()
         sys.argv = [f"mlx_lily {command}"] + rest
         try:
+            if chosen == "lily" and MLX_LM_COMMANDS[command] == "mlx_lm.server":
+                # Before serving: the server loads in a background thread.
+                backend.check_before_serving(rest)
             module.main()
         except LilyError as e:
             if want_traceback():

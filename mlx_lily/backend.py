@@ -20,6 +20,7 @@ import mlx_lm.utils as mlx_utils
 
 from . import prime
 from ._notice import notice_once
+from .errors import LilyError
 from .models import SPECIALIZED
 
 BACKENDS = ("lily", "mlx")
@@ -65,6 +66,49 @@ def _prime_quietly(model, server: bool) -> None:
     except Exception as exc:  # noqa: BLE001 - priming is an optimization only
         notice_once("prime-failed", f"priming the kernels failed ({type(exc).__name__}: {exc}); "
                                     "each kernel builds at its first use instead")
+
+
+def check_checkpoint(path_or_hf_repo: str, *, revision=None, trust_remote_code: bool = False) -> None:
+    """Raise lily's CheckpointError where lily would refuse this checkpoint.
+
+    The checks are the load's own (lily's model classes check config.json,
+    then the tensors against it), run on a lazy load: the model is built and
+    the tensors' headers read, no weight is evaluated. A Hugging Face repo id
+    is resolved as mlx-lm resolves it (downloaded if not in the cache). Any
+    other failure is left to the real load that follows, which reports it as
+    stock mlx-lm does.
+    """
+    try:
+        path = mlx_utils._download(path_or_hf_repo, revision=revision)
+        _stock_load_model(path, lazy=True, get_model_classes=resolve_classes,
+                          trust_remote_code=trust_remote_code)
+    except LilyError:
+        raise
+    except Exception:  # noqa: BLE001 - not lily's to report: the load says it
+        return
+
+
+def check_before_serving(argv) -> None:
+    """For mlx_lm.server with lily: check the checkpoints its flags name
+    (``--model``, ``--draft-model``) before it serves, raising lily's
+    CheckpointError. The server loads its model in its generation thread
+    while already answering, so a refusal there leaves a server answering
+    every request with an error."""
+    import argparse
+
+    if any(arg in ("-h", "--help") for arg in argv):
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model")
+    parser.add_argument("--draft-model")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except SystemExit:  # malformed flags: the server's own parser says how
+        return
+    for model in (args.model, args.draft_model):
+        if model:
+            check_checkpoint(model, trust_remote_code=args.trust_remote_code)
 
 
 def enable() -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -199,3 +200,39 @@ def test_a_client_disconnecting_mid_stream(server):
     assert stream_chat(port, PROMPTS[1], 16) == want
     status, _ = request(port, "POST", "/v1/chat/completions", CHAT)
     assert status == 200
+
+
+@pytest.fixture
+def refused_checkpoint(demo_checkpoint, tmp_path):
+    """A checkpoint without one of its tensors: stock mlx-lm cannot load it
+    either ("Missing 1 parameters"); lily names the tensor."""
+    import shutil
+
+    import mlx.core as mx
+
+    path = tmp_path / "refused"
+    shutil.copytree(demo_checkpoint, path)
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    weights.pop("language_model.model.layers.1.linear_attn.A_log")
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    return path
+
+
+@pytest.mark.parametrize("command", [["mlx_lm.server", "--backend", "lily"],
+                                     [sys.executable, "-m", "mlx_lily", "serve"]])
+def test_refused_checkpoint_stops_the_server_before_it_serves(refused_checkpoint, command):
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_LM_BACKEND", "MLX_LILY_TRACEBACK")}
+    proc = subprocess.Popen([*command, "--model", str(refused_checkpoint), "--host", HOST,
+                             "--port", str(free_port())],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the server kept running with a checkpoint lily refuses:\n{out}{err}")
+    assert proc.returncode == 1, out + err
+    errors = [line for line in err.splitlines() if not line.startswith("[mlx-lily]")]
+    assert errors == ["mlx-lily: checkpoint is missing tensor "
+                      "'language_model.model.layers.1.linear_attn.A_log' (expected shape (4,))"], err
+    assert "Traceback" not in out + err and "Starting httpd" not in out + err
