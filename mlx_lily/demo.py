@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 from collections import Counter, defaultdict
 from typing import Dict, Iterator, List, NamedTuple, Optional
 
@@ -25,6 +26,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from . import backend
 from .checkpoints import SHAPES, make_checkpoint
+from .errors import LilyError, one_line, want_traceback
 from .kernels import OPS, LilyOp
 
 # The largest lily-vs-stock logit difference, relative to the spread (standard
@@ -210,6 +212,15 @@ def main(argv: List[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     path = args.model or str(make_checkpoint(shape=args.shape, quiet=False))
+    try:
+        # Before either run: a checkpoint lily refuses would otherwise run
+        # stock's whole arm first and then fail inside lily's.
+        backend.check_checkpoint(path)
+    except LilyError as e:
+        if want_traceback():
+            raise
+        print(one_line(e), file=sys.stderr)
+        return 1
     print(f"checkpoint: {path}")
     print(f"device: {mx.default_device()}")
     runs = {}

@@ -75,3 +75,26 @@ def test_op_paths_are_recorded(demo_checkpoint, reference_backend):
     with demo.recording_op_paths() as taken:
         demo.run_engine(str(demo_checkpoint), "mlx", "hi", 2)
     assert not taken  # stock runs no lily op
+
+
+def test_refused_checkpoint_is_one_line_before_any_run(demo_checkpoint, tmp_path):
+    # A checkpoint missing a tensor (stock cannot load it either): the demo
+    # checks it first, instead of running stock's arm and then failing in lily's.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    path = tmp_path / "refused"
+    shutil.copytree(demo_checkpoint, path)
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    weights.pop("language_model.model.layers.1.linear_attn.A_log")
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    env = {k: v for k, v in os.environ.items() if k != "MLX_LILY_TRACEBACK"}
+    out = subprocess.run([sys.executable, "-m", "mlx_lily", "demo", "--model", str(path)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    errors = [line for line in out.stderr.splitlines() if not line.startswith("[mlx-lily]")]
+    assert errors == ["mlx-lily: checkpoint is missing tensor "
+                      "'language_model.model.layers.1.linear_attn.A_log' (expected shape (4,))"], out.stderr
+    assert "stock mlx-lm" not in out.stdout and "Traceback" not in out.stderr
