@@ -51,13 +51,26 @@ def assert_within_one_bf16_step(got, exact):
     )
 
 
-def decode_inputs(S, Hq, Hkv, D, seed=0, spare=5):
+def assert_within_one_fp16_step(got, exact):
+    # As for bf16 above, with fp16's step (2^-10 of the value's binade, 8
+    # times finer): fp32 scores, softmax and sums are ~1e-6 relative, below it.
+    got = np.array(got.astype(mx.float32)).astype(np.float64)
+    assert got.shape == exact.shape
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-10
+    bad = np.abs(got - exact) > step
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {bad.size} off by more than one fp16 step; first at "
+        f"{np.argwhere(bad)[0].tolist()}: {got[bad][0]} vs {exact[bad][0]}"
+    )
+
+
+def decode_inputs(S, Hq, Hkv, D, seed=0, spare=5, dtype=mx.bfloat16):
     """One query token against the first S rows of a cache of S + spare rows:
     the strided view mlx-lm's KVCache hands the attention."""
     keys = mx.random.split(mx.random.key(seed), 3)
-    q = mx.random.normal((1, Hq, 1, D), key=keys[0]).astype(mx.bfloat16)
-    cache_k = (2 * mx.random.normal((1, Hkv, S + spare, D), key=keys[1])).astype(mx.bfloat16)
-    cache_v = mx.random.normal((1, Hkv, S + spare, D), key=keys[2]).astype(mx.bfloat16)
+    q = mx.random.normal((1, Hq, 1, D), key=keys[0]).astype(dtype)
+    cache_k = (2 * mx.random.normal((1, Hkv, S + spare, D), key=keys[1])).astype(dtype)
+    cache_v = mx.random.normal((1, Hkv, S + spare, D), key=keys[2]).astype(dtype)
     return q, cache_k[:, :, :S, :], cache_v[:, :, :S, :], D**-0.5
 
 
@@ -94,6 +107,30 @@ def test_decode_single_pass_matches_exact_attention(S, Hq, Hkv, D):
     got = A.run_decode("emulator", q, k, v, scale, None, split_from=1 << 30)
     assert got.shape == (1, Hq, 1, D) and got.dtype == mx.bfloat16
     assert_within_one_bf16_step(got, attention_exact(q, k, v, scale))
+
+
+@pytest.mark.parametrize("S, Hq, Hkv, D", [(37, 6, 2, 64), (21, 8, 1, 256), (50, 2, 1, 32)])
+@pytest.mark.parametrize("split", [False, True])
+def test_fp16_decode_matches_exact_attention_and_the_reference(monkeypatch, S, Hq, Hkv, D, split):
+    # fp16 queries and cache, single pass and split (three key blocks or more):
+    # one fp16 step of the exact (float64) attention of the fp16 inputs, and
+    # within attention_agree's fp16 bound (2^-8 of the output's scale) of
+    # MLX's sdpa in fp16.
+    emulator_or_skip()
+    q, k, v, scale = decode_inputs(S, Hq, Hkv, D, seed=S + D + 1, dtype=mx.float16)
+    assert A.attention_supports(q, k, v, scale, None) is None
+    got = A.run_decode("emulator", q, k, v, scale, None, split_from=1 if split else 1 << 30, key_block=8)
+    assert got.shape == (1, Hq, 1, D) and got.dtype == mx.float16
+    assert_within_one_fp16_step(got, attention_exact(q, k, v, scale))
+    assert A.attention_agree(got, A.attention_reference(q, k, v, scale, None)) is None
+
+
+def test_fp16_prompt_calls_run_the_reference_and_say_why(emulator_backend):
+    # The prefill kernel's matrix tiles multiply bf16 only.
+    q, k, v, scale, mask = A._prefill_check_inputs(7, 30, 4, 2, 64)
+    q, k, v = (a.astype(mx.float16) for a in (q, k, v))
+    why = A.attention_supports(q, k, v, scale, mask)
+    assert why is not None and "prefill kernel: bfloat16" in why
 
 
 @pytest.mark.parametrize(
@@ -315,7 +352,8 @@ def test_the_op_runs_the_reference_where_it_prefers_it(monkeypatch):
 @pytest.mark.parametrize(
     "change, reason",
     [
-        (lambda q, k, v: (q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), None), "bfloat16"),
+        (lambda q, k, v: (q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), None), "bfloat16"),
+        (lambda q, k, v: (q.astype(mx.float16), k, v, None), "dtypes"),
         (lambda q, k, v: (q, k, v, mx.zeros((1, 1, 1, k.shape[2]), mx.bfloat16)), "explicit mask"),
         (lambda q, k, v: (mx.concatenate([q, q], 0), mx.concatenate([k, k], 0),
                           mx.concatenate([v, v], 0), None), "batch"),
@@ -386,6 +424,14 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
         combine = A.attention_combine_kernel.cuda_translation_unit(mx.zeros((Hq, 3, D)), mx.zeros((Hq, 3)))
         if combine not in units:  # one per head dim
             units.append(combine)
+    # fp16 decode at the model's shape: both forms and the combine.
+    q, k = mx.zeros((1, 16, 1, 256), mx.float16), mx.zeros((1, 2, 64, 256), mx.float16)
+    for split in (False, True):
+        launch = A._launch_decode(q, k, k, 0.1, None, split=split)
+        threads["attention_decode_" + "".join(build._template_suffix(v) for _, v in launch.template)] = launch.threadgroup[0]
+        units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
+    units.append(A.attention_combine_kernel.cuda_translation_unit(
+        mx.zeros((16, 3, 256)), mx.zeros((16, 3)), mx.float16))
     marker = "namespace mlx::core::cu {\n\nnamespace cg"
     source = tmp_path / "attention.cu"
     source.write_text(units[0] + "\n".join(u[u.index(marker):] for u in units[1:]))

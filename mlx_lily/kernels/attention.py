@@ -18,7 +18,10 @@ The kernels' contract with the exact attention of their bf16 inputs: fp32
 scores, softmax and accumulation, one rounding of the output to bf16 (tests
 hold them to one bf16 step of the float64 result). Against the reference,
 which on some backends rounds scores and probabilities to bf16 on the way,
-``attention_agree`` allows that rounding.
+``attention_agree`` allows that rounding. The decode kernels take fp16 too
+(the same math, one rounding to fp16, a step 8 times finer: the bounds shrink
+by 8); the prefill kernel's matrix tiles take bf16 only, so fp16 prompt
+calls run the reference.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 from .._notice import notice_once
 from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch, contiguous
 from ..toolchain.registry import LilyOp, register
+from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
@@ -89,8 +93,10 @@ def decode_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
         return f"batch {B} (decode kernel: 1)"
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return "an explicit mask (decode kernel: none, or causal)"
-    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (decode kernel: bfloat16)"
+    if q.dtype not in ACTIVATION_DTYPES:
+        return activation_dtype_reason("q", q.dtype)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (decode kernel: one dtype)"
     if D not in DECODE_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
         return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (decode kernel: one of {DECODE_HEAD_DIMS})"
     if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1:
@@ -133,8 +139,9 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
         grid=(threads * blocks, Hkv, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
-        output_dtypes=[mx.bfloat16, mx.float32, mx.float32],
+        output_dtypes=[q.dtype, mx.float32, mx.float32],
         template=[
+            ("T", q.dtype),
             ("D", D),
             ("G", Hq // Hkv),
             ("NSG", groups),
@@ -146,15 +153,15 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
     )
 
 
-def _launch_combine(part_o, part_lse) -> Launch:
+def _launch_combine(part_o, part_lse, dtype=mx.bfloat16) -> Launch:
     Hq, _, D = part_o.shape
     return Launch(
         inputs=[part_o, part_lse],
         grid=(D, Hq, 1),
         threadgroup=(D, 1, 1),
         output_shapes=[(Hq, D)],
-        output_dtypes=[mx.bfloat16],
-        template=[("D", D)],
+        output_dtypes=[dtype],
+        template=[("T", dtype), ("D", D)],
         finish=lambda outputs: outputs[0],
     )
 
@@ -202,7 +209,7 @@ def run_decode(backend: str, q, k, v, scale, mask, length=None, split_from: Opti
         backend, q, k, v, scale, mask, length, split=split, key_block=key_block
     )
     if split:
-        out = attention_combine_kernel.run_on(backend, part_o, part_lse)
+        out = attention_combine_kernel.run_on(backend, part_o, part_lse, q.dtype)
     return out.reshape(q.shape)
 
 
@@ -231,6 +238,7 @@ def prefill_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return "an explicit mask (prefill kernel: none, or causal)"
     if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
+        # The matrix tiles multiply bf16 only (fp16 prompt calls: the reference).
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (prefill kernel: bfloat16)"
     if D not in PREFILL_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
         return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (prefill kernel: one of {PREFILL_HEAD_DIMS})"
@@ -300,14 +308,15 @@ def attention_agree(got, want, *args, **kwargs) -> Optional[str]:
     round scores and probabilities to bf16 before the products (MLX's unfused
     path), which moves each weight by up to ~2^-8 relative: allow 2^-5 of the
     output's largest magnitude (outputs are averages of values, so the largest
-    magnitude is their scale).
+    magnitude is their scale). In fp16 both round 8 times finer: 2^-8.
     """
+    bound = 2.0**-5 * step_scale(want.dtype)
     got, want = got.astype(mx.float32), want.astype(mx.float32)
     if got.shape != want.shape:
         return f"shape {got.shape} != reference {want.shape}"
     scale = max(mx.abs(want).max().item(), 1e-3)
     err = mx.abs(got - want).max().item() / scale
-    return None if err <= 2.0**-5 else f"max |kernel - reference| / max |reference| = {err:.3g}"
+    return None if err <= bound else f"max |kernel - reference| / max |reference| = {err:.3g}"
 
 
 def _decode_check_inputs(S, Hq=4, Hkv=2, D=64, seed=9):
@@ -480,7 +489,8 @@ def _sample_attention():
 
 def _fuzz_attention(rng):
     """A random call a kernel takes: decode or a causal/unmasked prefill chunk,
-    GQA 1/3/8, head dims 32-128, K/V a strided view of a longer cache."""
+    GQA 1/3/8, head dims 32-128, K/V a strided view of a longer cache; decode
+    calls in bf16 or fp16 (prefill: bf16)."""
     hkv = int(rng.integers(1, 3))
     hq = hkv * int(rng.choice([1, 3, 8]))
     D = int(rng.choice([32, 64, 128]))
@@ -494,7 +504,8 @@ def _fuzz_attention(rng):
         S = L + int(rng.integers(0, 100))
         mask = "causal" if rng.random() < 0.7 else None
     spare = int(rng.integers(0, 9))
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)  # noqa: E731
+    dtype = mx.float16 if L == 1 and rng.random() < 0.5 else mx.bfloat16
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)  # noqa: E731
     q = normal(1, hq, L, D)
     k = normal(1, hkv, S + spare, D)[:, :, :S, :]
     v = normal(1, hkv, S + spare, D)[:, :, :S, :]

@@ -5,10 +5,10 @@
 // one thread per dim; every thread reads the head's NB weights (the same
 // addresses: broadcast loads) and its column of the partial outputs.
 //
-// Template: D (head dim).
+// Template: T (the output's dtype: bfloat16 or float16), D (head dim).
 // Inputs:   part_o [Hq, NB, D] float (each block's normalised output),
 //           part_lse [Hq, NB] float (each block's log2 of its sum of exp2).
-// Outputs:  out [Hq, D] bf16.
+// Outputs:  out [Hq, D] T.
 // Grid: (D, Hq, 1), threadgroup (D, 1, 1).
 
 const int head = int(threadgroup_position_in_grid.y);
@@ -28,5 +28,5 @@ if (d < D) {
     weight_sum += w;
     total = fma(w, part_o[(head * n_blocks + b) * D + d], total);
   }
-  out[head * D + d] = static_cast<bfloat16_t>(total / weight_sum);
+  out[head * D + d] = static_cast<T>(total / weight_sum);
 }

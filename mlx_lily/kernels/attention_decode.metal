@@ -21,19 +21,20 @@
 // strides allow; the view itself must start 16-byte aligned, as MLX's buffers
 // and slices along the sequence or head axes do.
 //
-// Template: D (head dim), G (query heads per KV head), NSG (SIMD groups per
+// Template: T (the activations' dtype: bfloat16 or float16), D (head dim), G
+//           (query heads per KV head), NSG (SIMD groups per
 //           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT),
 //           BOUNDED (bool: the length input bounds the keys).
-// Inputs:   queries [Hq, D] bf16 (contiguous), keys, values [1, Hkv, S, D] bf16
+// Inputs:   queries [Hq, D] T (contiguous), keys, values [1, Hkv, S, D] T
 //           (strided), scale [1] float (the softmax scale), length [1] int32
 //           (with BOUNDED: the keys are rows [0, length) of the view; left out
 //           of unbounded launches).
-// Outputs:  out [Hq, D] bf16 (without SPLIT), part_o [Hq, NB, D] float and
+// Outputs:  out [Hq, D] T (without SPLIT), part_o [Hq, NB, D] float and
 //           part_lse [Hq, NB] float (with SPLIT); the unused ones have one element.
 // Grid: (NSG * 32 * NB, Hkv, 1), threadgroup (NSG * 32, 1, 1).
 
 constexpr int SIMD_WIDTH = 32;
-constexpr int CHUNK = 8;                               // bf16 per 16-byte load
+constexpr int CHUNK = 8;                               // T values per 16-byte load
 constexpr int LANES_PER_ROW = D / CHUNK;
 constexpr int ROWS_PER_PASS = SIMD_WIDTH / LANES_PER_ROW;
 constexpr int THREADS = NSG * SIMD_WIDTH;
@@ -62,8 +63,8 @@ const int64_t k_row_stride = keys_strides[2];
 const int64_t v_row_stride = values_strides[2];
 const int64_t k_dim_stride = keys_strides[3];
 const int64_t v_dim_stride = values_strides[3];
-const device bfloat16_t* k_head = keys + int64_t(kv_head) * keys_strides[1] + col * k_dim_stride;
-const device bfloat16_t* v_head = values + int64_t(kv_head) * values_strides[1] + col * v_dim_stride;
+const device T* k_head = keys + int64_t(kv_head) * keys_strides[1] + col * k_dim_stride;
+const device T* v_head = values + int64_t(kv_head) * values_strides[1] + col * v_dim_stride;
 // 16-byte row loads need dims contiguous and every row start a multiple of 8
 // elements from the (aligned) start of the view; other layouts (a transposed
 // view, say) are read element by element.
@@ -77,7 +78,7 @@ float q[G][CHUNK];
 for (int g = 0; g < G; ++g) {
   const uint4 w = lily_tile_load16(&queries[(kv_head * G + g) * D + col]);
   for (int e = 0; e < CHUNK; ++e) {
-    q[g][e] = lily_tile_unpack(w, e) * q_scale;
+    q[g][e] = lily_tile_unpack_as<T>(w, e) * q_scale;
   }
 }
 
@@ -106,29 +107,29 @@ for (int base = first - step; base < k_end; base += step) {
   const uint4 kw = next_kw;
   const uint4 vw = next_vw;
   const int fetch = row + step;
-  const device bfloat16_t* k_row = k_head + int64_t(fetch) * k_row_stride;
-  const device bfloat16_t* v_row = v_head + int64_t(fetch) * v_row_stride;
+  const device T* k_row = k_head + int64_t(fetch) * k_row_stride;
+  const device T* v_row = v_head + int64_t(fetch) * v_row_stride;
   next_kw = nothing;
   next_vw = nothing;
   if (fetch < k_end && rows_aligned) {
     next_kw = lily_tile_load16(k_row);
     next_vw = lily_tile_load16(v_row);
   } else if (fetch < k_end) {
-    next_kw.x = lily_tile_pack2(static_cast<float>(k_row[0]), static_cast<float>(k_row[k_dim_stride]));
-    next_kw.y = lily_tile_pack2(static_cast<float>(k_row[2 * k_dim_stride]), static_cast<float>(k_row[3 * k_dim_stride]));
-    next_kw.z = lily_tile_pack2(static_cast<float>(k_row[4 * k_dim_stride]), static_cast<float>(k_row[5 * k_dim_stride]));
-    next_kw.w = lily_tile_pack2(static_cast<float>(k_row[6 * k_dim_stride]), static_cast<float>(k_row[7 * k_dim_stride]));
-    next_vw.x = lily_tile_pack2(static_cast<float>(v_row[0]), static_cast<float>(v_row[v_dim_stride]));
-    next_vw.y = lily_tile_pack2(static_cast<float>(v_row[2 * v_dim_stride]), static_cast<float>(v_row[3 * v_dim_stride]));
-    next_vw.z = lily_tile_pack2(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
-    next_vw.w = lily_tile_pack2(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
+    next_kw.x = lily_tile_pack2_as<T>(static_cast<float>(k_row[0]), static_cast<float>(k_row[k_dim_stride]));
+    next_kw.y = lily_tile_pack2_as<T>(static_cast<float>(k_row[2 * k_dim_stride]), static_cast<float>(k_row[3 * k_dim_stride]));
+    next_kw.z = lily_tile_pack2_as<T>(static_cast<float>(k_row[4 * k_dim_stride]), static_cast<float>(k_row[5 * k_dim_stride]));
+    next_kw.w = lily_tile_pack2_as<T>(static_cast<float>(k_row[6 * k_dim_stride]), static_cast<float>(k_row[7 * k_dim_stride]));
+    next_vw.x = lily_tile_pack2_as<T>(static_cast<float>(v_row[0]), static_cast<float>(v_row[v_dim_stride]));
+    next_vw.y = lily_tile_pack2_as<T>(static_cast<float>(v_row[2 * v_dim_stride]), static_cast<float>(v_row[3 * v_dim_stride]));
+    next_vw.z = lily_tile_pack2_as<T>(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
+    next_vw.w = lily_tile_pack2_as<T>(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
   }
   if (base < first) {
     continue;  // the first iteration only fetches
   }
   float k[CHUNK];
   for (int e = 0; e < CHUNK; ++e) {
-    k[e] = lily_tile_unpack(kw, e);
+    k[e] = lily_tile_unpack_as<T>(kw, e);
   }
   float s[G];
   for (int g = 0; g < G; ++g) {
@@ -144,7 +145,7 @@ for (int base = first - step; base < k_end; base += step) {
   if (live) {
     float v[CHUNK];
     for (int e = 0; e < CHUNK; ++e) {
-      v[e] = lily_tile_unpack(vw, e);
+      v[e] = lily_tile_unpack_as<T>(vw, e);
     }
     for (int g = 0; g < G; ++g) {
       const float new_max = max(run_max[g], s[g]);
@@ -224,7 +225,7 @@ for (int g = 0; g < G; ++g) {
       // 0, which the combine weighs by exp2(-inf) = 0, not 0 / 0.
       part_o[(head * n_blocks + block) * D + d] = total_sum > 0.0f ? total / total_sum : 0.0f;
     } else {
-      out[head * D + d] = static_cast<bfloat16_t>(total / total_sum);
+      out[head * D + d] = static_cast<T>(total / total_sum);
     }
   }
   if (SPLIT && tid == 0) {

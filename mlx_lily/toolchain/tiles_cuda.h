@@ -104,4 +104,37 @@ __device__ __forceinline__ float lily_tile_unpack(uint4 w, int i) {
   return __uint_as_float((i & 1) ? (word & 0xffff0000u) : (word << 16));
 }
 
+// The same staging for fp16 operands, and pack / unpack by element type:
+// lily_tile_pack2_as<T> and lily_tile_unpack_as<T> for T = bfloat16_t (the
+// functions above) or half, so that a body generic over its activation type T
+// moves either in 16-byte words.
+__device__ __forceinline__ uint4 lily_tile_load16(const half* src) {
+  return *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void lily_tile_store16(half* dst, uint4 v) {
+  *reinterpret_cast<uint4*>(dst) = v;
+}
+template <typename T>
+__device__ __forceinline__ uint lily_tile_pack2_as(float lo, float hi);
+template <>
+__device__ __forceinline__ uint lily_tile_pack2_as<__nv_bfloat16>(float lo, float hi) {
+  return lily_tile_pack2(lo, hi);
+}
+template <>
+__device__ __forceinline__ uint lily_tile_pack2_as<__half>(float lo, float hi) {
+  __half2 pair = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint*>(&pair);
+}
+template <typename T>
+__device__ __forceinline__ float lily_tile_unpack_as(uint4 w, int i);
+template <>
+__device__ __forceinline__ float lily_tile_unpack_as<__nv_bfloat16>(uint4 w, int i) {
+  return lily_tile_unpack(w, i);
+}
+template <>
+__device__ __forceinline__ float lily_tile_unpack_as<__half>(uint4 w, int i) {
+  const uint word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
+  return __half2float(__ushort_as_half((unsigned short)((i & 1) ? (word >> 16) : (word & 0xffffu))));
+}
+
 #define device

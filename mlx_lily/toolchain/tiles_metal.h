@@ -114,3 +114,35 @@ inline float lily_tile_unpack(uint4 w, int i) {
   const uint word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
   return as_type<float>((i & 1) ? (word & 0xffff0000u) : (word << 16));
 }
+
+// The same staging for fp16 operands, and pack / unpack by element type:
+// lily_tile_pack2_as<T> and lily_tile_unpack_as<T> for T = bfloat16_t (the
+// functions above) or half, so that a body generic over its activation type T
+// moves either in 16-byte words.
+inline uint4 lily_tile_load16(const device half* src) {
+  return *reinterpret_cast<const device uint4*>(src);
+}
+inline void lily_tile_store16(threadgroup half* dst, uint4 v) {
+  *reinterpret_cast<threadgroup uint4*>(dst) = v;
+}
+template <typename T>
+inline uint lily_tile_pack2_as(float lo, float hi);
+template <>
+inline uint lily_tile_pack2_as<bfloat16_t>(float lo, float hi) {
+  return lily_tile_pack2(lo, hi);
+}
+template <>
+inline uint lily_tile_pack2_as<half>(float lo, float hi) {
+  return uint(as_type<ushort>(static_cast<half>(lo))) | (uint(as_type<ushort>(static_cast<half>(hi))) << 16);
+}
+template <typename T>
+inline float lily_tile_unpack_as(uint4 w, int i);
+template <>
+inline float lily_tile_unpack_as<bfloat16_t>(uint4 w, int i) {
+  return lily_tile_unpack(w, i);
+}
+template <>
+inline float lily_tile_unpack_as<half>(uint4 w, int i) {
+  const uint word = i < 2 ? w.x : (i < 4 ? w.y : (i < 6 ? w.z : w.w));
+  return static_cast<float>(as_type<half>(ushort((i & 1) ? (word >> 16) : (word & 0xffffu))));
+}
