@@ -38,3 +38,36 @@ def dtype_names(dtypes=ACTIVATION_DTYPES) -> str:
 def activation_dtype_reason(name: str, dtype) -> str:
     """Why a call in ``dtype`` runs the reference."""
     return f"{name} dtype {str(dtype).rsplit('.', 1)[-1]} (kernel: {dtype_names()})"
+
+
+# Ops of the model whose kernels do not take these activation dtypes (other
+# dtypes than these and bf16: every op listed for fp32). fp16: the matrix
+# tiles (lily_tile_*) multiply bf16 only, so the MoE prefill GEMMs and the
+# prefill attention keep their references.
+REFERENCE_FOR = {
+    mx.float32: ("attention", "conv_qk_norm", "gated_rms_norm", "gated_delta_decode", "quantized_matvec",
+                 "moe_experts", "moe_decode"),
+    mx.float16: ("attention (prompt calls)", "moe_experts"),
+}
+
+
+def embedding_dtype(embedding) -> mx.Dtype:
+    """The activations' dtype a token embedding gives: a quantized one's
+    scales', else its weight's."""
+    scales = getattr(embedding, "scales", None)
+    return scales.dtype if isinstance(scales, mx.array) else embedding.weight.dtype
+
+
+def reference_notice(dtype) -> None:
+    """One notice per process and dtype naming the ops that run their
+    references at these activations (none for bf16)."""
+    if dtype == mx.bfloat16:
+        return
+    name = str(dtype).rsplit(".", 1)[-1]
+    ops = REFERENCE_FOR.get(dtype, REFERENCE_FOR[mx.float32])
+    why = ("their matrix tiles take bfloat16 only" if dtype == mx.float16
+           else f"kernels take {dtype_names()}")
+    from .._notice import notice_once
+
+    notice_once(f"activation-dtype:{name}",
+                f"{name} activations: {', '.join(ops)} run their pure-MLX references ({why})")

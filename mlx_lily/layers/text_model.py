@@ -43,6 +43,7 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 from .. import kernels as K
 from .._notice import notice_once
 from ..kernels.attention import attention_kernels
+from ..kernels.dtypes import embedding_dtype, reference_notice
 from ..toolchain.registry import kernel_backend
 from .decoder import (
     LilyDecoderLayer, compile_enabled, compiled_step, kv_position, next_position, restore_kv_position,
@@ -53,6 +54,8 @@ from .fast_path import record
 
 class LilyTextModel(Qwen3_5TextModel):
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
+        if "_lily_dtype_seen" not in self.__dict__:  # once per model: the activations' dtype notice
+            self._dtype_notice(input_embeddings)
         masks = self._segment_masks(inputs, cache) if input_embeddings is None else None
         if masks is not None and self._whole_takes(cache, *masks[:2]):
             try:
@@ -78,6 +81,15 @@ class LilyTextModel(Qwen3_5TextModel):
                     "the model decodes layer by layer from now on",
                 )
         return super().__call__(inputs, cache, input_embeddings)
+
+    def _dtype_notice(self, input_embeddings) -> None:
+        """Say once which ops run their references at this model's activation
+        dtype (where kernels run at all)."""
+        self.__dict__["_lily_dtype_seen"] = True
+        if kernel_backend()[0] is None:
+            return
+        dtype = input_embeddings.dtype if input_embeddings is not None else embedding_dtype(self.embed_tokens)
+        reference_notice(dtype)
 
     # -- which calls ----------------------------------------------------------------
 
