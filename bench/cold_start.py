@@ -44,10 +44,25 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
     from bench.measure import generate, prompt_array
 
     imported = time.time()
+    profiler = None
+    if spec.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     model, vocab, _ = load_engine(spec["source"], spec["engine"])
     loaded = time.time()
     reply = generate(model, prompt_array(spec["prompt"], vocab), spec["decode"])
     done = time.time()
+    if profiler is not None:
+        import io
+        import pstats
+
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+        Path(spec["profile"]).write_text(text.getvalue())
     result = {
         "import_s": imported - spawned,
         "load_s": loaded - imported,
@@ -124,6 +139,10 @@ def run_process(spec: Dict[str, Any], env: Dict[str, str], workdir: Path, name: 
     return result
 
 
+def _modules(folder: Path) -> set:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*.ptx")} if folder.is_dir() else set()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlx_lily.checkpoints import SHAPES
 
@@ -136,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=16, help="tokens decoded after the first (default: 16)")
     p.add_argument("--engines", default="lily,mlx", help="comma-separated: lily, mlx (default: both)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a process may take (default: 900)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each process's load and reply (cProfile, by cumulative time) into "
+                        "--out as cold-profile-<engine>-<first|second>.txt")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"), help="folder for the JSON")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -161,6 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                 "successive processes per engine sharing new, empty MLX PTX and lily caches"},
         "engines": {},
     }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="lily-cold-") as scratch:
         for engine in engines:
             folder = Path(scratch) / engine
@@ -169,7 +192,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             runs = []
             for which in ("first", "second"):
                 log(f"{engine}: {which} process ...")
+                if args.profile:
+                    spec["profile"] = str(Path(args.out) / f"cold-profile-{engine}-{which}.txt")
+                before = _modules(folder / "ptx")
                 result = run_process(spec, env, Path(scratch), f"{engine}-{which}", args.timeout)
+                # Modules that appeared in MLX's folder: what this process compiled.
+                result["modules_written"] = sorted(_modules(folder / "ptx") - before)
                 log(f"{engine}: {which} process: " + (result.get("error") or
                     f"first token at {result['first_token_s']:.1f} s, reply done at {result['reply_s']:.1f} s"))
                 runs.append(result)
