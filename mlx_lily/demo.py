@@ -1,15 +1,17 @@
 """``python -m mlx_lily demo``: one prompt through stock mlx-lm and through lily.
 
 The checkpoint is a random ``qwen3_5_moe`` made once and cached (see
-checkpoints.py), so the text is gibberish; what matters is which of lily's ops
+checkpoints.py; conditioned, so that it is not chaotic in rounding), so the
+text is gibberish; what matters is which of lily's ops
 ran kernels, whether both engines produce the same greedy tokens, and how fast
 each is.
 
 Where the tokens differ, the demo looks at the first step that differs: it
-feeds both engines the same tokens up to there and compares their logits. A
-difference at bf16 rounding level that flips a near-tie is expected from
-kernels that sum in another order; a larger one means a kernel disagrees with
-its reference, and the demo fails.
+feeds the same tokens up to there to lily, to stock, and to an fp32 oracle (the
+same checkpoint on stock's code with every floating-point tensor in float32,
+the quantized weights unchanged), and measures how far each engine's logits are
+from the oracle's. Lily passes when it is no farther from the oracle than stock,
+within ORACLE_SLACK; a wrong kernel is farther by about the logits' spread.
 """
 
 from __future__ import annotations
@@ -29,24 +31,22 @@ from .checkpoints import SHAPES, make_checkpoint
 from .errors import LilyError, one_line, want_traceback
 from .kernels import OPS, LilyOp
 
-# The largest lily-vs-stock logit difference, relative to the spread (standard
-# deviation) of stock's logits at that step, still counted as rounding: bf16
-# keeps 8 significant bits (relative step 2**-8 = 0.4%), and a handful of
-# layers re-rounding activations compounds that to about 1%; a wrong kernel
-# gives differences of the order of the spread itself.
-ROUNDING_TOLERANCE = 0.05
-# With the kernels in the CPU emulator, stock runs on the CPU, where MLX's bf16
-# quantized matmul sums bf16 products in bf16 (~4% of the scale per product at
-# these widths), while lily's GEMV and MoE kernels sum in fp32 as stock's GPU
-# kernels do: the gap is stock's rounding, and a wrong kernel still shows as
-# differences of the order of the spread.
-CPU_STOCK_TOLERANCE = 0.25
-
-
-def rounding_tolerance() -> float:
-    from .toolchain.registry import kernel_backend
-
-    return CPU_STOCK_TOLERANCE if kernel_backend()[0] == "emulator" else ROUNDING_TOLERANCE
+# How much farther from the fp32 oracle than stock lily's logits may be, as a
+# fraction of the spread (standard deviation) of the oracle's logits. Both
+# engines round to bf16 between ops; stock's own distance measures how much
+# that (and, on a CPU, its bf16 sums) moves this step's logits here, so the
+# slack only covers lily rounding in another order than stock: with its
+# kernels in the CPU emulator, on the demo checkpoint, lily was from 0.8%
+# nearer to 3.4% farther than stock over 15 prompts (both about 10% from the
+# oracle), while a wrong kernel is off by the order of the spread itself. One
+# rule on every platform: no tolerance needs widening for stock's bf16 sums
+# on a CPU, which now count against stock.
+ORACLE_SLACK = 0.05
+# Where stock itself is this far from the oracle (as a fraction of the
+# spread), the checkpoint is chaotic in rounding (a random one that is not
+# conditioned: bf16 rounding flips its routers), and the comparison says
+# little; the demo's own checkpoint is conditioned (about 10% there).
+CHAOTIC = 0.5
 
 
 class Run(NamedTuple):
@@ -112,39 +112,66 @@ class Divergence(NamedTuple):
     stock_token: int
     lily_token: int
     stock_margin: float  # stock's logit for its token minus for lily's
-    max_difference: float  # largest |lily - stock| logit at that step
-    spread: float  # standard deviation of stock's logits at that step
+    lily_distance: float  # largest |lily - oracle| logit at that step
+    stock_distance: float  # largest |stock - oracle| logit at that step
+    spread: float  # standard deviation of the oracle's logits at that step
 
     @property
-    def relative(self) -> float:
-        return self.max_difference / max(self.spread, 1e-30)
+    def lily_relative(self) -> float:
+        return self.lily_distance / max(self.spread, 1e-30)
+
+    @property
+    def stock_relative(self) -> float:
+        return self.stock_distance / max(self.spread, 1e-30)
 
     @property
     def rounding_level(self) -> bool:
-        return self.relative <= rounding_tolerance()
+        """Lily no farther from the oracle than stock, within ORACLE_SLACK."""
+        return self.lily_relative <= self.stock_relative + ORACLE_SLACK
 
 
-def judge(step: int, stock_logits: mx.array, lily_logits: mx.array, stock_token: int,
-          lily_token: int) -> Divergence:
-    stock_logits = stock_logits.astype(mx.float32)
-    lily_logits = lily_logits.astype(mx.float32)
+def judge(step: int, oracle_logits: mx.array, stock_logits: mx.array, lily_logits: mx.array,
+          stock_token: int, lily_token: int) -> Divergence:
+    oracle = oracle_logits.astype(mx.float32)
+    stock = stock_logits.astype(mx.float32)
+    lily = lily_logits.astype(mx.float32)
     return Divergence(
         step=step,
         stock_token=stock_token,
         lily_token=lily_token,
-        stock_margin=(stock_logits[stock_token] - stock_logits[lily_token]).item(),
-        max_difference=mx.abs(lily_logits - stock_logits).max().item(),
-        spread=mx.std(stock_logits).item(),
+        stock_margin=(stock[stock_token] - stock[lily_token]).item(),
+        lily_distance=mx.abs(lily - oracle).max().item(),
+        stock_distance=mx.abs(stock - oracle).max().item(),
+        spread=mx.std(oracle).item(),
     )
+
+
+@contextlib.contextmanager
+def in_float32(model) -> Iterator[None]:
+    """Every floating-point parameter of ``model`` in float32 while the block
+    runs (packed quantized weights stay as they are: the same checkpoint),
+    then the original arrays back, the same objects."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    original = tree_flatten(model.parameters())
+    model.update(tree_unflatten([
+        (k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in original
+    ]))
+    try:
+        yield
+    finally:
+        model.update(tree_unflatten(original))
 
 
 def first_divergence(lily_model, prompt_ids: List[int], stock_tokens: List[int],
                      lily_tokens: List[int]) -> Optional[Divergence]:
-    """Both engines' logits for the first step whose greedy tokens differ, on
-    the same input (the prompt and the tokens both generated before it).
+    """Lily's, stock's and the fp32 oracle's logits for the first step whose
+    greedy tokens differ, on the same input (the prompt and the tokens both
+    generated before it).
 
     Stock's logits come from the same model switched back to stock's layers
-    (``specialize``): the same weights through stock mlx-lm's own code."""
+    (``specialize``): the same weights through stock mlx-lm's own code; the
+    oracle's from stock's layers with the parameters in float32."""
     from .models.qwen3_5_moe import specialize
 
     step = next((i for i, (a, b) in enumerate(zip(stock_tokens, lily_tokens)) if a != b), None)
@@ -152,12 +179,17 @@ def first_divergence(lily_model, prompt_ids: List[int], stock_tokens: List[int],
         return None
     inputs = mx.array([prompt_ids + stock_tokens[:step]])
     lily_logits = lily_model(inputs)[0, -1]
+    mx.eval(lily_logits)
     specialize(lily_model, lily=False)
     try:
         stock_logits = lily_model(inputs)[0, -1]
+        mx.eval(stock_logits)
+        with in_float32(lily_model):
+            oracle_logits = lily_model(inputs)[0, -1]
+            mx.eval(oracle_logits)
     finally:
         specialize(lily_model, lily=True)
-    return judge(step, stock_logits, lily_logits, stock_tokens[step], lily_tokens[step])
+    return judge(step, oracle_logits, stock_logits, lily_logits, stock_tokens[step], lily_tokens[step])
 
 
 def explain(same: bool, ran: List[str], divergence: Optional[Divergence]) -> tuple[List[str], bool]:
@@ -181,22 +213,30 @@ def explain(same: bool, ran: List[str], divergence: Optional[Divergence]) -> tup
     if divergence is None:  # different lengths only (one engine stopped early)
         return ["greedy tokens agree: NO (one run stopped earlier)"] + lines, False
     d = divergence
+    slack = f"{100 * ORACLE_SLACK:.0f}%"
     lines += [
         f"The first difference is generated token {d.step}: stock picks id {d.stock_token}, lily "
         f"id {d.lily_token}, which stock scores {d.stock_margin:.3g} lower.",
-        f"On the same input there, lily's logits differ from stock's by at most "
-        f"{d.max_difference:.3g}, {100 * d.relative:.2g}% of their spread "
-        f"(standard deviation {d.spread:.3g}).",
+        "On the same input there, against an fp32 oracle (the same checkpoint on stock's code in "
+        "float32),",
+        f"lily's logits differ by at most {d.lily_distance:.3g} ({100 * d.lily_relative:.2g}% of the "
+        f"oracle's spread, standard deviation {d.spread:.3g}), stock's by at most "
+        f"{d.stock_distance:.3g} ({100 * d.stock_relative:.2g}%).",
     ]
+    if d.stock_relative > CHAOTIC:
+        lines += [
+            "Stock itself is that far from the oracle: rounding changes this checkpoint's routing",
+            "(a random checkpoint that is not conditioned), so this comparison says little.",
+        ]
     if d.rounding_level:
         return ["greedy tokens agree: up to a rounding-level near-tie"] + lines + [
-            f"That is within bf16 rounding (at most {100 * rounding_tolerance():.0f}% of the spread): "
-            "kernels sum in another order",
-            "than stock, and on random weights two candidates can be that close; after one",
-            "token differs, the rest of the text follows it. This is not an error.",
+            f"Lily is no farther from the oracle than stock (within {slack} of the spread): both "
+            "round to bf16, in different orders,",
+            "and on random weights two candidates can be that close; after one token differs,",
+            "the rest of the text follows it. This is not an error.",
         ], True
     return ["greedy tokens agree: NO"] + lines + [
-        f"That is more than rounding (over {100 * rounding_tolerance():.0f}% of the spread): a kernel "
+        f"Lily is farther from the oracle than stock by more than {slack} of the spread: a kernel "
         "disagrees with its reference.",
         "Run `python -m mlx_lily doctor` to see which; MLX_LILY_KERNELS=0 turns kernels off.",
     ], False
@@ -211,7 +251,10 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
-    path = args.model or str(make_checkpoint(shape=args.shape, quiet=False))
+    # Conditioned: a plain random model is chaotic in rounding (bf16 against
+    # fp32 moves its logits by more than their spread), which would leave the
+    # fp32 oracle nothing to judge.
+    path = args.model or str(make_checkpoint(shape=args.shape, quiet=False, conditioned=True))
     try:
         # Before either run: a checkpoint lily refuses would otherwise run
         # stock's whole arm first and then fail inside lily's.

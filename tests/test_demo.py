@@ -22,24 +22,57 @@ def logits_with_top_two(first: float, second: float, size: int = 64) -> mx.array
 
 
 def test_rounding_level_near_tie_passes_with_an_explanation():
+    oracle = logits_with_top_two(2.0, 2.0)
     stock = logits_with_top_two(2.0, 1.999)
-    lily = logits_with_top_two(1.999, 2.0)  # the tie flipped by 1e-3
-    d = demo.judge(5, stock, lily, stock_token=0, lily_token=1)
-    assert d.rounding_level and d.max_difference == pytest.approx(1e-3, rel=1e-2)
+    lily = logits_with_top_two(1.999, 2.0)  # the tie flipped by 1e-3, as far off as stock
+    d = demo.judge(5, oracle, stock, lily, stock_token=0, lily_token=1)
+    assert d.rounding_level and d.lily_distance == pytest.approx(1e-3, rel=1e-2)
     lines, ok = demo.explain(False, ["router_topk"], d)
     assert ok
     text = "\n".join(lines)
     assert "rounding-level near-tie" in text and "generated token 5" in text and "not an error" in text
+    assert "fp32 oracle" in text
 
 
 def test_a_difference_beyond_rounding_fails_and_says_so():
     stock = logits_with_top_two(2.0, 1.0)
     lily = logits_with_top_two(1.0, 2.0)  # a whole logit: a wrong kernel
-    d = demo.judge(0, stock, lily, stock_token=0, lily_token=1)
+    d = demo.judge(0, stock, stock, lily, stock_token=0, lily_token=1)
     assert not d.rounding_level
     lines, ok = demo.explain(False, ["router_topk"], d)
     assert not ok
-    assert "more than rounding" in "\n".join(lines) and "doctor" in "\n".join(lines)
+    assert "farther from the oracle than stock" in "\n".join(lines) and "doctor" in "\n".join(lines)
+
+
+def off_by(logits: mx.array, fraction: float) -> mx.array:
+    """The logits with the first moved by ``fraction`` of their spread."""
+    return logits + mx.array([fraction * mx.std(logits).item()] + [0.0] * (logits.size - 1))
+
+
+@pytest.mark.parametrize("kernels", ["emulator", "reference"])
+def test_one_rule_on_every_platform(monkeypatch, kernels):
+    # A gap of 13% of the spread between lily and stock was accepted on the
+    # CPU (kernels in the emulator) while the README said 5%: now lily is
+    # judged against the fp32 oracle, by one rule wherever it runs.
+    monkeypatch.setenv(BACKEND_ENV, kernels)
+    oracle = logits_with_top_two(2.0, 1.0)
+    d = demo.judge(0, oracle, oracle, off_by(oracle, 0.13), 0, 1)  # stock exact, lily 13% off
+    assert d.lily_relative == pytest.approx(0.13, rel=1e-3) and not d.rounding_level
+    d = demo.judge(0, oracle, off_by(oracle, -0.12), off_by(oracle, 0.13), 0, 1)  # both round
+    assert d.rounding_level
+    slack = demo.ORACLE_SLACK
+    assert not demo.judge(0, oracle, off_by(oracle, 0.1), off_by(oracle, 0.1 + slack + 0.01), 0, 1).rounding_level
+    assert demo.judge(0, oracle, off_by(oracle, 0.1), off_by(oracle, 0.1 + slack - 0.01), 0, 1).rounding_level
+
+
+def test_readme_states_the_codes_rule():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    paragraph = next(p for p in readme.split("\n\n") if p.startswith("**Demo.**"))
+    paragraph = " ".join(paragraph.split())
+    assert "fp32 oracle" in paragraph and "no farther from the oracle than stock" in paragraph
+    assert f"{100 * demo.ORACLE_SLACK:.0f}% of the oracle's spread" in paragraph, paragraph
 
 
 def test_agreement_without_kernels_is_explained():
@@ -49,15 +82,22 @@ def test_agreement_without_kernels_is_explained():
     assert not ok and "a bug in lily" in "\n".join(lines)
 
 
-def test_first_divergence_measures_real_logits(demo_checkpoint, reference_backend, monkeypatch):
-    model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+def test_first_divergence_measures_real_logits(demo_conditioned_checkpoint, reference_backend, monkeypatch):
+    from mlx.utils import tree_flatten
+
+    model, tokenizer = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
+    before = tree_flatten(model.parameters())
     prompt = tokenizer.encode("Tell me a story")
     stock_tokens = [5, 6, 7, 8]
     lily_tokens = [5, 6, 9, 8]
     d = demo.first_divergence(model, prompt, stock_tokens, lily_tokens)
     assert (d.step, d.stock_token, d.lily_token) == (2, 7, 9)
-    # Lily on references computes stock's math exactly.
-    assert d.max_difference == 0.0 and d.rounding_level and d.spread > 0
+    # Lily on references computes stock's math exactly; the oracle rounds less.
+    assert d.lily_distance == d.stock_distance > 0 and d.rounding_level and d.spread > 0
+    # The oracle's float32 copy is gone: the model holds its own arrays again.
+    after = tree_flatten(model.parameters())
+    assert all(a is b for (_, a), (_, b) in zip(before, after)) and type(model.layers[0].mlp).__module__.startswith(
+        "mlx_lily.")
     # A wrong op (the MoE output scaled by 1.5) is far beyond rounding.
     combine = OPS["moe_combine"]
     monkeypatch.setattr(combine, "reference", lambda *a, _f=combine.reference, **k: _f(*a, **k) * 1.5)
