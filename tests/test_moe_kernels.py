@@ -291,3 +291,12 @@ def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
             assert re.search(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", text), name
             # Accumulators and operand fragments stay in registers.
             assert "ld.local" not in text and "st.local" not in text, name
+
+
+def test_fp16_calls_run_the_reference_and_say_why():
+    # The grouped GEMMs multiply bf16 matrix tiles: an fp16 model's prompt
+    # MoE runs stock's SwitchGLU (the dtype notice names moe_experts).
+    x, inds, glu = expert_inputs(20, 128, 64, 8, 2, 0, None)
+    glu.set_dtype(mx.float16)
+    why = moe_experts_supports(x.astype(mx.float16), inds, glu)
+    assert why is not None and "float16" in why and "bfloat16" in why
