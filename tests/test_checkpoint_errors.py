@@ -67,12 +67,21 @@ def edit_config(path, change):
     config_path.write_text(json.dumps(config))
 
 
-def test_declared_bits_must_match_the_tensors(copy_of):
-    # Stock mlx-lm infers each layer's bits from its tensors and loads this;
-    # lily refuses a config.json that misdescribes its weights.
-    edit_config(copy_of, lambda c: c["quantization"].__setitem__("bits", 7))
-    match = r"packed at 4 bits, group size 64 .* declares 7 bits, group size 64 \(MLX has no 7-bit"
+def test_a_layer_entry_must_match_its_tensors(copy_of):
+    # config.json's entry for a layer is what mlx-lm builds it with (it reads
+    # only layers without one off their tensors): stock fails in load_weights
+    # on the 8-bit router gate declared at 4 bits.
+    gate = "language_model.model.layers.0.mlp.gate"
+    edit_config(copy_of, lambda c: c["quantization"].__setitem__(gate, {"group_size": 64, "bits": 4}))
+    match = rf"'{gate}.weight' is packed at 8 bits, group size 64 .* quantization.{gate} declares 4 bits, group size 64"
     with pytest.raises(CheckpointError, match=match):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_top_level_quantization_needs_group_size_and_bits(copy_of):
+    # Stock: a KeyError from its quantization step.
+    edit_config(copy_of, lambda c: c["quantization"].pop("group_size"))
+    with pytest.raises(ConfigError, match="config.json quantization has no group_size"):
         mlx_lily.load(str(copy_of), backend="lily")
 
 
@@ -82,13 +91,26 @@ def test_unsupported_quantization_for_a_tensor(copy_of):
         mlx_lily.load(str(copy_of), backend="lily")
 
 
-def test_packed_weight_of_half_its_size(copy_of):
-    # Stock loads it as a 2-bit layer and generates; lily names the tensor.
-    def halve(w):
-        w[f"{EXPERT}.weight"] = w[f"{EXPERT}.weight"][..., : w[f"{EXPERT}.weight"].shape[-1] // 2]
+def set_packed_words(words):
+    def change(w):
+        w[f"{EXPERT}.weight"] = mx.zeros((*w[f"{EXPERT}.weight"].shape[:-1], words), dtype=mx.uint32)
 
-    edit_weights(copy_of, halve)
-    with pytest.raises(CheckpointError, match=rf"'{EXPERT}.weight' is packed at 2 bits.*declares 4 bits"):
+    return change
+
+
+def test_packed_weight_of_no_whole_number_of_bits(copy_of):
+    # 15 words for 128 inputs: 3.75 bits. Stock fails in load_weights.
+    edit_weights(copy_of, set_packed_words(15))
+    with pytest.raises(CheckpointError, match=rf"'{EXPERT}.weight' \(shape \(8, 128, 15\).* 3.75 bits per weight"):
+        mlx_lily.load(str(copy_of), backend="lily")
+
+
+def test_packed_weight_at_bits_mlx_has_not(copy_of):
+    # 28 words for 128 inputs: 7 bits, which MLX cannot quantize to (stock
+    # fails in mx.quantize).
+    edit_weights(copy_of, set_packed_words(28))
+    match = rf"unsupported quantization for tensor '{EXPERT}': its tensors are packed at mode=affine, bits=7"
+    with pytest.raises(CheckpointError, match=match):
         mlx_lily.load(str(copy_of), backend="lily")
 
 
@@ -120,6 +142,10 @@ def set_text_field(name, value):
         # stock: "group size 2048 not supported" (its default width)
         ("hidden_size", None, r"has no text_config.hidden_size \(the model width"),
         ("num_key_value_heads", 3, r"num_attention_heads \(4\) is not a multiple of text_config.num_key_value_heads \(3\)"),
+        # stock: a TypeError comparing it with 0
+        ("num_experts", "8", "num_experts is '8'; expected an integer"),
+        # stock builds dense MLP layers and fails on the MoE tensors
+        ("num_experts", None, "num_experts is missing, so each layer's MLP is dense, but the checkpoint holds MoE"),
     ],
 )
 def test_bad_config_field(copy_of, name, value, match):

@@ -6,7 +6,10 @@ ArraysCache); see fast_path.py for what still runs the stock layer's code."""
 from .attention import LilyAttention
 from .decoder import LilyDecoderLayer
 from .gated_deltanet import LilyGatedDeltaNet
+from .mlp import LilyDenseMLP
 from .moe import LilySparseMoeBlock
 from .text_model import LilyTextModel
 
-__all__ = ["LilyAttention", "LilyDecoderLayer", "LilyGatedDeltaNet", "LilySparseMoeBlock", "LilyTextModel"]
+__all__ = [
+    "LilyAttention", "LilyDecoderLayer", "LilyDenseMLP", "LilyGatedDeltaNet", "LilySparseMoeBlock", "LilyTextModel",
+]

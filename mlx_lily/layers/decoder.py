@@ -24,9 +24,10 @@ one row (``BatchKVCache``, a left-padded ``ArraysCache``), with the mask the
 model passes: a DeltaNet step whose mask is False keeps its recurrent state
 and enters the convolution as zeros, as in stock, and the attention reads the
 mask through its op. Other calls (prefill, batches of several rows, length-
-limited caches, other cache types), training, sharded layers, and layers whose
-projections are not quantized linears without bias run stock's layer flow
-(with lily's mixer and MoE classes).
+limited caches, other cache types), training, sharded layers, layers whose
+projections are not quantized linears without bias, and layers with a dense
+MLP instead of the MoE block run stock's layer flow (with lily's mixer, MoE
+and MLP classes).
 
 Python per token (when the whole stack's segmented step in ``text_model.py``
 does not take the call): the Gated DeltaNet step, and the attention layer's parts
@@ -310,6 +311,8 @@ class LilyDecoderLayer(DecoderLayer):
         if why_stock(mixer) is not None or why_stock(self.mlp) is not None:
             return False
         mlp = self.mlp
+        # The fused step ends in the MoE chain; a dense MLP layer (no
+        # num_experts) takes the per-layer path, its MLP on its own GEMVs.
         if not all(hasattr(mlp, n) for n in ("gate", "switch_mlp", "shared_expert", "shared_expert_gate")):
             return False
         if self.is_linear:

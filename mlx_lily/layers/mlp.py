@@ -1,0 +1,37 @@
+"""Dense MLP layer (a ``qwen3_5_moe`` config without ``num_experts``):
+``down(silu(gate(x)) * up(x))``, stock's ``Qwen3NextMLP``.
+
+For one decode token of one sequence the gate and up projections are one
+``quantized_matvec`` call (one launch reading x once) and the down projection
+another; the op runs its kernel where the quantization fits it (affine,
+group 64, 4 or 8 bits) and stock's ``mx.quantized_matmul`` otherwise, so the
+reference path is stock's to the bit. Prompts, batches of several rows,
+unquantized or non-affine projections, training and sharded layers run stock's
+code. The decoder layer's fused decode step and the compiled whole-stack and
+segmented steps are built for MoE blocks: a layer with this MLP takes the
+per-layer path (see ``LilyDecoderLayer._layer_fits``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.qwen3_next import Qwen3NextMLP
+
+from .. import kernels as K
+from .decoder import _plain_quantized, _triple
+from .fast_path import note_stock, record, why_stock
+
+
+class LilyDenseMLP(Qwen3NextMLP):
+    def __call__(self, x: mx.array) -> mx.array:
+        reason = why_stock(self)
+        if reason is not None:
+            note_stock("MLP", reason)
+        elif x.ndim == 3 and x.shape[:2] == (1, 1) and _plain_quantized(self.gate_proj, self.up_proj, self.down_proj):
+            record("MLP", "lily", x)
+            gate, up = K.quantized_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
+            (out,) = K.quantized_matvec(swiglu(gate, up), (_triple(self.down_proj),))
+            return out
+        record("MLP", "stock", x)
+        return super().__call__(x)
