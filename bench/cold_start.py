@@ -154,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--decode", type=int, default=16, help="tokens decoded after the first (default: 16)")
     p.add_argument("--engines", default="lily,mlx", help="comma-separated: lily, mlx (default: both)")
+    p.add_argument("--processes", type=int, choices=(1, 2), default=2,
+                   help="fresh processes per engine (default: 2; 1: the first-ever run only)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds a process may take (default: 900)")
     p.add_argument("--profile", action="store_true",
                    help="profile each process's load and reply (cProfile, by cumulative time) into "
@@ -190,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             env = dict(os.environ, MLX_PTX_CACHE_DIR=str(folder / "ptx"), MLX_LILY_CACHE=str(folder / "lily"))
             spec = {"source": source, "engine": ENGINES[engine], "prompt": args.prompt, "decode": args.decode}
             runs = []
-            for which in ("first", "second"):
+            for which in ("first", "second")[:args.processes]:
                 log(f"{engine}: {which} process ...")
                 if args.profile:
                     spec["profile"] = str(Path(args.out) / f"cold-profile-{engine}-{which}.txt")
@@ -201,6 +203,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 log(f"{engine}: {which} process: " + (result.get("error") or
                     f"first token at {result['first_token_s']:.1f} s, reply done at {result['reply_s']:.1f} s"))
                 runs.append(result)
+            runs += [{}] * (2 - len(runs))
             report["engines"][engine] = {
                 "first_process_s": runs[0].get("first_token_s"),
                 "second_process_s": runs[1].get("first_token_s"),
@@ -208,6 +211,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "second_process_reply_s": runs[1].get("reply_s"),
                 "processes": runs,
             }
+            record = folder / "lily" / "cuda-instances.json"
+            if record.exists():  # the kernel instances these processes met (toolchain/cuda_cache.py)
+                (Path(args.out) / f"cuda-instances-{engine}.json").write_text(record.read_text())
     report["finished"] = now_iso()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -223,7 +229,7 @@ def summary(report: Dict[str, Any]) -> str:
              "|---|---:|---:|---:|"]
     for engine, r in report["engines"].items():
         def s(v):
-            return "failed" if v is None else f"{v:.1f} s"
+            return "-" if v is None else f"{v:.1f} s"
         lines.append(f"| {engine} | {s(r['first_process_s'])} | {s(r['second_process_s'])} | "
                      f"{s(r['first_process_reply_s'])}, {s(r['second_process_reply_s'])} |")
     return "\n".join(lines)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
-from mlx_lily.toolchain import build, lint
+from mlx_lily.toolchain import build, cuda_cache, lint
 
 from test_toolchain import _mlx_cuda_include, emulator_or_skip
 
@@ -413,12 +413,12 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
         k = mx.zeros((1, 2, 64, D), mx.bfloat16)
         for split in (False, True):
             launch = A._launch_decode(q, k, k, 0.1, None, split=split)
-            suffix = "".join(build._template_suffix(v) for _, v in launch.template)
+            suffix = cuda_cache.template_suffix(launch.template)
             threads[f"attention_decode_{suffix}"] = launch.threadgroup[0]
             units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
         prefill_q = mx.zeros((1, Hq, 2048, D), mx.bfloat16)
         launch = A._launch_prefill(prefill_q, k, k, 0.1, "causal")
-        suffix = "".join(build._template_suffix(v) for _, v in launch.template)
+        suffix = cuda_cache.template_suffix(launch.template)
         threads[f"attention_prefill_{suffix}"] = launch.threadgroup[0]
         units.append(A.attention_prefill_kernel.cuda_translation_unit(prefill_q, k, k, 0.1, "causal"))
         combine = A.attention_combine_kernel.cuda_translation_unit(mx.zeros((Hq, 3, D)), mx.zeros((Hq, 3)))
@@ -428,7 +428,7 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
     q, k = mx.zeros((1, 16, 1, 256), mx.float16), mx.zeros((1, 2, 64, 256), mx.float16)
     for split in (False, True):
         launch = A._launch_decode(q, k, k, 0.1, None, split=split)
-        threads["attention_decode_" + "".join(build._template_suffix(v) for _, v in launch.template)] = launch.threadgroup[0]
+        threads["attention_decode_" + cuda_cache.template_suffix(launch.template)] = launch.threadgroup[0]
         units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
     units.append(A.attention_combine_kernel.cuda_translation_unit(
         mx.zeros((16, 3, 256)), mx.zeros((16, 3)), mx.float16))

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_lily.toolchain import build as toolchain, lint, probe
+from mlx_lily.toolchain import build as toolchain, cuda_cache, lint, probe
 from mlx_lily.kernels.gated_delta import gated_delta_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp, kernel_backend
 from mlx_lily.kernels.router import router_topk_kernel
@@ -270,17 +270,7 @@ def test_the_lint_allowlists_match_the_cuda_prelude():
 
 # Stand-in for MLX's own device header when the installed MLX does not ship it
 # (its CPU wheels do not): the names MLX's generated signature uses.
-_STAND_IN_UTILS = """#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda/std/array>
-#include <cuda/std/limits>
-#include <cuda/std/tuple>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, 10>;
-using Strides = cuda::std::array<int64_t, 10>;
-}
-"""
+_STAND_IN_UTILS = "#pragma once\n" + cuda_cache.ABI_HEADER
 
 # Device-memory atomics need atomic_outputs=True on Metal, so they get a body of
 # their own (compile-checked only).

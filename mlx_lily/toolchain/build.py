@@ -342,6 +342,7 @@ def cuda_includes_work() -> bool:
         probe = mx.fast.cuda_kernel(name="lily_include_probe", input_names=["inp"], output_names=["out"],
                                     source=source, header=header, ensure_row_contiguous=False)
         x = mx.arange(64, dtype=mx.float32)[::2]
+        _probe_module("custom_kernel_lily_include_probe", header, source, x)
         out = probe(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1),
                     output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
         if not mx.array_equal(out, x + 2.0).item():
@@ -351,6 +352,17 @@ def cuda_includes_work() -> bool:
         notice_once("cuda-includes", f"CUDA kernels get their source inline, not by #include "
                                      f"({_one_line(exc)}); each launch costs a few microseconds more")
         return False
+
+
+def _probe_module(function: str, header: str, source: str, x: mx.array) -> None:
+    """A probe kernel's module through lily's CUDA kernel cache, so that
+    later processes do not compile it again."""
+    from . import cuda_cache
+
+    cache = cuda_cache.module_cache()
+    if cache is not None:
+        cache.submit(function, cuda_cache.generated_source(function, header, source, ["inp"], [x.ndim], ["out"],
+                                                           [mx.float32], [x.dtype], [])).result()
 
 
 @functools.lru_cache(maxsize=None)
@@ -489,6 +501,7 @@ class Kernel:
     def __post_init__(self):
         if (self.body is None) == (self.source is None):
             raise ValueError(f"kernel {self.name!r}: give exactly one of body= or source=")
+        KERNELS.setdefault(self.name, self)  # the first of a name: the package's
 
     # -- the KernelLike protocol ------------------------------------------
 
@@ -622,17 +635,20 @@ class Kernel:
         )
         return launch.finish(outputs) if launch.finish is not None else outputs
 
-    def cuda_function(self, launch: Launch) -> tuple[str, str]:
-        """(function name, source) MLX generates for this launch on CUDA."""
+    def cuda_function(self, instance: "cuda_cache.Instance") -> tuple[str, str]:
+        """(function name, source) MLX generates on CUDA for ``instance``."""
         from . import cuda_cache
 
-        absent = launch.absent_set
-        header, source = self._cuda_texts[absent]
-        function = "custom_kernel_" + self.backend_name("cuda", absent) + cuda_cache.template_suffix(launch.template)
+        absent = instance.absent
+        texts = self._cuda_texts.get(absent)  # as the build gave them to MLX
+        if texts is None:
+            texts = self.mlx_texts("cuda", by_include=cuda_includes_work(), absent=absent)
+        header, source = texts
+        function = "custom_kernel_" + self.backend_name("cuda", absent) + cuda_cache.template_suffix(instance.template)
         return function, cuda_cache.generated_source(
-            function, header, source, self.present(self.input_names, absent), [a.ndim for a in launch.inputs],
-            self.present(self.output_names, absent), launch.output_dtypes, [a.dtype for a in launch.inputs],
-            launch.template)
+            function, header, source, self.present(self.input_names, absent), instance.input_ndims,
+            self.present(self.output_names, absent), instance.output_dtypes, instance.input_dtypes,
+            instance.template)
 
     def _cached_module(self, launch: Launch) -> None:
         """This instantiation's compiled module in MLX's folder before MLX
@@ -644,7 +660,10 @@ class Kernel:
         if cache is None:
             return
         try:
-            cache.submit(*self.cuda_function(launch)).result()
+            cache.precompile(KERNELS)
+            instance = cuda_cache.Instance.of(self, launch)
+            cache.submit(*self.cuda_function(instance)).result()
+            cache.record(instance)
         except Exception as exc:  # noqa: BLE001 - MLX's own compile still works
             notice_once(f"cuda-cache-failed:{self.name}", f"kernel {self.name}: lily's CUDA kernel cache "
                                                           f"could not compile it ({_one_line(exc)}); MLX compiles it")
@@ -729,54 +748,22 @@ class Kernel:
         return [n for n in names if n not in absent]
 
     def cuda_translation_unit(self, *args, by_include: bool = False, **kwargs) -> str:
-        """The CUDA source MLX's cuda_kernel generates for this call.
-
-        Mirrors the layout of MLX 0.32's generated code (its default includes,
-        the header, then the kernel inside ``namespace mlx::core::cu``), so that
-        the prelude and body can be compile-checked with nvcc without a GPU;
+        """The CUDA source MLX's cuda_kernel generates for this call
+        (``cuda_cache.generated_source``, MLX 0.32's layout), so that the
+        prelude and body can be compile-checked with nvcc without a GPU;
         ``by_include``: with the header and body as the CUDA build passes them
         when ``cuda_includes_work()`` (include lines).
         """
+        from . import cuda_cache
+
         launch = self.launch(*args, **kwargs)
         absent = launch.absent_set
         header, text = self.mlx_texts("cuda", by_include, absent)
-        params = []
-        for name, arr in zip(self.present(self.input_names, absent), launch.inputs):
-            params.append(f"    const {_cuda_type(arr.dtype)}* {name}")
-            if arr.ndim > 0:
-                # MLX's own test: the name anywhere in the source it is given.
-                if f"{name}_shape" in text:
-                    params.append(f"    const __grid_constant__ Shape {name}_shape")
-                if f"{name}_strides" in text:
-                    params.append(f"    const __grid_constant__ Strides {name}_strides")
-                if f"{name}_ndim" in text:
-                    params.append(f"    const __grid_constant__ int {name}_ndim")
-        for name, dtype in zip(self.present(self.output_names, absent), launch.output_dtypes):
-            params.append(f"    {_cuda_type(dtype)}* {name}")
-        constants = []
-        for name, value in launch.template:
-            if isinstance(value, bool):
-                constants.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
-            elif isinstance(value, int):
-                constants.append(f"  constexpr int {name} = {value};")
-            else:
-                constants.append(f"  using {name} = {_cuda_type(value)};")
-        suffix = "".join(_template_suffix(v) for _, v in launch.template)
-        return "".join(
-            [
-                '#include "mlx/backend/cuda/device/utils.cuh"\n\n',
-                "#include <cooperative_groups.h>\n\n",
-                header,
-                "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
-                f"__global__ void custom_kernel_{self.backend_name('cuda', absent)}{suffix}(\n",
-                ",\n".join(params),
-                ") {\n",
-                "\n".join(constants),
-                "\n\n" if constants else "",
-                text,
-                "\n}\n\n} // namespace mlx::core::cu\n",
-            ]
-        )
+        function = "custom_kernel_" + self.backend_name("cuda", absent) + cuda_cache.template_suffix(launch.template)
+        return cuda_cache.generated_source(
+            function, header, text, self.present(self.input_names, absent), [a.ndim for a in launch.inputs],
+            self.present(self.output_names, absent), launch.output_dtypes, [a.dtype for a in launch.inputs],
+            launch.template)
 
     # -- internals -----------------------------------------------------------
 
@@ -854,34 +841,6 @@ class Kernel:
         return True, f"{backend} kernel, self-check passed"
 
 
-_CUDA_TYPES = {
-    mx.bool_: "bool",
-    mx.int8: "int8_t",
-    mx.int16: "int16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.float32: "float",
-}
-
-
-def _cuda_type(dtype: mx.Dtype) -> str:
-    return _CUDA_TYPES[dtype]
-
-
-def _template_suffix(value: Any) -> str:
-    if isinstance(value, bool):
-        return "_t" if value else "_f"
-    if isinstance(value, int):
-        return f"_{value}"
-    return "_" + str(value).rsplit(".", 1)[-1]
-
-
 # Marks an instantiation not yet checked (None means checked and passed).
 _UNCHECKED = object()
 
@@ -894,6 +853,9 @@ def describe_instance(template, dtypes) -> str:
     args = ", ".join(f"{name}={text(value)}" for name, value in template)
     return f"{args or 'no template'}; inputs {', '.join(text(d) for d in dtypes)}"
 
+
+# Every kernel by name (the CUDA kernel cache finds recorded instances' kernels here).
+KERNELS: Dict[str, "Kernel"] = {}
 
 # First uses that met a graph transformation, so ran the reference unchecked.
 _FIRST_USES_IN_TRACES = [0]

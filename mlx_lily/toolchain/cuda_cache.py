@@ -26,12 +26,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import json
 import os
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -94,10 +96,11 @@ def template_suffix(template: Sequence[Tuple[str, object]]) -> str:
     return "".join(parts)
 
 
+# MLX's type names in kernel-name suffixes (its get_type_string).
 _TYPE_STRINGS = {
-    mx.bool_: "bool", mx.uint8: "uint8", mx.uint16: "uint16", mx.uint32: "uint32", mx.uint64: "uint64",
-    mx.int8: "int8", mx.int16: "int16", mx.int32: "int32", mx.int64: "int64",
-    mx.float16: "float16", mx.bfloat16: "bfloat16", mx.float32: "float32",
+    mx.bool_: "bool", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
+    mx.uint64: "uint64_t", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
+    mx.int64: "int64_t", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
 }
 
 CUDA_TYPES = {
@@ -260,6 +263,77 @@ def _compute_capability() -> Tuple[int, int]:
     raise RuntimeError(f"cannot tell the GPU's compute capability from {info!r}")
 
 
+# --------------------------------------------------------- instances
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One instantiation of a kernel as MLX builds it on CUDA: what its
+    generated source depends on besides the kernel's own texts."""
+
+    kernel: str
+    build: str  # the kernel's name for MLX: a digest of its source
+    absent: Tuple[str, ...]
+    template: Tuple[Tuple[str, object], ...]
+    input_dtypes: Tuple[mx.Dtype, ...]
+    input_ndims: Tuple[int, ...]
+    output_dtypes: Tuple[mx.Dtype, ...]
+
+    @classmethod
+    def of(cls, kernel, launch) -> "Instance":
+        absent = launch.absent_set
+        return cls(kernel.name, kernel.backend_name("cuda", absent), absent, tuple(launch.template),
+                   tuple(a.dtype for a in launch.inputs), tuple(a.ndim for a in launch.inputs),
+                   tuple(launch.output_dtypes))
+
+    def to_json(self) -> dict:
+        return {"kernel": self.kernel, "build": self.build, "absent": list(self.absent),
+                "template": [[n, _encode(v)] for n, v in self.template],
+                "inputs": [[_dtype_name(d), n] for d, n in zip(self.input_dtypes, self.input_ndims)],
+                "outputs": [_dtype_name(d) for d in self.output_dtypes]}
+
+    @classmethod
+    def from_json(cls, entry: dict) -> "Instance":
+        return cls(entry["kernel"], entry["build"], tuple(entry["absent"]),
+                   tuple((n, _decode(v)) for n, v in entry["template"]),
+                   tuple(getattr(mx, d) for d, _ in entry["inputs"]), tuple(int(n) for _, n in entry["inputs"]),
+                   tuple(getattr(mx, d) for d in entry["outputs"]))
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def _encode(value):
+    if isinstance(value, mx.Dtype):
+        return {"dtype": _dtype_name(value)}
+    return value
+
+
+def _decode(value):
+    return getattr(mx, value["dtype"]) if isinstance(value, dict) else value
+
+
+# Instances met at the real model shapes on an H200 (bench --cold-start),
+# shipped so that a first run compiles them in parallel from its start.
+SHIPPED_INSTANCES = Path(__file__).with_name("cuda_instances.json")
+
+
+def instances_file() -> Path:
+    """This machine's record of the instances its processes met."""
+    from .._cache import cache_dir
+
+    return cache_dir() / "cuda-instances.json"
+
+
+def read_instances(path: Path) -> List[dict]:
+    try:
+        entries = json.loads(path.read_text())
+        return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+    except (OSError, ValueError):
+        return []
+
+
 # ------------------------------------------------------------- the cache
 
 
@@ -276,6 +350,9 @@ class ModuleCache:
         self.compiled = 0
         self.found = 0
         self.compile_s = 0.0  # summed over the compiling threads
+        self.precompiled = 0  # compiles started ahead of their first launch
+        self._recorded: Dict[str, dict] = {}
+        self._precompile_started = False
 
     def nvrtc(self) -> _Nvrtc:
         if self._nvrtc is None:
@@ -299,6 +376,51 @@ class ModuleCache:
                 future = self._pool.submit(self._compile, module, function, source)
             self._pending[module] = future
             return future
+
+    def record(self, instance: Instance) -> None:
+        """Add ``instance`` to this machine's record (``instances_file()``),
+        which later processes compile ahead (``precompile``)."""
+        entry = instance.to_json()
+        key = json.dumps(entry, sort_keys=True)
+        with self._lock:
+            if key in self._recorded:
+                return
+            self._recorded[key] = entry
+            path = instances_file()
+            known = read_instances(path)
+            if entry in known:
+                return
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _replace(path, json.dumps(known + [entry], indent=0).encode(),
+                         f".{os.getpid()}.{threading.get_ident()}.part")
+            except OSError:
+                pass  # a record is an optimization only
+
+    def precompile(self, kernels: Dict[str, object]) -> None:
+        """Start compiling, in parallel, every recorded or shipped instance
+        whose kernel is unchanged and whose module MLX's folder lacks; a
+        launch that needs one of them waits for its compile only."""
+        with self._lock:
+            if self._precompile_started:
+                return
+            self._precompile_started = True
+        seen = set()
+        for entry in read_instances(instances_file()) + read_instances(SHIPPED_INSTANCES):
+            key = json.dumps(entry, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                instance = Instance.from_json(entry)
+                kernel = kernels.get(instance.kernel)
+                if kernel is None or kernel.backend_name("cuda", instance.absent) != instance.build:
+                    continue  # another version of the kernel: not what this process runs
+                future = self.submit(*kernel.cuda_function(instance))
+            except Exception:  # noqa: BLE001 - a stale or damaged entry: its launch compiles it
+                continue
+            if not future.done():
+                self.precompiled += 1
 
     def _compile(self, module: str, function: str, source: str) -> None:
         assert source.startswith(MLX_DEFAULT_HEADER)
@@ -362,21 +484,23 @@ def _make_cache() -> Optional[ModuleCache]:
         return None
 
 
-_PROBE_BODY = "uint i = threadIdx.x;\nout[i] = inp[i] + 2.0f;\n"
+_PROBE_BODY = "uint i = threadIdx.x;\nif (i < uint(inp_shape[0])) out[i] = static_cast<T>(inp[i] + float(N));\n"
+_PROBE_TEMPLATE = [("T", mx.float32), ("N", 2), ("B", True)]
 
 
 def _probe(cache: ModuleCache) -> None:
-    """Check that MLX loads what lily writes: a module of a kernel whose
-    source adds 2, compiled from a source that adds 3 (the folder's copy
-    of it is reused by later processes)."""
+    """Check that MLX loads what lily writes, for a kernel with a template
+    (a type, an int, a bool) and a shape parameter: lily writes the module
+    of a kernel whose source adds N from a source that adds N + 1 (the
+    folder keeps it for later processes), and the result must show it."""
     tag = f"{std_hash(ABI_HEADER.encode()):x}"[:10]
-    function = f"custom_kernel_lily_cache_probe_{tag}"
+    function = f"custom_kernel_lily_cache_probe_{tag}" + template_suffix(_PROBE_TEMPLATE)
     header = "typedef unsigned int uint;\n"
     source = generated_source(function, header, _PROBE_BODY, ["inp"], [1], ["out"], [mx.float32],
-                              [mx.float32], [])
+                              [mx.float32], _PROBE_TEMPLATE)
     module = f"{function}_{std_hash(source.encode()):x}"
     if not module_path(module).exists():
-        planted = source.replace("+ 2.0f", "+ 3.0f")
+        planted = source.replace("float(N)", "float(N + 1)")
         expression = f"mlx::core::cu::{function}"
         cubin, lowered = cache.nvrtc().compile(ABI_HEADER + planted[len(MLX_DEFAULT_HEADER):], expression,
                                                f"{module}.cu")
@@ -384,8 +508,8 @@ def _probe(cache: ModuleCache) -> None:
     kernel = mx.fast.cuda_kernel(name="lily_cache_probe_" + tag, input_names=["inp"], output_names=["out"],
                                  source=_PROBE_BODY, header=header, ensure_row_contiguous=True)
     x = mx.arange(32, dtype=mx.float32)
-    out = kernel(inputs=[x], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
-                 output_dtypes=[mx.float32])[0]
+    out = kernel(inputs=[x], template=_PROBE_TEMPLATE, grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                 output_shapes=[(32,)], output_dtypes=[mx.float32])[0]
     if mx.array_equal(out, x + 3.0).item():
         return
     if mx.array_equal(out, x + 2.0).item():
