@@ -186,6 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "engines": {},
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / (file_stem("cold", report["machine"], report["revision"]) + ".json")
     with tempfile.TemporaryDirectory(prefix="lily-cold-") as scratch:
         for engine in engines:
             folder = Path(scratch) / engine
@@ -214,10 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             record = folder / "lily" / "cuda-instances.json"
             if record.exists():  # the kernel instances these processes met (toolchain/cuda_cache.py)
                 (Path(args.out) / f"cuda-instances-{engine}.json").write_text(record.read_text())
+            path.write_text(json.dumps(report, indent=1))  # each engine's as it finishes
     report["finished"] = now_iso()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / (file_stem("cold", report["machine"], report["revision"]) + ".json")
     path.write_text(json.dumps(report, indent=1))
     print(summary(report))
     log(f"wrote {path}")

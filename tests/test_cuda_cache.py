@@ -186,9 +186,17 @@ def test_the_shipped_record_names_current_kernels():
     an entry whose body changed since is skipped (its launch compiles it)."""
     entries = cuda_cache.read_instances(cuda_cache.SHIPPED_INSTANCES)
     assert entries, f"{cuda_cache.SHIPPED_INSTANCES} is missing or empty"
+    current = 0
     for entry in entries:
         instance = cuda_cache.Instance.from_json(entry)
+        assert instance.to_json() == entry
         assert instance.kernel in build.KERNELS, instance.kernel
+        kernel = build.KERNELS[instance.kernel]
+        current += kernel.backend_name("cuda", instance.absent) == instance.build
+    # Kernels changed since the record was made compile at their first use,
+    # as without the record; say so when most of it is stale.
+    assert current >= len(entries) // 2, f"{len(entries) - current} of {len(entries)} shipped instances are stale: " \
+        "record them again (bench --cold-start writes cuda-instances-lily.json)"
 
 
 def test_the_cache_is_off_with_its_switch(monkeypatch):

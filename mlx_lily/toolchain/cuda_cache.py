@@ -296,12 +296,16 @@ class Instance:
     def from_json(cls, entry: dict) -> "Instance":
         return cls(entry["kernel"], entry["build"], tuple(entry["absent"]),
                    tuple((n, _decode(v)) for n, v in entry["template"]),
-                   tuple(getattr(mx, d) for d, _ in entry["inputs"]), tuple(int(n) for _, n in entry["inputs"]),
-                   tuple(getattr(mx, d) for d in entry["outputs"]))
+                   tuple(_dtype(d) for d, _ in entry["inputs"]), tuple(int(n) for _, n in entry["inputs"]),
+                   tuple(_dtype(d) for d in entry["outputs"]))
 
 
 def _dtype_name(dtype: mx.Dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
+
+
+def _dtype(name: str) -> mx.Dtype:
+    return mx.bool_ if name == "bool" else getattr(mx, name)
 
 
 def _encode(value):
@@ -311,7 +315,7 @@ def _encode(value):
 
 
 def _decode(value):
-    return getattr(mx, value["dtype"]) if isinstance(value, dict) else value
+    return _dtype(value["dtype"]) if isinstance(value, dict) else value
 
 
 # Instances met at the real model shapes on an H200 (bench --cold-start),
