@@ -333,6 +333,29 @@ def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = Fa
     return marker
 
 
+def default_path(shape: Union[str, Dict[str, Any]] = "demo", seed: int = 0, conditioned: bool = False) -> Path:
+    """Where ``make_checkpoint`` writes when given no path: the user's cache."""
+    name = shape if isinstance(shape, str) else "custom"
+    kind = "-conditioned" if conditioned else ""
+    return cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
+
+
+def is_written(path: Union[str, Path], shape: Union[str, Dict[str, Any]] = "demo", seed: int = 0,
+               conditioned: bool = False) -> bool:
+    """Whether ``path`` holds this version's checkpoint of that shape and seed."""
+    return _read_marker(Path(path)).get("identity") == _marker(shape, seed, conditioned)
+
+
+def estimated_size_gb(shape: Union[str, Dict[str, Any]] = "demo") -> float:
+    """About how many GB ``make_checkpoint`` writes for ``shape``: the
+    model's parameters (drawn lazily, never evaluated) at 4.5 bits each
+    (4-bit weights plus a bf16 scale and bias per 64), as most of them are."""
+    from mlx_lm.models import qwen3_5_moe as stock
+
+    model = stock.Model(stock.ModelArgs.from_dict(model_config(shape)))
+    return sum(v.size for _, v in tree_flatten(model.parameters())) * 4.5 / 8 / 1e9
+
+
 def make_checkpoint(
     path: Optional[Union[str, Path]] = None,
     shape: Union[str, Dict[str, Any]] = "demo",
@@ -351,14 +374,10 @@ def make_checkpoint(
     """
     from mlx_lm.utils import save_config, save_model
 
-    if path is None:
-        name = shape if isinstance(shape, str) else "custom"
-        kind = "-conditioned" if conditioned else ""
-        path = cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
-    path = Path(path)
+    path = Path(path) if path is not None else default_path(shape, seed, conditioned)
     marker = path / MARKER
     want = _marker(shape, seed, conditioned)
-    if not force and _read_marker(path).get("identity") == want:
+    if not force and is_written(path, shape, seed, conditioned):
         return path
     _refuse_foreign(path)
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import sys
 from collections import Counter, defaultdict
+from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional
 
 import mlx.core as mx
@@ -27,7 +29,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from . import backend
-from .checkpoints import SHAPES, make_checkpoint
+from ._cache import cache_dir
+from .checkpoints import SHAPES, default_path, estimated_size_gb, is_written, make_checkpoint
 from .errors import LilyError, one_line, want_traceback
 from .kernels import OPS, LilyOp
 
@@ -242,6 +245,31 @@ def explain(same: bool, ran: List[str], divergence: Optional[Divergence]) -> tup
     ], False
 
 
+# A random checkpoint this large is written only when the user says so.
+LARGE_GB = 1.0
+
+
+def may_write(shape: str, yes: bool) -> bool:
+    """Whether the demo may write ``shape``'s random checkpoint: at once when
+    it is written already or small; else with ``--yes``, or when a user at a
+    terminal answers yes."""
+    path = default_path(shape, conditioned=True)
+    if is_written(path, shape, conditioned=True):
+        return True
+    size = estimated_size_gb(shape)
+    if size < LARGE_GB or yes:
+        return True
+    folder = path.parent if path.parent.exists() else cache_dir()
+    free = shutil.disk_usage(folder if folder.exists() else Path.home()).free / 1e9
+    question = (f"the demo at shape {shape} writes a random checkpoint of about {size:.0f} GB to {path} "
+                f"({free:.0f} GB free there), and holds it in memory twice (stock's run and lily's)")
+    if not sys.stdin.isatty():
+        print(f"mlx-lily: {question}; run again with --yes to write it", file=sys.stderr)
+        return False
+    answer = input(f"{question}. Write it? [y/N] ").strip().lower()
+    return answer in ("y", "yes")
+
+
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_lily demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -249,11 +277,15 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--model", help="use this checkpoint instead of a random one")
     parser.add_argument("--prompt", default="Tell me a story about a fast engine.")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--yes", action="store_true",
+                        help=f"write a random checkpoint of {LARGE_GB:g} GB or more without asking")
     args = parser.parse_args(argv)
 
     # Conditioned: a plain random model is chaotic in rounding (bf16 against
     # fp32 moves its logits by more than their spread), which would leave the
     # fp32 oracle nothing to judge.
+    if not args.model and not may_write(args.shape, args.yes):
+        return 1
     path = args.model or str(make_checkpoint(shape=args.shape, quiet=False, conditioned=True))
     try:
         # Before either run: a checkpoint lily refuses would otherwise run

@@ -138,3 +138,26 @@ def test_refused_checkpoint_is_one_line_before_any_run(demo_checkpoint, tmp_path
     assert errors == ["mlx-lily: checkpoint is missing tensor "
                       "'language_model.model.layers.1.linear_attn.A_log' (expected shape (4,))"], out.stderr
     assert "stock mlx-lm" not in out.stdout and "Traceback" not in out.stderr
+
+
+def test_a_large_random_checkpoint_is_written_only_when_asked(monkeypatch, tmp_path, capsys):
+    """demo --shape qwen3.6-35b-a3b would write ~20 GB: without --yes and
+    without a terminal to ask at, it says so and stops before writing."""
+    from mlx_lily import demo as demo_module
+    from mlx_lily.checkpoints import estimated_size_gb
+
+    monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    written = []
+    monkeypatch.setattr(demo_module, "make_checkpoint", lambda **kw: written.append(kw))
+    assert 15 < estimated_size_gb("qwen3.6-35b-a3b") < 25 and estimated_size_gb("demo") < 0.1
+    assert demo_module.main(["--shape", "qwen3.6-35b-a3b"]) == 1
+    err = capsys.readouterr().err
+    assert "about 19 GB" in err and "--yes" in err and not written
+    assert demo_module.may_write("qwen3.6-35b-a3b", yes=True)
+    assert demo_module.may_write("demo", yes=False)  # small: no question
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True)
+    monkeypatch.setattr("builtins.input", lambda prompt: "n")
+    assert not demo_module.may_write("qwen3.6-35b-a3b", yes=False)
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")
+    assert demo_module.may_write("qwen3.6-35b-a3b", yes=False)
