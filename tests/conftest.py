@@ -47,3 +47,24 @@ def alt_conditioned_checkpoint(tmp_path_factory):
         tmp_path_factory.mktemp("ckpt") / "small-alt-conditioned", shape="small-alt", seed=1,
         conditioned=True,
     )
+
+
+@pytest.fixture
+def record_op_paths(monkeypatch):
+    """A function that starts recording {op name: set of paths it took} from
+    the call on, and returns that dict."""
+    from mlx_lily.toolchain.registry import LilyOp
+
+    def start() -> dict:
+        paths: dict = {}
+        original = LilyOp.__call__
+
+        def recorded(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            paths.setdefault(self.name, set()).add(self.last_path)
+            return result
+
+        monkeypatch.setattr(LilyOp, "__call__", recorded)
+        return paths
+
+    return start

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_lily
 from mlx_lily import kernels as K
 from mlx_lily.kernels.dtypes import REFERENCE_FOR
-from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
+from mlx_lily.toolchain.registry import BACKEND_ENV
 
 from test_toolchain import emulator_or_skip
 
@@ -51,33 +51,19 @@ def fp32_checkpoint(tmp_path_factory, request):
     return cast_checkpoint(Path(src), tmp_path_factory.mktemp("ckpt") / "demo-fp32", mx.float32)
 
 
-def record_paths(monkeypatch) -> dict:
-    """{op name: set of paths it took} from now on."""
-    paths: dict = {}
-    original = LilyOp.__call__
-
-    def recorded(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        paths.setdefault(self.name, set()).add(self.last_path)
-        return result
-
-    monkeypatch.setattr(LilyOp, "__call__", recorded)
-    return paths
-
-
 def test_an_fp16_checkpoint_runs_its_kernels_and_stays_close_to_stock(fp16_checkpoint, monkeypatch,
-                                                                      fresh_notices, capsys):
+                                                                      fresh_notices, capsys, record_op_paths):
     emulator_or_skip()
     monkeypatch.setenv(BACKEND_ENV, "emulator")
     stock, _ = mlx_lily.load(str(fp16_checkpoint), backend="mlx")
     lily, _ = mlx_lily.load(str(fp16_checkpoint), backend="lily")
     cs, cl = make_prompt_cache(stock), make_prompt_cache(lily)
-    prompt_paths = record_paths(monkeypatch)
+    prompt_paths = record_op_paths()
     got, want = lily(TOKENS[:, :10], cache=cl), stock(TOKENS[:, :10], cache=cs)
     assert got.dtype == want.dtype == mx.float16
     logits = [(got, want)]
     prompt_paths = {k: set(v) for k, v in prompt_paths.items()}
-    decode_paths = record_paths(monkeypatch)
+    decode_paths = record_op_paths()
     for t in range(10, 14):
         step = TOKENS[:, t : t + 1]
         logits.append((lily(step, cache=cl), stock(step, cache=cs)))
@@ -104,11 +90,12 @@ def test_an_fp16_checkpoint_runs_its_kernels_and_stays_close_to_stock(fp16_check
 
 
 def test_an_fp32_checkpoint_says_once_which_ops_run_their_references(fp32_checkpoint, demo_checkpoint,
-                                                                    monkeypatch, fresh_notices, capsys):
+                                                                    monkeypatch, fresh_notices, capsys,
+                                                                    record_op_paths):
     emulator_or_skip()
     monkeypatch.setenv(BACKEND_ENV, "emulator")
     lily, _ = mlx_lily.load(str(fp32_checkpoint), backend="lily")
-    paths = record_paths(monkeypatch)
+    paths = record_op_paths()
     cache = make_prompt_cache(lily)
     assert lily(TOKENS[:, :8], cache=cache).dtype == mx.float32
     for t in range(8, 11):

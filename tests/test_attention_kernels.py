@@ -40,28 +40,26 @@ def attention_exact(q, k, v, scale, mask=None) -> np.ndarray:
     return (p / p.sum(axis=-1, keepdims=True)) @ v
 
 
-def assert_within_one_bf16_step(got, exact):
+def assert_within_one_step(got, exact, mantissa_bits: int = 7, name: str = "bf16"):
+    """Every element within one rounding step of ``exact`` at ``got``'s
+    precision (2^-7 of the value's binade for bf16, 2^-10 for fp16, 8 times
+    finer): fp32 scores, softmax and sums are ~1e-6 relative, below either."""
     got = np.array(got.astype(mx.float32)).astype(np.float64)
     assert got.shape == exact.shape
-    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-7
+    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-mantissa_bits
     bad = np.abs(got - exact) > step
     assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.size} off by more than one bf16 step; first at "
+        f"{int(bad.sum())} of {bad.size} off by more than one {name} step; first at "
         f"{np.argwhere(bad)[0].tolist()}: {got[bad][0]} vs {exact[bad][0]}"
     )
+
+
+def assert_within_one_bf16_step(got, exact):
+    assert_within_one_step(got, exact, 7, "bf16")
 
 
 def assert_within_one_fp16_step(got, exact):
-    # As for bf16 above, with fp16's step (2^-10 of the value's binade, 8
-    # times finer): fp32 scores, softmax and sums are ~1e-6 relative, below it.
-    got = np.array(got.astype(mx.float32)).astype(np.float64)
-    assert got.shape == exact.shape
-    step = np.maximum(np.abs(exact), 1e-2 * np.abs(exact).max()) * 2.0**-10
-    bad = np.abs(got - exact) > step
-    assert not bad.any(), (
-        f"{int(bad.sum())} of {bad.size} off by more than one fp16 step; first at "
-        f"{np.argwhere(bad)[0].tolist()}: {got[bad][0]} vs {exact[bad][0]}"
-    )
+    assert_within_one_step(got, exact, 10, "fp16")
 
 
 def decode_inputs(S, Hq, Hkv, D, seed=0, spare=5, dtype=mx.bfloat16):

@@ -211,7 +211,8 @@ def test_greedy_tokens_match_stock_with_the_router_kernel(which, demo_checkpoint
 
 
 @pytest.mark.parametrize("which", ["demo"])
-def test_greedy_tokens_match_stock_with_all_kernels_on_conditioned_checkpoints(which, demo_conditioned_checkpoint, alt_conditioned_checkpoint, monkeypatch):
+def test_greedy_tokens_match_stock_with_all_kernels_on_conditioned_checkpoints(which, demo_conditioned_checkpoint, alt_conditioned_checkpoint, monkeypatch,
+                                                                          record_op_paths):
     # With every kernel, fp32 sums in another order differ from stock in the
     # last bits; a plain random model amplifies that into other tokens within
     # a few dozen, a well-conditioned one less so. (The conditioned small-alt
@@ -222,15 +223,7 @@ def test_greedy_tokens_match_stock_with_all_kernels_on_conditioned_checkpoints(w
     path = str(demo_conditioned_checkpoint if which == "demo" else alt_conditioned_checkpoint)
     stock, _ = mlx_lily.load(path, backend="mlx")
     lily, _ = mlx_lily.load(path, backend="lily")
-    paths = {}
-    original = LilyOp.__call__
-
-    def recorded(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        paths.setdefault(self.name, set()).add(self.last_path)
-        return result
-
-    monkeypatch.setattr(LilyOp, "__call__", recorded)
+    paths = record_op_paths()
     assert greedy(lily) == greedy(stock)
     # Every op of the model that has a kernel ran it.
     kernel_ops = [name for name, op in K.OPS.items() if op.kernel is not None and op.in_model]
