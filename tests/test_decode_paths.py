@@ -1,4 +1,4 @@
-"""bench.diagnostics.decode_paths: every decode path runs and is the one named."""
+"""bench.diagnostics.decode.decode_paths: every decode path runs and is the one named."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bench.diagnostics import decode_paths
+from bench.diagnostics.decode import decode_paths
 from mlx_lily.layers.decoder import COMPILE_ENV
 from mlx_lily.toolchain.registry import BACKEND_ENV
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from bench.diagnostics.turned_off import capture_turned_off, distance, judge
+from bench.diagnostics.numerics.turned_off import capture_turned_off, distance, judge
 from mlx_lily.kernels.gated_delta_decode import gated_delta_decode_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
@@ -47,7 +47,7 @@ def test_capture_finds_an_instance_its_check_turned_off(monkeypatch):
 
 
 def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
-    from bench.diagnostics import host_cost
+    from bench.diagnostics.decode import host_cost
     from mlx_lily.toolchain import build, registry
 
     before = (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on)
@@ -61,7 +61,7 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
 
 
 def test_launch_cost_times_chains_of_launches(tmp_path):
-    from bench.diagnostics import launch_cost
+    from bench.diagnostics.decode import launch_cost
 
     # The chain really is N launches of x + 1.
     assert launch_cost.chain(lambda x: x + 1, 5)(mx.zeros((launch_cost.WIDTH,))).tolist() == [5.0] * 32
@@ -76,7 +76,7 @@ def test_decode_split_times_each_part_and_puts_the_model_back():
     """The split's parts are timed inside the build, the launch and wait
     after it; the segmented path ran (its parts took time), and every
     patched method and the caches' writes are the originals again."""
-    from bench.diagnostics import decode_split
+    from bench.diagnostics.decode import decode_split
     from bench.engines import load_shared, switch
     from bench.measure import prefilled_cache
     from mlx_lily.layers import text_model
@@ -104,7 +104,7 @@ def test_decode_split_times_each_part_and_puts_the_model_back():
 def test_decode_split_rounds_report_each_round(tmp_path):
     """--rounds N: one column of the split per round and one decode line
     after each, on the same cache."""
-    from bench.diagnostics import decode_split
+    from bench.diagnostics.decode import decode_split
 
     decode_split.main(["--shape", "demo", "--context", "16", "--steps", "2", "--rounds", "2",
                        "--out", str(tmp_path)])
@@ -117,7 +117,7 @@ def test_decode_split_rounds_report_each_round(tmp_path):
 def test_collector_time_counts_each_collection():
     import gc
 
-    from bench.diagnostics.decode_split import collector_time
+    from bench.diagnostics.decode.decode_split import collector_time
 
     spent = []
     with collector_time(spent):
@@ -130,7 +130,7 @@ def test_collector_time_counts_each_collection():
 def test_bandwidth_says_what_it_needs_without_pytorch_on_cuda(capsys, monkeypatch):
     import builtins
 
-    from bench.diagnostics import bandwidth
+    from bench.diagnostics.tuning import bandwidth
 
     real_import = builtins.__import__
 
@@ -145,7 +145,7 @@ def test_bandwidth_says_what_it_needs_without_pytorch_on_cuda(capsys, monkeypatc
 
 
 def test_decode_graph_lists_the_nodes_of_one_decode_step(tmp_path):
-    from bench.diagnostics import decode_graph
+    from bench.diagnostics.decode import decode_graph
 
     assert decode_graph.main(["--shape", "demo", "--context", "16", "--first", "3", "--out", str(tmp_path)]) == 0
     lines = (tmp_path / "decode_graph.txt").read_text().splitlines()

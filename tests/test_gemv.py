@@ -103,7 +103,7 @@ def test_fp16_rows_are_within_one_fp16_step_of_an_fp32_oracle():
 @pytest.mark.parametrize("rows_per_simdgroup", [1, 2, 4])
 @pytest.mark.parametrize("simdgroups", [1, 3, 8, 16])
 def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgroups):
-    # The launch's tuning choices (bench/diagnostics/gemv_sweep.py) move rows
+    # The launch's tuning choices (bench/diagnostics/tuning/gemv_sweep.py) move rows
     # between SIMD groups and threadgroups, never their sums.
     emulator_or_skip()
     args, kwargs = make_call(320, (37, 5, 70), (4, 8, 4), "norm", seed=rows_per_simdgroup + simdgroups)
@@ -323,7 +323,7 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
             },
         ),
         "fp32_norm": (x2k, _zeros_weights(2048, (64, 7), (8, 4)), {"norm_weight": mx.ones((2048,)), "eps": 1e-6}),
-        # The tuning choices' extremes (bench/diagnostics/gemv_sweep.py).
+        # The tuning choices' extremes (bench/diagnostics/tuning/gemv_sweep.py).
         "rows_1": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)),
                    {**norm, "rows_per_simdgroup": 1, "simdgroups": 16}),
         "rows_2": (x2k, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)),
@@ -353,7 +353,7 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
 
 def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeypatch):
     emulator_or_skip()
-    from bench.diagnostics import gemv_sweep
+    from bench.diagnostics.tuning import gemv_sweep
 
     monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False)})
     monkeypatch.setattr(gemv_sweep, "SIMDGROUPS", (1, 2))
@@ -369,7 +369,7 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
 
 
 def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, monkeypatch):
-    from bench.diagnostics import gemv_sweep
+    from bench.diagnostics.tuning import gemv_sweep
 
     calls = {"first": (128, (9,), (4,), "norm", False), "second": (128, (3,), (8,), "none", False),
              "third": (128, (5,), (4,), "none", False)}
@@ -394,7 +394,7 @@ def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, 
 
 
 def test_the_sweep_times_only_the_evaluation_of_calls_built_before():
-    from bench.diagnostics import gemv_sweep
+    from bench.diagnostics.tuning import gemv_sweep
 
     built = []
 

@@ -231,7 +231,7 @@ def test_kernels_are_deterministic_at_real_shapes(backend):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=str)
 def test_lily_model_is_deterministic(backend, dtype):
     # Stock mlx-lm on CUDA was seen to differ between two runs of small fp32
-    # checkpoints (bench/diagnostics/determinism.py finds the op); lily's path
+    # checkpoints (bench/diagnostics/numerics/determinism.py finds the op); lily's path
     # must not.
     from mlx_lm.models.cache import make_prompt_cache
 

@@ -1,6 +1,6 @@
 """Which GPU kernels a decode token runs, and for how long (NVIDIA only).
 
-    python3 -m bench.diagnostics.decode_profile [--engines lily,stock] [--context 4096] [--out DIR]
+    python3 -m bench.diagnostics.decode.decode_profile [--engines lily,stock] [--context 4096] [--out DIR]
 
 One model, one prompt of CONTEXT tokens per engine, then STEPS decode steps
 recorded with PyTorch's profiler (CUPTI: it sees every kernel the process

@@ -1,7 +1,7 @@
 """Gated DeltaNet at Qwen3.6's shapes on the GPU: the chunked tile kernels
 against the sequential kernel and stock, by call length, with their errors.
 
-    python3 -m bench.diagnostics.gated_delta_chunked --out DIR
+    python3 -m bench.diagnostics.prefill.gated_delta_chunked --out DIR
 
 Writes DIR/gated_delta_chunked.json: per length T, the median milliseconds of
 stock (the op's reference), the sequential kernel, the chunked kernels (and
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from bench.common import REPO_ROOT
 
 gd = importlib.import_module("mlx_lily.kernels.gated_delta")
 gdc = importlib.import_module("mlx_lily.kernels.gated_delta_chunked")
@@ -55,7 +57,7 @@ def median_ms(fn, *args, iters=20):
 
 
 def float64_errors(backend, T=1000):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))
     from test_gated_delta_kernel import ground_truth
 
     args = inputs(T)

@@ -1,6 +1,6 @@
 """Which MLX op is not deterministic on this GPU? One table, one command:
 
-    python3 bench/diagnostics/determinism.py [--runs 5] [--out DIR]
+    python3 bench/diagnostics/numerics/determinism.py [--runs 5] [--out DIR]
 
 Each candidate op of stock mlx-lm's forward runs RUNS times on identical
 inputs (built once, evaluated, then reused; freed memory filled with NaN
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402

@@ -1,6 +1,6 @@
 """Where does prefill's peak memory go? Lily against stock, part by part.
 
-    python3 -m bench.diagnostics.peak_memory [--tokens 2048] [--out DIR]
+    python3 -m bench.diagnostics.prefill.peak_memory [--tokens 2048] [--out DIR]
 
 At the real shapes (random weights), one prompt chunk of TOKENS tokens runs,
 for each engine, through: the whole model as mlx-lm's prefill runs it (the

@@ -1,6 +1,6 @@
 """How close a decode token's weight reads come to the GPU's memory speed (NVIDIA only).
 
-    python3 -m bench.diagnostics.bandwidth [--out DIR]
+    python3 -m bench.diagnostics.tuning.bandwidth [--out DIR]
 
 For each weight read a decode token makes (the merged projections of
 ``gemv_sweep``, at the real Qwen3.6-35B-A3B shapes), the device time of one
@@ -28,8 +28,8 @@ from typing import Callable, Dict, List
 import mlx.core as mx
 
 from bench.common import write_report
-from bench.diagnostics.decode_profile import kernel_times
-from bench.diagnostics.gemv_sweep import CALLS, weight_bytes
+from bench.diagnostics.decode.decode_profile import kernel_times
+from bench.diagnostics.tuning.gemv_sweep import CALLS, weight_bytes
 from mlx_lily.kernels.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
 
 # Bytes the rotation spans: four times the H200's L2.

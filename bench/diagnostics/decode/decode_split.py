@@ -1,6 +1,6 @@
 """Where the host's time goes in one lily decode step, part by part.
 
-    python3 -m bench.diagnostics.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1]
+    python3 -m bench.diagnostics.decode.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1]
         [--gpu-clocks] [--segments] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), a prompt of
@@ -44,7 +44,7 @@ import mlx.core as mx
 from bench.common import write_report
 from bench.gpu_clocks import describe as describe_clocks
 from bench.gpu_clocks import sampled_clocks
-from bench.diagnostics.host_cost import held
+from bench.diagnostics.decode.host_cost import held
 
 PARTS = ("eligibility and masks", "weights check", "whole-step call", "KV capacity", "segment calls",
          "KV-cache writes", "attention ops")

@@ -1,6 +1,6 @@
 """Which kernel instance did a first-use check turn off, and who was right?
 
-    python3 -m bench.diagnostics.turned_off [--tokens 256] [--out DIR]
+    python3 -m bench.diagnostics.numerics.turned_off [--tokens 256] [--out DIR]
 
 Runs the small-alt checkpoint (bf16, seed 1: the GPU determinism test's
 model) through a prompt and a few decode steps on this GPU, and records
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402

@@ -8,7 +8,7 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.gemv_sweep --out DIR [--device-time]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time]
 
 By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``
@@ -88,7 +88,7 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> di
     nbytes = weight_bytes(args)
     want = quantized_matvec_reference(*args, **kwargs)
     if device_time:
-        from bench.diagnostics.bandwidth import device_us, rotation
+        from bench.diagnostics.tuning.bandwidth import device_us, rotation
 
         sets = rotation(args[1])
 
@@ -156,7 +156,7 @@ def main(argv=None) -> int:
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
     if args.device_time:
-        from bench.diagnostics.bandwidth import torch_cuda_missing
+        from bench.diagnostics.tuning.bandwidth import torch_cuda_missing
 
         why = torch_cuda_missing()
         if why:

@@ -1,6 +1,6 @@
 """What one kernel launch costs a step through MLX, on this machine.
 
-    python3 -m bench.diagnostics.launch_cost [--launches 16,64,256] [--source-kb 0,16,32] [--input-mb 0,512] [--out DIR]
+    python3 -m bench.diagnostics.decode.launch_cost [--launches 16,64,256] [--source-kb 0,16,32] [--input-mb 0,512] [--out DIR]
 
 A decode step of lily launches ~290 kernels (bench/README.md), each a tiny
 one at batch 1. Where the host's cost per launch (building the node, MLX's

@@ -9,7 +9,7 @@ against the reference. SPLIT_FROM should be the smallest context from which
 the split is faster than the single pass, and decode_key_block should pick
 the fastest block per context.
 
-    python3 -m bench.diagnostics.attention_split --out DIR [--lengths 256,...,128K]
+    python3 -m bench.diagnostics.decode.attention_split --out DIR [--lengths 256,...,128K]
 
 Writes DIR/attention-split.json and DIR/attention-split.md (the table).
 """

@@ -1,6 +1,6 @@
 """Decode time per token by path: where does a decode token's time go?
 
-    python3 -m bench.diagnostics.decode_paths [--shape qwen3.6-35b-a3b] [--context 4096] [--out DIR]
+    python3 -m bench.diagnostics.decode.decode_paths [--shape qwen3.6-35b-a3b] [--context 4096] [--out DIR]
 
 One model, one prompt of CONTEXT tokens, then decode steps on that cache for
 each path a decode token can take:

@@ -1,6 +1,6 @@
 """MoE prefill kernels, stage by stage, at the real shapes (a GPU run).
 
-    python3 -m bench.diagnostics.moe_prefill --out DIR
+    python3 -m bench.diagnostics.prefill.moe_prefill --out DIR
 
 Times, per token count (256, 1K, 2K: tiles of 16, 32, 64 rows) and load
 (uniform random routing, and skewed: a quarter of the slots on 8 experts):

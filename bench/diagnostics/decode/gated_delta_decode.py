@@ -1,7 +1,7 @@
 """The Gated DeltaNet decode step at Qwen3.6's shapes on the GPU: the one-kernel
 step (gated_delta_decode) against the separate ops it replaces, with its error.
 
-    python3 -m bench.diagnostics.gated_delta_decode --out DIR
+    python3 -m bench.diagnostics.decode.gated_delta_decode --out DIR
 
 Writes DIR/gated_delta_decode.json: the median milliseconds of one decode step
 (after the projections) through the fused kernel, through the separate ops

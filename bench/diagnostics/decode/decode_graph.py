@@ -1,6 +1,6 @@
 """The graph of one lily decode step, node by node.
 
-    python3 -m bench.diagnostics.decode_graph [--shape qwen3.6-35b-a3b] [--context 512] [--first 120] [--out DIR]
+    python3 -m bench.diagnostics.decode.decode_graph [--shape qwen3.6-35b-a3b] [--context 512] [--first 120] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), CONTEXT prompt
 tokens, then one decode step traced by ``bench.counts.trace`` (nothing is

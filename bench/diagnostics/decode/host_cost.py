@@ -1,6 +1,6 @@
 """The host's share of a lily decode step, measured on any machine.
 
-    python3 -m bench.diagnostics.host_cost [--layers 40] [--steps 30] [--out DIR]
+    python3 -m bench.diagnostics.decode.host_cost [--layers 40] [--steps 30] [--out DIR]
 
 On an NVIDIA GPU through MLX, lily's decode is bound by the host: building a
 step's graph (the model's Python and MLX's graph construction) and launching

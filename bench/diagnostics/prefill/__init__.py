@@ -1,0 +1,1 @@
+"""Prefill diagnostics: a prompt chunk's kernels (Gated DeltaNet, MoE) and memory."""

@@ -1,0 +1,1 @@
+"""Tuning diagnostics: the decode GEMV's launch choices and the bandwidth its weight reads reach."""
