@@ -3,7 +3,7 @@
     python3 -m bench.diagnostics.tuning.bandwidth [--out DIR]
 
 For each weight read a decode token makes (the merged projections of
-``gemv_sweep``, at the real Qwen3.6-35B-A3B shapes), the device time of one
+``weight_reads.CALLS``, at the real Qwen3.6-35B-A3B shapes), the device time of one
 call (CUPTI, through PyTorch's profiler: the kernel alone, without launching)
 and the GB/s that makes of the weights' bytes, for:
 
@@ -23,52 +23,23 @@ Needs PyTorch with CUDA; without it, says so and exits 2.
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Dict, List
+from typing import Dict
 
 import mlx.core as mx
 
 from bench.common import write_report
 from bench.diagnostics.decode.decode_profile import kernel_times
-from bench.diagnostics.tuning.gemv_sweep import CALLS, weight_bytes
+from bench.diagnostics.tuning.weight_reads import (
+    CALLS,
+    ROTATION_BYTES,
+    ROUNDS,
+    device_us,
+    per_call_us,
+    rotation,
+    torch_cuda_missing,
+    weight_bytes,
+)
 from mlx_lily.kernels.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
-
-# Bytes the rotation spans: four times the H200's L2.
-ROTATION_BYTES = 200 * 2**20
-ROUNDS = 5
-
-
-def _per_call_us(kernels: Dict[str, List[float]], calls: int) -> float:
-    """Device µs per call: every kernel the calls launched, summed."""
-    total = sum(sum(times) for times in kernels.values())
-    if total <= 0:
-        raise RuntimeError("the profiler recorded no GPU kernels (device times need CUDA and CUPTI)")
-    return total / calls
-
-
-def device_us(fn: Callable, inputs: list) -> float:
-    """Device µs of one call of fn, each call on the next input of the
-    rotation and evaluated on its own (kernels of independent calls in one
-    graph may run at once, and their times would overlap)."""
-    for a in inputs:  # compiled, and each copy read once before timing
-        mx.eval(fn(a))
-
-    def run():
-        for _ in range(ROUNDS):
-            for a in inputs:
-                mx.eval(fn(a))
-
-    return _per_call_us(kernel_times(run), ROUNDS * len(inputs))
-
-
-def rotation(weights: tuple) -> list:
-    """Copies of the weights (a tuple of (w, scales, biases)), enough that
-    together they span ROTATION_BYTES; evaluated."""
-    nbytes = sum(a.nbytes for triple in weights for a in triple)
-    sets = [weights] + [tuple(tuple(a * 1 for a in triple) for triple in weights)
-                        for _ in range(max(2, -(-ROTATION_BYTES // nbytes)) - 1)]
-    mx.eval(sets)
-    return sets
-
 
 def _torch_read_us(nbytes: int, copies: int) -> float:
     import torch
@@ -82,7 +53,7 @@ def _torch_read_us(nbytes: int, copies: int) -> float:
         torch.cuda.synchronize()
 
     run()
-    return _per_call_us(kernel_times(run), ROUNDS * copies)
+    return per_call_us(kernel_times(run), ROUNDS * copies)
 
 
 def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
@@ -107,15 +78,6 @@ def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
           f"stock {row['stock_us']:.1f} us ({row['stock_gb_s']:.0f} GB/s), lily {row['lily_us']:.1f} us "
           f"({row['lily_gb_s']:.0f} GB/s)", flush=True)
     return row
-
-
-def torch_cuda_missing() -> str:
-    """Why PyTorch's profiler cannot time kernels here ('' when it can)."""
-    try:
-        import torch
-    except ImportError as exc:
-        return str(exc)
-    return "" if torch.cuda.is_available() else "torch.cuda is not available"
 
 
 def main(argv=None) -> int:

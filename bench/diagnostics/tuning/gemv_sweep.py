@@ -14,7 +14,7 @@ By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``
 (NVIDIA, with PyTorch) it is the kernels' device time (CUPTI), each call
 evaluated on its own and reading its own copy of the weights, rotating over
-more than the GPU's L2 cache (``bandwidth.rotation``): the kernel alone.
+more than the GPU's L2 cache (``weight_reads.rotation``): the kernel alone.
 
 Writes DIR/gemv-sweep.json and DIR/gemv-sweep.md (the table).
 """
@@ -30,6 +30,7 @@ import mlx.core as mx
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import log, machine_info, now_iso, software_info
+from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, torch_cuda_missing, weight_bytes
 from bench.ops import time_call, time_in_graph as ops_time_in_graph
 from mlx_lily.kernels.gemv import (
     ROWS_CHOICES,
@@ -50,22 +51,6 @@ SIMDGROUPS = (2, 4, 8, 16)
 # for the kernel a Python launch: those figures are not kernel times.)
 CALLS_PER_GRAPH = 32
 GRAPHS_TIMED = 15
-
-# name -> (K, rows per segment, bits per segment, prologue, residual): what one
-# decode token of the real model runs (per layer, or once for lm_head).
-CALLS = {
-    "deltanet in (qkv, z, b, a)": (2048, (8192, 4096, 32, 32), (4, 4, 4, 4), "norm", False),
-    "attention in (q+gate, k, v)": (2048, (8192, 512, 512), (4, 4, 4), "norm", False),
-    "router + shared gate": (2048, (256, 1), (8, 8), "norm", False),
-    "deltanet out + residual": (4096, (2048,), (4,), "none", True),
-    "attention out (gated) + residual": (4096, (2048,), (4,), "gate", True),
-}
-
-
-def weight_bytes(args) -> int:
-    _, weights = args
-    return sum(w.nbytes + s.nbytes + b.nbytes for w, s, b in weights)
-
 
 def time_in_graph(fn, args, kwargs) -> float:
     """Microseconds per call, CALLS_PER_GRAPH calls built, then evaluated together."""
@@ -88,8 +73,6 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> di
     nbytes = weight_bytes(args)
     want = quantized_matvec_reference(*args, **kwargs)
     if device_time:
-        from bench.diagnostics.tuning.bandwidth import device_us, rotation
-
         sets = rotation(args[1])
 
         def timed(fn, args, kwargs):
@@ -156,8 +139,6 @@ def main(argv=None) -> int:
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
     if args.device_time:
-        from bench.diagnostics.tuning.bandwidth import torch_cuda_missing
-
         why = torch_cuda_missing()
         if why:
             raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
