@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -196,6 +196,23 @@ class Server:
         self._log.close()
 
 
+def sse_data(lines: Iterable[Union[bytes, str]]) -> Iterator[str]:
+    """The data of each event of a server-sent event stream (lines as bytes
+    or text), in order; the OpenAI API's end mark ``[DONE]`` included."""
+    for raw in lines:
+        line = (raw.decode() if isinstance(raw, bytes) else raw).strip()
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def sse_chunks(lines: Iterable[Union[bytes, str]]) -> Iterator[Dict[str, Any]]:
+    """The JSON chunks of a streamed OpenAI API response, up to its ``[DONE]``."""
+    for data in sse_data(lines):
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[str, Any]:
     """One streaming text completion, greedy; its timings and text."""
     body = {
@@ -211,14 +228,7 @@ def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[st
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     first = last = None
     text, usage = [], {}
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    for chunk in sse_chunks(response):
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices") or []:
             piece = choice.get("text") or ""

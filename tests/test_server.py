@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from bench.serve import sse_chunks, sse_data
+
 HOST = "127.0.0.1"
 
 
@@ -90,7 +92,7 @@ def test_streamed_chat_completion(server):
     port, _ = server
     status, payload = request(port, "POST", "/v1/chat/completions", {**CHAT, "stream": True})
     assert status == 200
-    events = [line[len("data: "):] for line in payload.splitlines() if line.startswith("data: ")]
+    events = list(sse_data(payload.splitlines()))
     assert events and events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -122,14 +124,7 @@ def stream_chat(port, content, max_tokens, stop_after=None, timeout=120):
     response = conn.getresponse()
     assert response.status == 200
     text, chunks = [], 0
-    for raw in response:
-        line = raw.decode().strip()
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
+    for chunk in sse_chunks(response):
         if chunk["choices"]:
             text.append(chunk["choices"][0]["delta"].get("content") or "")
         chunks += 1
