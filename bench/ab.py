@@ -316,7 +316,7 @@ def _guarded(fn) -> Dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_lily.checkpoints import SHAPES
+    from mlx_lily.random_checkpoints import SHAPES
 
     p = argparse.ArgumentParser(
         prog="python -m bench",

@@ -144,7 +144,7 @@ def _modules(folder: Path) -> set:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlx_lily.checkpoints import SHAPES
+    from mlx_lily.random_checkpoints import SHAPES
 
     p = argparse.ArgumentParser(prog="python -m bench --cold-start", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a local checkpoint folder or hub repo id")

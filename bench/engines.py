@@ -51,7 +51,7 @@ def load_engine(source: Dict[str, Any], engine: str) -> Tuple[Any, int, float]:
             source["model"], backend=BACKEND[engine], return_config=True
         )
     else:
-        from mlx_lily.checkpoints import build_model
+        from mlx_lily.random_checkpoints import build_model
 
         model_class = None
         if engine == "lily":
@@ -74,7 +74,7 @@ def load_shared(source: Dict[str, Any]) -> Tuple[Any, int, float, Optional[str]]
 
         model, _tok, config = mlx_lily.load(source["model"], backend="mlx", return_config=True)
     else:
-        from mlx_lily.checkpoints import build_model
+        from mlx_lily.random_checkpoints import build_model
 
         model, config = build_model(
             source["shape"], seed=source["seed"], conditioned=bool(source.get("conditioned"))

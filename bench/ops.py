@@ -52,8 +52,8 @@ Inputs = Tuple[tuple, dict]
 
 
 def dims_for(shape: str) -> Dict[str, Any]:
-    """The op-level dimensions of a model shape (mlx_lily.checkpoints.SHAPES)."""
-    from mlx_lily.checkpoints import SHAPES
+    """The op-level dimensions of a model shape (mlx_lily.random_checkpoints.SHAPES)."""
+    from mlx_lily.random_checkpoints import SHAPES
 
     c = SHAPES[shape]
     rope = c["rope_parameters"]

@@ -437,7 +437,7 @@ class GenerateCheck:
 def resolve_model(args: argparse.Namespace) -> str:
     if args.model:
         return args.model
-    from mlx_lily.checkpoints import make_checkpoint
+    from mlx_lily.random_checkpoints import make_checkpoint
 
     shape = args.shape or "demo"
     kind = "-conditioned" if args.conditioned else ""

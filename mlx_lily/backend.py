@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import mlx_lm.utils as mlx_utils
 
-from . import prime
+from . import warmup
 from ._notice import notice_once
 from .errors import LilyError
 from .models import SPECIALIZED
@@ -52,17 +52,17 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
     loaded = _stock_load_model(model_path, *args, **kwargs)
     lazy = args[0] if args else kwargs.get("lazy", False)
     program = current_program()
-    if not lazy and prime.requested(program):
+    if not lazy and warmup.requested(program):
         # A lazy load (sharded and pipeline loads) has no weights yet.
         _prime_quietly(loaded[0], server=program == "mlx_lm.server")
     return loaded
 
 
 def _prime_quietly(model, server: bool) -> None:
-    """Prime the kernels (``mlx_lily.prime``); a failure there is a notice,
+    """Prime the kernels (``mlx_lily.warmup``); a failure there is a notice,
     and the kernels then build at their first use as they would anyway."""
     try:
-        prime.prime(model, server=server)
+        warmup.prime(model, server=server)
     except Exception as exc:  # noqa: BLE001 - priming is an optimization only
         notice_once("prime-failed", f"priming the kernels failed ({type(exc).__name__}: {exc}); "
                                     "each kernel builds at its first use instead")

@@ -1,7 +1,7 @@
 """``python -m mlx_lily demo``: one prompt through stock mlx-lm and through lily.
 
 The checkpoint is a random ``qwen3_5_moe`` made once and cached (see
-checkpoints.py; conditioned, so that it is not chaotic in rounding), so the
+random_checkpoints.py; conditioned, so that it is not chaotic in rounding), so the
 text is gibberish; what matters is which of lily's ops
 ran kernels, whether both engines produce the same greedy tokens, and how fast
 each is.
@@ -30,7 +30,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from . import backend
 from ._cache import cache_dir
-from .checkpoints import SHAPES, default_path, estimated_size_gb, is_written, make_checkpoint
+from .random_checkpoints import SHAPES, default_path, estimated_size_gb, is_written, make_checkpoint
 from .errors import LilyError, one_line, want_traceback
 from .kernels import OPS, LilyOp
 

@@ -93,7 +93,7 @@ def server_priming() -> str:
     """Whether mlx_lm.server primes lily's kernels at load (README, the server)."""
     import os
 
-    from .prime import PRIME_ENV, requested
+    from .warmup import PRIME_ENV, requested
     from .toolchain.registry import kernel_backend
 
     backend, why = kernel_backend()

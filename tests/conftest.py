@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_lily import _notice
-from mlx_lily.checkpoints import make_checkpoint
+from mlx_lily.random_checkpoints import make_checkpoint
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
 

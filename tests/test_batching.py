@@ -2,7 +2,7 @@
 left-padded and length-limited prompts, boolean masks, BatchKVCache and
 batched ArraysCache, continuous batching; what the server runs.
 
-Each case asserts the path every layer took (``mlx_lily.paths``), not only
+Each case asserts the path every layer took (``mlx_lily.call_trace``), not only
 the tokens. On the reference backend lily's ops are stock's computation, so
 lily must reproduce stock's tokens exactly, and each row of a batch must
 give the tokens its prompt gives alone (the CPU's matmuls are row-exact).
@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily import paths
+from mlx_lily import call_trace
 from mlx_lily.kernels.gated_delta import gated_delta_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
@@ -32,9 +32,9 @@ def reference_backend(monkeypatch):
 
 @pytest.fixture
 def recorded():
-    paths.start()
-    yield paths.seen
-    paths.stop()
+    call_trace.start()
+    yield call_trace.seen
+    call_trace.stop()
 
 
 @pytest.fixture(scope="module")

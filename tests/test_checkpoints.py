@@ -7,8 +7,8 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlx_lily import checkpoints
-from mlx_lily.checkpoints import build_model, make_checkpoint, model_config
+from mlx_lily import random_checkpoints
+from mlx_lily.random_checkpoints import build_model, make_checkpoint, model_config
 
 
 def test_checkpoint_is_cached_and_rebuilt_on_format_change(tmp_path, monkeypatch):
@@ -17,10 +17,19 @@ def test_checkpoint_is_cached_and_rebuilt_on_format_change(tmp_path, monkeypatch
     first = weights.stat().st_mtime_ns
     assert make_checkpoint(tmp_path / "c", shape="demo") == path
     assert weights.stat().st_mtime_ns == first
-    monkeypatch.setattr(checkpoints, "FORMAT_VERSION", checkpoints.FORMAT_VERSION + 1)
+    monkeypatch.setattr(random_checkpoints, "FORMAT_VERSION", random_checkpoints.FORMAT_VERSION + 1)
     make_checkpoint(tmp_path / "c", shape="demo")
-    assert json.loads((path / checkpoints.MARKER).read_text())["format"] == checkpoints.FORMAT_VERSION
+    assert json.loads((path / random_checkpoints.MARKER).read_text())["format"] == random_checkpoints.FORMAT_VERSION
     assert weights.stat().st_mtime_ns != first
+
+
+def test_the_old_module_name_is_the_same_module():
+    """``mlx_lily.checkpoints`` (the README's import path) is an alias."""
+    from mlx_lily import checkpoints
+    from mlx_lily.checkpoints import SHAPES
+
+    assert checkpoints is random_checkpoints and SHAPES is random_checkpoints.SHAPES
+    assert checkpoints.make_checkpoint is make_checkpoint and checkpoints.build_model is build_model
 
 
 def test_default_location_is_the_user_cache(tmp_path, monkeypatch):
@@ -74,7 +83,7 @@ def test_conditioned_scales_branches_and_routers_only():
     # branches' output projections and the routers, nothing else.
     from mlx.utils import tree_flatten
 
-    from mlx_lily.checkpoints import BRANCH_SCALE, ROUTER_SCALE, build_model
+    from mlx_lily.random_checkpoints import BRANCH_SCALE, ROUTER_SCALE, build_model
 
     plain = dict(tree_flatten(build_model("demo", seed=3, quantize=False)[0].parameters()))
     cond = dict(tree_flatten(build_model("demo", seed=3, quantize=False, conditioned=True)[0].parameters()))
@@ -115,9 +124,9 @@ def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
     folder = tmp_path / "empty"
     folder.mkdir()
     path = make_checkpoint(folder, shape="demo")
-    assert (path / checkpoints.MARKER).is_file()
+    assert (path / random_checkpoints.MARKER).is_file()
     make_checkpoint(folder, shape="demo", force=True)  # lily's own: rebuilt
-    assert (path / checkpoints.MARKER).is_file()
+    assert (path / random_checkpoints.MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
@@ -131,7 +140,7 @@ def test_rebuild_keeps_what_lily_did_not_write(tmp_path, capsys):
     make_checkpoint(path, shape="small-alt")  # another shape: rebuilt in place
     assert (path / "MY_NOTES.txt").read_text() == "keep me"
     assert (path / "mine" / "data").read_text() == "and me"
-    assert json.loads((path / checkpoints.MARKER).read_text())["shape"] == "small-alt"
+    assert json.loads((path / random_checkpoints.MARKER).read_text())["shape"] == "small-alt"
     assert sorted(p.name for p in path.iterdir()) == sorted(written + ["MY_NOTES.txt", "mine"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no leftovers beside it
     notices = [line for line in capsys.readouterr().err.splitlines() if "did not write" in line]
@@ -140,10 +149,10 @@ def test_rebuild_keeps_what_lily_did_not_write(tmp_path, capsys):
     config = json.loads((path / "config.json").read_text())
     assert config["text_config"]["num_experts"] == 16
     # A checkpoint of an older format (its marker lists no files): the same.
-    marker = json.loads((path / checkpoints.MARKER).read_text())
+    marker = json.loads((path / random_checkpoints.MARKER).read_text())
     marker.pop("files", None)
     marker["format"] = 2
-    (path / checkpoints.MARKER).write_text(json.dumps(marker))
+    (path / random_checkpoints.MARKER).write_text(json.dumps(marker))
     make_checkpoint(path, shape="demo")
     assert (path / "MY_NOTES.txt").read_text() == "keep me"
     assert json.loads((path / "config.json").read_text())["text_config"]["num_experts"] == 8
@@ -163,7 +172,7 @@ def test_tokenizer_covers_the_model_vocabulary(demo_checkpoint):
 
 @pytest.mark.parametrize("size", [300, 512, 2000])
 def test_make_tokenizer_has_exactly_the_size_asked(size):
-    from mlx_lily.checkpoints import make_tokenizer
+    from mlx_lily.random_checkpoints import make_tokenizer
 
     tokenizer = make_tokenizer(size)
     assert len(tokenizer) == size

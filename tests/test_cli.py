@@ -115,7 +115,7 @@ def test_backend_lily_on_other_model_type_runs_stock(tmp_path):
     from mlx_lm.models import qwen3
     from mlx_lm.utils import save_config
 
-    from mlx_lily.checkpoints import make_tokenizer
+    from mlx_lily.random_checkpoints import make_tokenizer
 
     config = dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,

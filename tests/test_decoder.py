@@ -16,7 +16,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily import paths
+from mlx_lily import call_trace
 from mlx_lily.layers import LilyDecoderLayer
 from mlx_lily.layers import decoder as D
 from mlx_lily.toolchain.registry import BACKEND_ENV
@@ -51,7 +51,7 @@ def _decode(model, steps=range(PROMPT, 16)):
 
 
 def _fused_kinds(path="lily fused decode"):
-    return {r["layer"] for r in paths.seen() if r["path"] == path}
+    return {r["layer"] for r in call_trace.seen() if r["path"] == path}
 
 
 def _segments(model) -> int:
@@ -73,12 +73,12 @@ def test_fused_decode_equals_stock_to_the_bit(engines, mode, monkeypatch):
     stock, lily = engines
     if mode == "layers":  # as after a failed segmented step
         lily.language_model.model.__dict__["_lily_segments_ok"] = False
-    paths.start()
+    call_trace.start()
     try:
         got = _decode(lily)
         kinds = _fused_kinds("lily decode segments" if mode == "segments" else "lily fused decode")
     finally:
-        paths.stop()
+        call_trace.stop()
     assert mx.array_equal(got, _decode(stock)).item()
     assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
     # The first decode token compiles the steps (after one eager run for the
@@ -111,7 +111,7 @@ def test_a_failing_segmented_step_falls_back_to_layers_once(engines, monkeypatch
 
 def test_prompts_and_batches_take_the_stock_flow(engines):
     _, lily = engines
-    paths.start()
+    call_trace.start()
     try:
         cache = make_prompt_cache(lily)
         lily(TOKENS[:, :PROMPT], cache=cache)
@@ -122,7 +122,7 @@ def test_prompts_and_batches_take_the_stock_flow(engines):
         lily(two[:, :1], cache=cache)  # a decode step of a batch of two
         assert not _fused_kinds()
     finally:
-        paths.stop()
+        call_trace.stop()
 
 
 def _server_cache(model, ssm_padding: int, kv_padding: int) -> list:
@@ -150,13 +150,13 @@ def test_a_server_cache_of_one_row_decodes_fused_and_equals_stock(engines, mode,
     if mode == "layers":  # as after a failed segmented step
         lily.language_model.model.__dict__["_lily_segments_ok"] = False
     path = "lily decode segments" if mode == "segments" else "lily fused decode"
-    paths.start()
+    call_trace.start()
     try:
         got, _ = _decode_from_server_cache(lily, padding, padding)
         kinds = _fused_kinds(path)
-        seen = {(r["mask"], r["cache"]) for r in paths.seen() if r["path"] == path and r["layer"] != "MoE"}
+        seen = {(r["mask"], r["cache"]) for r in call_trace.seen() if r["path"] == path and r["layer"] != "MoE"}
     finally:
-        paths.stop()
+        call_trace.stop()
     assert kinds == {"Gated DeltaNet", "full attention", "MoE"}
     assert {mask for mask, _ in seen} == {"array"}
     assert {cache.split("+")[0] for _, cache in seen} == {"ArraysCache", "BatchKVCache"}
@@ -186,12 +186,12 @@ def test_a_masked_decode_step_keeps_the_state_as_stock_does(engines, mode):
         out += [model(TOKENS[:, t : t + 1], cache=cache) for t in range(PROMPT + 2, 16)]
         return mx.concatenate(out, axis=1), cache, states, kept
 
-    paths.start()
+    call_trace.start()
     try:
         got, got_cache, before, kept = run(lily)
         assert "Gated DeltaNet" in _fused_kinds(path)
     finally:
-        paths.stop()
+        call_trace.stop()
     assert all(mx.array_equal(b, k).item() for b, k in zip(before, kept))
     assert any(mx.abs(b).max().item() > 0 for b in before)  # a state worth keeping
     want, want_cache, _, _ = run(stock)
@@ -324,12 +324,12 @@ def test_an_added_or_removed_part_changes_what_takes_the_fused_path(engines):
     assert lily.layers[0]._lily_decode_ok is False and lily.layers[1]._lily_decode_ok is True
     for model in (stock, lily):
         del model.layers[0].mlp.shared_expert_gate["bias"]
-    paths.start()
+    call_trace.start()
     try:
         assert mx.array_equal(_decode(lily), _decode(stock)).item()
-        assert "lily decode segments" in {r["path"] for r in paths.seen()}
+        assert "lily decode segments" in {r["path"] for r in call_trace.seen()}
     finally:
-        paths.stop()
+        call_trace.stop()
     assert lily.layers[0]._lily_decode_ok is True
 
 

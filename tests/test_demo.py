@@ -144,7 +144,7 @@ def test_a_large_random_checkpoint_is_written_only_when_asked(monkeypatch, tmp_p
     """demo --shape qwen3.6-35b-a3b would write ~20 GB: without --yes and
     without a terminal to ask at, it says so and stops before writing."""
     from mlx_lily import demo as demo_module
-    from mlx_lily.checkpoints import estimated_size_gb
+    from mlx_lily.random_checkpoints import estimated_size_gb
 
     monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)

@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 import mlx_lily
-from mlx_lily import backend, prime
+from mlx_lily import backend, warmup
 from mlx_lily.kernels.gated_delta import CHUNKED_FROM
 from mlx_lily.kernels.moe_routing import TILE_ROWS, tile_rows_for
 from mlx_lily.toolchain.build import Kernel
@@ -34,7 +34,7 @@ def serve(model, prompts, max_tokens=3, prefill_step_size=2048):
 
 @pytest.mark.parametrize("experts,top_k", [(256, 8), (8, 2), (16, 4), (24, 3), (512, 10)])
 def test_chunk_lengths_meet_every_tile_and_both_recurrences(experts, top_k):
-    lengths = prime.chunk_lengths(experts, top_k)
+    lengths = warmup.chunk_lengths(experts, top_k)
     tiles = [tile_rows_for(n * top_k, experts) for n in lengths]
     assert sorted(tiles) == sorted(TILE_ROWS)
     assert lengths[0] >= CHUNKED_FROM  # the chunked form without a state
@@ -47,7 +47,7 @@ def forget_launches():
 
 
 def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, monkeypatch):
-    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
     monkeypatch.setattr(backend, "_program", "mlx_lm.server")  # as `python -m mlx_lily serve` records it
     forget_launches()
     model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
@@ -77,7 +77,7 @@ def test_priming_for_generate_covers_its_calls(demo_checkpoint, emulator_backend
     from mlx_lm import generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    monkeypatch.setenv(warmup.PRIME_ENV, "1")
     monkeypatch.setattr(backend, "_program", "mlx_lm.generate")
     forget_launches()
     model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
@@ -120,29 +120,29 @@ def test_decode_contexts_meet_every_attention_decode_form(kv_heads):
     def form(n):
         return decode_form(n, kv_heads)
 
-    contexts = prime.decode_contexts(kv_heads)
+    contexts = warmup.decode_contexts(kv_heads)
     assert len({form(n) for n in contexts}) == len(contexts)
     assert {form(n) for n in range(1, 1 << 18, 97)} <= {form(n) for n in contexts}
 
 
 def test_prime_is_asked_for_by_the_server_or_the_environment(monkeypatch):
-    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
-    assert prime.requested("mlx_lm.server")
-    assert not prime.requested("mlx_lm.generate")
-    assert not prime.requested(None)
-    monkeypatch.setenv(prime.PRIME_ENV, "0")
-    assert not prime.requested("mlx_lm.server")
-    monkeypatch.setenv(prime.PRIME_ENV, "1")
-    assert prime.requested(None)
+    monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
+    assert warmup.requested("mlx_lm.server")
+    assert not warmup.requested("mlx_lm.generate")
+    assert not warmup.requested(None)
+    monkeypatch.setenv(warmup.PRIME_ENV, "0")
+    assert not warmup.requested("mlx_lm.server")
+    monkeypatch.setenv(warmup.PRIME_ENV, "1")
+    assert warmup.requested(None)
 
 
 def test_a_failed_prime_is_a_notice_and_the_model_loads(demo_checkpoint, monkeypatch, capsys, fresh_notices):
-    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    monkeypatch.setenv(warmup.PRIME_ENV, "1")
 
     def broken(model, log=None, server=True):
         raise RuntimeError("no room")
 
-    monkeypatch.setattr(prime, "prime", broken)
+    monkeypatch.setattr(warmup, "prime", broken)
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     assert model is not None
     err = capsys.readouterr().err
@@ -152,22 +152,22 @@ def test_a_failed_prime_is_a_notice_and_the_model_loads(demo_checkpoint, monkeyp
 def test_nothing_to_prime_on_the_reference_path(demo_checkpoint, monkeypatch):
     monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
-    assert prime.prime(model) is None
+    assert warmup.prime(model) is None
 
 
 def test_priming_records_no_paths():
-    from mlx_lily import paths
+    from mlx_lily import call_trace
 
-    paths.start()
+    call_trace.start()
     try:
-        paths.record(layer="before")
-        with paths.paused():
-            paths.record(layer="primed")
-            assert not paths.active()
-        paths.record(layer="after")
-        assert [r["layer"] for r in paths.seen()] == ["before", "after"]
+        call_trace.record(layer="before")
+        with call_trace.paused():
+            call_trace.record(layer="primed")
+            assert not call_trace.active()
+        call_trace.record(layer="after")
+        assert [r["layer"] for r in call_trace.seen()] == ["before", "after"]
     finally:
-        paths.stop()
+        call_trace.stop()
 
 
 @pytest.mark.parametrize("argv,orig,program", [
@@ -192,11 +192,11 @@ def test_doctor_says_whether_the_server_primes(monkeypatch):
     monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "reference")
     assert server_priming().startswith("nothing to prime")
     monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
-    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
+    monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
     assert "at load, under mlx_lm.server" in server_priming()
-    monkeypatch.setenv(prime.PRIME_ENV, "1")
+    monkeypatch.setenv(warmup.PRIME_ENV, "1")
     assert "in every program" in server_priming()
-    monkeypatch.setenv(prime.PRIME_ENV, "0")
+    monkeypatch.setenv(warmup.PRIME_ENV, "0")
     assert server_priming().startswith("not primed")
 
 
@@ -218,5 +218,5 @@ def test_python_m_mlx_lily_serve_counts_as_the_server(monkeypatch):
     finally:
         backend.enable() if was else backend.disable()
     assert seen == ["mlx_lm.server"]
-    monkeypatch.delenv(prime.PRIME_ENV, raising=False)
-    assert prime.requested(backend.current_program())
+    monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
+    assert warmup.requested(backend.current_program())

@@ -33,7 +33,7 @@ from mlx_lm.utils import save_config, save_model
 import mlx_lily
 from mlx_lily import _notice
 from mlx_lily import kernels as K
-from mlx_lily.checkpoints import build_model, make_checkpoint
+from mlx_lily.random_checkpoints import build_model, make_checkpoint
 from mlx_lily.kernels.gemv import quantized_matvec_agree, quantized_matvec_reference
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 

@@ -17,7 +17,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 import mlx_lily
-from mlx_lily import paths
+from mlx_lily import call_trace
 from mlx_lily.layers import text_model as T
 
 TOKENS = mx.array([[17, 301, 45, 499, 2, 77, 212, 8, 64, 123, 400, 5, 6, 7, 300, 31]])
@@ -41,14 +41,14 @@ def _decode(model, whole: bool = True):
     model.language_model.model.__dict__["_lily_whole_ok"] = None if whole else False
     cache = make_prompt_cache(model)
     out = [model(TOKENS[:, :PROMPT], cache=cache)]
-    paths.start()
+    call_trace.start()
     try:
         for t in range(PROMPT, TOKENS.shape[1]):
             token = TOKENS[:, t : t + 1]
             out.append(model(token if t == PROMPT else token.astype(mx.uint32), cache=cache))
-        seen = {r["path"] for r in paths.seen()}
+        seen = {r["path"] for r in call_trace.seen()}
     finally:
-        paths.stop()
+        call_trace.stop()
     return mx.concatenate(out, axis=1), seen, cache
 
 
@@ -158,7 +158,7 @@ def test_a_failing_whole_step_falls_back_to_segments_once(lily, monkeypatch, fre
     (lambda cache, kv: cache.__setitem__(cache.index(kv[0]), kv[0].to_quantized(group_size=32)), "a quantized cache"),
 ])
 def test_the_whole_step_declines_what_it_does_not_take(emulator_backend, change, why):
-    from mlx_lily.checkpoints import SHAPES, build_model
+    from mlx_lily.random_checkpoints import SHAPES, build_model
     from mlx_lily.models.qwen3_5_moe import Model
 
     # Eight layers: two attention layers, whose offsets can differ.

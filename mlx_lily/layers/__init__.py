@@ -1,7 +1,7 @@
 """Lily's layers: subclasses of stock mlx-lm's Qwen3.5 layers that add no
 parameters and route their math through lily's ops for every inference call
 mlx-lm makes (any batch, padding masks, KVCache / BatchKVCache, padded
-ArraysCache); see fast_path.py for what still runs the stock layer's code."""
+ArraysCache); see stock_gate.py for what still runs the stock layer's code."""
 
 from .attention import LilyAttention
 from .decoder import LilyDecoderLayer

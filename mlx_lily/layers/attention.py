@@ -9,7 +9,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import kernels as K
-from .fast_path import note_stock, record, why_stock
+from .stock_gate import note_stock, record, why_stock
 
 Mask = Union[None, str, mx.array]
 

@@ -59,7 +59,7 @@ from .. import kernels as K
 from .._notice import notice_once
 from ..toolchain.build import first_uses_in_traces, tracing
 from ..toolchain.registry import kernel_backend
-from .fast_path import record, why_stock
+from .stock_gate import record, why_stock
 
 COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
 PACE_ENV = "MLX_LILY_PACE_PREFILL"

@@ -11,7 +11,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from .. import kernels as K
 from ..kernels.gated_delta import CHUNKED_FROM
 from ..toolchain.build import contiguous
-from .fast_path import note_stock, record, why_stock
+from .stock_gate import note_stock, record, why_stock
 
 
 def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.array]) -> mx.array:

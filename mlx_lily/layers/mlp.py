@@ -20,7 +20,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from .. import kernels as K
 from .decoder import _plain_quantized, _triple
-from .fast_path import note_stock, record, why_stock
+from .stock_gate import note_stock, record, why_stock
 
 
 class LilyDenseMLP(Qwen3NextMLP):

@@ -6,7 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 from .. import kernels as K
-from .fast_path import note_stock, record, why_stock
+from .stock_gate import note_stock, record, why_stock
 
 
 class LilySparseMoeBlock(Qwen3NextSparseMoeBlock):

@@ -49,7 +49,7 @@ from .decoder import (
     LilyDecoderLayer, compile_enabled, compiled_step, kv_position, next_position, restore_kv_position,
     weights_version,
 )
-from .fast_path import record
+from .stock_gate import record
 
 
 class LilyTextModel(Qwen3_5TextModel):

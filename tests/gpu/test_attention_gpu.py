@@ -118,7 +118,7 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_lily
-    from mlx_lily import paths
+    from mlx_lily import call_trace
     from mlx_lily.layers import text_model as T
     from mlx_lily.toolchain.build import first_uses_in_traces
 
@@ -131,10 +131,10 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
         model.language_model.model.__dict__["_lily_whole_ok"] = None if whole else False
         cache = make_prompt_cache(model)
         out = [model(tokens[:, :prompt], cache=cache)[:, -1:]]
-        paths.start()
+        call_trace.start()
         out += [model(tokens[:, t : t + 1], cache=cache) for t in range(prompt, tokens.shape[1])]
-        seen = {r["path"] for r in paths.seen()}
-        paths.stop()
+        seen = {r["path"] for r in call_trace.seen()}
+        call_trace.stop()
         return mx.concatenate(out, axis=1).astype(mx.float32), seen
 
     got, seen = decode(True)

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from bench.common import prompt_ids
 from bench.engines import switch
-from mlx_lily.checkpoints import SHAPES, build_model
+from mlx_lily.random_checkpoints import SHAPES, build_model
 from mlx_lily.layers import decoder
 
 pytestmark = pytest.mark.gpu

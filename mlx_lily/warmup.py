@@ -41,7 +41,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 
-from . import paths
+from . import call_trace
 from ._notice import notice_once
 from .kernels.gated_delta import CHUNKED_FROM
 from .kernels.moe_routing import TILE_ROWS
@@ -110,7 +110,7 @@ def prime(model: Any, log=None, server: bool = True) -> Optional[dict]:
     log(f"priming lily's kernels on {backend}: prompt chunks of {', '.join(map(str, lengths))} "
         f"tokens on {caches} caches, decode steps and a batch of two ({PRIME_ENV}=0 skips this)")
     start = time.perf_counter()
-    with paths.paused():
+    with call_trace.paused():
         _run(model, lengths, start, log, server)
     mx.clear_cache()
     seconds = time.perf_counter() - start

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from .. import paths
+from .. import call_trace
 from .._notice import notice_once
 
 # The KV caches lily's attention reads and writes itself.
@@ -48,13 +48,13 @@ def note_stock(layer_kind: str, reason: str) -> None:
 
 
 def record(layer_kind: str, path: str, x: mx.array, mask: Any = None, cache: Any = None) -> None:
-    """Note the call's path for ``mlx_lily.paths`` (a no-op unless recording)."""
-    if paths.active():
-        paths.record(
+    """Note the call's path for ``mlx_lily.call_trace`` (a no-op unless recording)."""
+    if call_trace.active():
+        call_trace.record(
             layer=layer_kind,
             path=path,
             batch=int(x.shape[0]),
             step="decode" if x.shape[1] == 1 else "prefill",
-            mask=paths.describe_mask(mask),
-            cache=paths.describe_cache(cache),
+            mask=call_trace.describe_mask(mask),
+            cache=call_trace.describe_cache(cache),
         )
