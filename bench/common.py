@@ -214,9 +214,12 @@ def now_iso() -> str:
 # ---------------------------------------------------------------- progress
 
 
-def write_report(out: Optional[str], name: str, text: str) -> None:
-    """A diagnostic's table: to stdout, and to OUT/name where --out is given."""
-    print(text)
+def write_report(out: Optional[str], name: str, text: str, echo: bool = True) -> None:
+    """A diagnostic's table (or record): to stdout unless echo is False (a
+    diagnostic that printed it row by row already), and to OUT/name where
+    --out is given."""
+    if echo:
+        print(text)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / name).write_text(text)

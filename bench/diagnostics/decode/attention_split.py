@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
-from bench.common import length_label, log, machine_info, now_iso, parse_lengths, software_info
+from bench.common import length_label, log, machine_info, now_iso, parse_lengths, software_info, write_report
 from bench.ops import KV_CACHE_STEP, time_call
 from mlx_lily.toolchain.registry import gpu_backend
 
@@ -53,8 +52,6 @@ def main(argv=None) -> int:
     backend = gpu_backend()
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
     for ctx in parse_lengths(args.lengths):
         call = inputs(ctx)
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
            "software": software_info(), "settings": {"SPLIT_FROM": A.SPLIT_FROM, "KEY_BLOCK": A.KEY_BLOCK,
            "MIN_KEY_BLOCK": A.MIN_KEY_BLOCK, "SPLIT_THREADGROUPS": A.SPLIT_THREADGROUPS,
            "shape": "16 q / 2 kv heads, dim 256, bf16, strided KV view"}, "rows": rows}
-    (out / "attention-split.json").write_text(json.dumps(doc, indent=1))
+    write_report(args.out, "attention-split.json", json.dumps(doc, indent=1), echo=False)
     names = ["stock", "chosen", "single"] + [f"split_{b}" for b in KEY_BLOCKS]
     lines = ["| context | " + " | ".join(f"{n} ms" for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
@@ -82,8 +79,7 @@ def main(argv=None) -> int:
         cells = [f"{row[f'{n}_ms']:.4f}" + ("" if n == "stock" or row[f"{n}_agrees"] else " (DISAGREES)")
                  for n in names]
         lines.append(f"| {length_label(row['context'])} | " + " | ".join(cells) + " |")
-    (out / "attention-split.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "attention-split.md", "\n".join(lines) + "\n")
     return 0
 
 

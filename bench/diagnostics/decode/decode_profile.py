@@ -24,7 +24,6 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import mlx.core as mx
@@ -107,6 +106,7 @@ def main(argv=None) -> int:
         print(f"decode_profile needs PyTorch with CUDA ({exc})")
         return 2
 
+    from bench.common import write_report
     from bench.engines import load_shared
 
     model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
@@ -120,10 +120,7 @@ def main(argv=None) -> int:
             found = [f"{engine}: profiling failed ({type(exc).__name__}: {exc})", ""]
         lines += found
         print("\n".join(found), flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "decode_profile.txt").write_text(text)
+    write_report(args.out, "decode_profile.txt", "\n".join(lines) + "\n", echo=False)
     return 0
 
 

@@ -18,10 +18,11 @@ import importlib
 import json
 import platform
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+
+from bench.common import write_report
 
 gdd = importlib.import_module("mlx_lily.kernels.gated_delta_decode")
 gd = importlib.import_module("mlx_lily.kernels.gated_delta")
@@ -66,8 +67,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     opts = parser.parse_args()
-    out_dir = Path(opts.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     backend = opts.backend or gpu_backend()
     if backend is None:
         raise SystemExit("no GPU: this diagnostic measures the GPU kernels")
@@ -105,8 +104,7 @@ def main() -> None:
         conv_state_equal=conv_equal,
         within_contract=worst["out"] <= 3e-2 and worst["state"] <= 2e-2 and conv_equal,
     )
-    (out_dir / "gated_delta_decode.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    write_report(opts.out, "gated_delta_decode.json", json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ if __package__ in (None, ""):
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
+from bench.common import write_report  # noqa: E402
+
 
 def _arrays(result):
     return list(result) if isinstance(result, (list, tuple)) else [result]
@@ -188,10 +190,7 @@ def main(argv=None) -> int:
         dname = str(dtype).rsplit(".", 1)[-1]
         for name, fn in model_cases(dtype, real=not args.no_real and dtype == mx.bfloat16):
             row(name, dname, fn)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "determinism.txt").write_text("\n".join(lines) + "\n")
+    write_report(args.out, "determinism.txt", "\n".join(lines) + "\n", echo=False)
     return 0
 
 

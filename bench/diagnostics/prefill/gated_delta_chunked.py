@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from bench.common import REPO_ROOT
+from bench.common import REPO_ROOT, write_report
 
 gd = importlib.import_module("mlx_lily.kernels.gated_delta")
 gdc = importlib.import_module("mlx_lily.kernels.gated_delta_chunked")
@@ -109,14 +109,12 @@ def main() -> int:
         rows.append(row)
     errors = float64_errors(backend) if ok else None
     print(json.dumps({"float64_errors": errors}), flush=True)
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"tool": "mlx-lily bench diagnostics: gated_delta_chunked", "backend": backend,
            "machine": platform.platform(), "mlx": mx.__version__, "heads": HEADS,
            "chunk": gdc.CHUNK, "chunked_from": gd.CHUNKED_FROM, "chunked_check": why,
            "rows": rows, "float64_errors": errors}
-    (out / "gated_delta_chunked.json").write_text(json.dumps(doc, indent=1))
-    print(f"wrote {out / 'gated_delta_chunked.json'}")
+    write_report(opts.out, "gated_delta_chunked.json", json.dumps(doc, indent=1), echo=False)
+    print(f"wrote {Path(opts.out) / 'gated_delta_chunked.json'}")
     return 0
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import machine_info, software_info
+from bench.common import machine_info, software_info, write_report
 from bench.ops import time_call
 from mlx_lily.kernels.moe import moe_combine_kernel, moe_combine_reference
 from mlx_lily.kernels.moe_gemm import (
@@ -87,12 +87,10 @@ def main() -> int:
     combine = {"combine_kernel_ms": time_call(lambda: moe_combine_kernel.run_on(backend, y, s, sh, g), (), {})["ms"],
                "combine_stock_ms": time_call(moe_combine_reference, (y, s, sh, g), {})["ms"]}
     print(json.dumps(combine), flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"machine": machine_info(), "software": software_info(), "backend": backend,
            "experts": rows, "combine": combine}
-    (out / "moe_prefill.json").write_text(json.dumps(doc, indent=2))
-    print(f"wrote {out / 'moe_prefill.json'}")
+    write_report(args.out, "moe_prefill.json", json.dumps(doc, indent=2), echo=False)
+    print(f"wrote {Path(args.out) / 'moe_prefill.json'}")
     return 0
 
 

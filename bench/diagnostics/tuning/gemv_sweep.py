@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
-from bench.common import log, machine_info, now_iso, software_info
+from bench.common import log, machine_info, now_iso, software_info, write_report
 from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, torch_cuda_missing, weight_bytes
 from bench.ops import time_call, time_in_graph as ops_time_in_graph
 from mlx_lily.kernels.gemv import (
@@ -146,8 +145,6 @@ def main(argv=None) -> int:
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
     if not calls:
         raise SystemExit(f"--calls {args.calls!r} matches none of: {'; '.join(CALLS)}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     rows: list = []
     for name, spec in calls.items():
         rows.append(sweep(name, spec, backend, args.device_time))
@@ -157,8 +154,8 @@ def main(argv=None) -> int:
                "software": software_info(),
                "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS},
                "calls_done": len(rows), "calls_asked": len(calls), "rows": rows}
-        (out / "gemv-sweep.json").write_text(json.dumps(doc, indent=1))
-        (out / "gemv-sweep.md").write_text(markdown(rows))
+        write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
+        write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)
     print(markdown(rows))
     return 0
 
