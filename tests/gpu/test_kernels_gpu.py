@@ -235,7 +235,7 @@ def test_lily_model_is_deterministic(backend, dtype):
     # must not.
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lily.checkpoints import build_model
+    from mlx_lily.random_checkpoints import build_model
     from mlx_lily.models.qwen3_5_moe import Model
 
     model, _ = build_model("small-alt", seed=1, dtype=dtype, model_class=Model)

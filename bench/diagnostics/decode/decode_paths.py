@@ -48,7 +48,7 @@ def measure(model, vocab: int, context: int, steps: int, path: str) -> tuple[flo
     else:
         text.__dict__["_lily_whole_ok"] = False
     cache = prefilled_cache(model, vocab, context)
-    from mlx_lily import paths
+    from mlx_lily import call_trace as paths
 
     paths.start()
     try:

@@ -108,8 +108,8 @@ def main(argv=None) -> int:
 
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lily import paths
-    from mlx_lily.checkpoints import SHAPES, build_model
+    from mlx_lily import call_trace as paths
+    from mlx_lily.random_checkpoints import SHAPES, build_model
     from mlx_lily.layers import text_model
     from mlx_lily.models.qwen3_5_moe import Model
 

@@ -124,7 +124,7 @@ def op_cases(dtype, L: int = 256):
 def model_cases(dtype, real: bool):
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lily.checkpoints import build_model
+    from mlx_lily.random_checkpoints import build_model
     from mlx_lily.models.qwen3_5_moe import specialize
 
     cases = []

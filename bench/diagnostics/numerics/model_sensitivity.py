@@ -1,6 +1,6 @@
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lily.checkpoints import build_model
+from mlx_lily.random_checkpoints import build_model
 from bench.common import prompt_ids
 from bench.measure import compare
 model, config = build_model("qwen3.6-35b-a3b", seed=0)

@@ -1,7 +1,7 @@
 import sys
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lily.checkpoints import build_model
+from mlx_lily.random_checkpoints import build_model
 from mlx_lily.models.qwen3_5_moe import specialize
 from mlx_lily import kernels as K
 from bench.common import prompt_ids

@@ -36,7 +36,7 @@ def capture_turned_off(tokens: int, decode_steps: int) -> dict:
     each kernel that a first-use check turned off."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lily.checkpoints import build_model
+    from mlx_lily.random_checkpoints import build_model
     from mlx_lily.models.qwen3_5_moe import Model
     from mlx_lily.toolchain.build import Kernel
 
