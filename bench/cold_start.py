@@ -81,13 +81,13 @@ def worker(spec: Dict[str, Any]) -> Dict[str, Any]:
 def lily_counters() -> Dict[str, Any]:
     """What lily's kernels cost this process: first-use checks, instances
     launched, and the CUDA module cache's compiles."""
-    from mlx_lily.toolchain import build, cuda_cache
+    from mlx_lily.toolchain import cuda_cache, tracing
     from mlx_lily.toolchain.registry import OPS
 
     instances = set()
     for kernel in _kernels(OPS):
         instances |= {(kernel.name,) + key for key in kernel.launched}
-    counters: Dict[str, Any] = {"first_use": build.FIRST_USE_TIME.as_dict(), "instances": len(instances)}
+    counters: Dict[str, Any] = {"first_use": tracing.FIRST_USE_TIME.as_dict(), "instances": len(instances)}
     cache = cuda_cache._CACHE[0] if cuda_cache._CACHE else None
     if cache is not None:
         counters["cuda_cache"] = {"compiled": cache.compiled, "found": cache.found,
@@ -97,7 +97,7 @@ def lily_counters() -> Dict[str, Any]:
 
 def _kernels(ops) -> List[Any]:
     """Every ``Kernel`` object reachable from the registered ops."""
-    from mlx_lily.toolchain.build import Kernel
+    from mlx_lily.toolchain.kernel import Kernel
 
     seen, out, todo = set(), [], [op.kernel for op in ops.values() if op.kernel is not None]
     while todo:

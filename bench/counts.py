@@ -26,7 +26,7 @@ What is counted
   non-contiguous input, one copy per input of a concatenate).
 * Lily's kernels are built for the trace without the row-contiguous copy MLX
   otherwise puts before each custom kernel's input (``traced_not_run`` in
-  ``mlx_lily/toolchain/build.py``; export cannot serialize that primitive).
+  ``mlx_lily/toolchain/tracing.py``; export cannot serialize that primitive).
   Where an input is a non-contiguous view, the kernel run copies it first: a
   launch and bytes this count leaves out.
 * Export traces through ``mx.compile``: a compiled function's element-wise ops
@@ -107,7 +107,7 @@ def _nbytes(arr: Arr) -> int:
 def trace(fn, *args: mx.array) -> List[Node]:
     """The primitive nodes of ``fn(*args)``'s graph, in evaluation order:
     dicts with ``name``, ``arguments``, ``inputs`` and ``outputs``."""
-    from mlx_lily.toolchain.build import traced_not_run
+    from mlx_lily.toolchain.tracing import traced_not_run
 
     nodes: List[Node] = []
 

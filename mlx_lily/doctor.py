@@ -63,7 +63,7 @@ def check_op(op, tolerance: float) -> tuple[str, str]:
 
 def decode_path() -> str:
     """How one decode token of one sequence runs (README, "Decode")."""
-    from .kernels.attention import attention_kernels
+    from .kernels.attention.sdpa import attention_kernels
     from .layers.decoder import COMPILE_ENV, compile_enabled
     from .toolchain.registry import kernel_backend
 
@@ -106,14 +106,14 @@ def server_priming() -> str:
 
 
 def kernel_sources() -> str:
-    """How the GPU builds hand MLX their kernels' text (toolchain/build.py)."""
-    from .toolchain import build
+    """How the GPU builds hand MLX their kernels' text (toolchain/sources.py)."""
+    from .toolchain import sources
     from .toolchain.registry import kernel_backend
 
     backend, _ = kernel_backend()
     if backend == "cuda":
-        if build.cuda_includes_work():
-            return f"compacted, by #include from {build.cuda_sources_dir()} (MLX rebuilds and hashes less per launch)"
+        if sources.cuda_includes_work():
+            return f"compacted, by #include from {sources.cuda_sources_dir()} (MLX rebuilds and hashes less per launch)"
         return "compacted, inline (by #include is off or failed its probe; see the notice)"
     if backend == "metal":
         return "compacted, inline"

@@ -3,7 +3,7 @@
 A lily kernel is built for each set of template arguments it is launched
 with (the MoE GEMM's tile rows, whether a DeltaNet call carries a state or a
 padding mask, ...) and each instance runs a first-use check against its
-op's reference (``toolchain/build.py``). Which instances a request needs
+op's reference (``toolchain/kernel.py``). Which instances a request needs
 follows from its prompt's length: the MoE tile rows follow the rows per
 expert (a 10-token chunk takes 16-row tiles, 1K tokens 32, 2K tokens 64),
 the DeltaNet recurrence is sequential below ``CHUNKED_FROM`` tokens and
@@ -43,8 +43,8 @@ import mlx.core as mx
 
 from . import call_trace
 from ._notice import notice_once
-from .kernels.gated_delta import CHUNKED_FROM
-from .kernels.moe_routing import TILE_ROWS
+from .kernels.gated_delta.recurrence import CHUNKED_FROM
+from .kernels.moe.routing import TILE_ROWS
 from .toolchain.registry import kernel_backend
 
 PRIME_ENV = "MLX_LILY_PRIME"
@@ -170,7 +170,7 @@ def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
     """The shortest context of each attention decode form (``decode_form``:
     the single pass, then each key-block size of the split, which grows with
     the context, so a long conversation meets each first mid-reply)."""
-    from .kernels.attention import SPLIT_FROM, decode_form
+    from .kernels.attention.sdpa import SPLIT_FROM, decode_form
 
     seen, contexts, n = set(), [], 1
     while n <= longest:
@@ -188,7 +188,7 @@ def _prime_attention_decode(model: Any) -> None:
     bounded, as the whole decode step calls it: over a cache of whole
     capacity steps, its form set by the capacity, the length on the device."""
     from . import kernels as K
-    from .kernels.attention import decode_form
+    from .kernels.attention.sdpa import decode_form
     from .layers.text_model import whole_capacity
 
     attn = next((layer.self_attn for layer in model.layers if hasattr(layer, "self_attn")), None)

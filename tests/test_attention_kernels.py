@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
-from mlx_lily.toolchain import build, cuda_cache, lint
+from mlx_lily.toolchain import cuda_cache, lint
+from mlx_lily.toolchain.kernel import Kernel, Launch
 
 from test_toolchain import _mlx_cuda_include, emulator_or_skip
 
-A = sys.modules["mlx_lily.kernels.attention"]
+A = sys.modules["mlx_lily.kernels.attention.sdpa"]
 
 
 def attention_exact(q, k, v, scale, mask=None) -> np.ndarray:
@@ -242,9 +243,9 @@ def test_decode_kernel_sees_the_cache_view_in_place():
     assert A.attention_decode_kernel.row_contiguous is False
     launch = A._launch_decode(q, k, v, 0.125, None)
     assert launch.inputs[1] is k and launch.inputs[2] is v
-    probe = build.Kernel(
+    probe = Kernel(
         "strides_probe", ("keys",), ("out",),
-        lambda x: build.Launch([x], (32, 1, 1), (32, 1, 1), [(4,)], [mx.int32]),
+        lambda x: Launch([x], (32, 1, 1), (32, 1, 1), [(4,)], [mx.int32]),
         source="uint i = thread_position_in_grid.x;\nif (i < 4) { out[i] = int(keys_strides[i]); }\n",
         row_contiguous=False,
     )
@@ -391,8 +392,7 @@ def test_a_failing_path_turns_off_with_the_reference_kept(monkeypatch, fresh_not
 
 
 def test_the_attention_bodies_are_in_the_portable_subset():
-    bodies = [build.body_path(n) for n in (
-        "attention_decode.metal", "attention_combine.metal", "attention_prefill.metal")]
+    bodies = [k.body for k in (A.attention_decode_kernel, A.attention_combine_kernel, A.attention_prefill_kernel)]
     assert lint.lint_paths(bodies) == []
 
 

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_lily
 from mlx_lily import kernels as K
 from mlx_lily import call_trace
-from mlx_lily.kernels.gated_delta import gated_delta_kernel
+from mlx_lily.kernels.gated_delta.recurrence import gated_delta_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
 PROMPTS = [[5, 9, 300, 41, 7], [12, 500], [64, 65, 66]]
@@ -160,7 +160,7 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
 def test_an_unpadded_prompt_under_the_batch_generator_drops_its_all_true_mask(models, reference_backend, monkeypatch):
     # The server passes a padding mask with every call; a prompt with no
     # padding must still reach the chunked DeltaNet kernels, which take none.
-    from mlx_lily.kernels.gated_delta import CHUNKED_FROM
+    from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
 
     stock, lily, tokenizer = models
     masks = []
@@ -184,7 +184,7 @@ def test_an_unpadded_prompt_under_the_batch_generator_drops_its_all_true_mask(mo
 def test_one_model_call_reads_its_padding_mask_once(models, monkeypatch):
     # Reading the mask waits on the GPU; the same mask reaches every DeltaNet
     # layer of a call, so the layers share one read.
-    from mlx_lily.kernels.gated_delta import CHUNKED_FROM
+    from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
     from mlx_lily.layers import gated_deltanet
 
     _, lily, tokenizer = models

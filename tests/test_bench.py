@@ -204,7 +204,7 @@ def test_ops_times_a_kernel_its_op_declines_beside_the_reference(monkeypatch):
     import mlx_lily.kernels  # noqa: F401  (registers the ops)
     from bench import ops, report
 
-    A = sys.modules["mlx_lily.kernels.attention"]
+    A = sys.modules["mlx_lily.kernels.attention.sdpa"]
     monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", "emulator")
     monkeypatch.setattr(A.attention, "prefers_reference", lambda backend, *a, **k: "measured faster")
     monkeypatch.setattr(ops, "time_call", lambda fn, args, kwargs: {"ms": 2.0, "min_ms": 2.0, "iters": 1})

@@ -73,7 +73,7 @@ def _custom_kernel_node_counts(name, inputs, output_shapes, output_dtypes):
 
 
 def test_moe_decode_kernels_read_only_the_experts_they_pick():
-    from mlx_lily.kernels.moe_decode import moe_decode_down_kernel, moe_decode_gate_up_kernel
+    from mlx_lily.kernels.moe.decode import moe_decode_down_kernel, moe_decode_gate_up_kernel
 
     E, I, D, k = 16, 64, 128, 4
     experts = lambda cols, dtype: mx.zeros((E, I, cols), dtype)  # noqa: E731
@@ -101,7 +101,7 @@ def test_moe_decode_kernels_read_only_the_experts_they_pick():
 def test_a_contiguous_copy_is_traced_as_one_kernel():
     # mx.contiguous has no exportable state: lily's graphs use the toolchain's
     # contiguous(), which a trace sees as one copy-like node (read + write).
-    from mlx_lily.toolchain.build import contiguous
+    from mlx_lily.toolchain.tracing import contiguous
 
     (big,) = _evaluated(mx.arange(8 * 16, dtype=mx.float32).reshape(8, 16))
     with pytest.raises(ValueError, match="Contiguous"):
@@ -121,7 +121,7 @@ def test_lily_builds_no_bare_contiguous():
 
     root = pathlib.Path(mlx_lily.__file__).parent
     bare = [str(p.relative_to(root)) for p in root.rglob("*.py")
-            if "mx.contiguous(" in p.read_text() and p.name != "build.py"]
+            if "mx.contiguous(" in p.read_text() and p.name != "tracing.py"]
     assert bare == []
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily.kernels.conv import (
+from mlx_lily.kernels.gated_delta.conv import (
     conv_qk_norm_agree,
     conv_qk_norm_kernel,
     conv_qk_norm_reference,

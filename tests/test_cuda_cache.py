@@ -15,9 +15,10 @@ import mlx.core as mx
 import pytest
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops and their kernels)
-from mlx_lily.kernels.gemv import quantized_matvec_kernel
-from mlx_lily.toolchain import build, cuda_cache
-from mlx_lily.toolchain.build import Kernel, Launch
+from mlx_lily.kernels.linear.gemv import quantized_matvec_kernel
+from mlx_lily.toolchain import cuda_cache
+from mlx_lily.toolchain.kernel import KERNELS
+from mlx_lily.toolchain.kernel import Kernel, Launch
 
 _HASH_PROGRAM = r"""
 #include <cstdio>
@@ -190,8 +191,8 @@ def test_the_shipped_record_names_current_kernels():
     for entry in entries:
         instance = cuda_cache.Instance.from_json(entry)
         assert instance.to_json() == entry
-        assert instance.kernel in build.KERNELS, instance.kernel
-        kernel = build.KERNELS[instance.kernel]
+        assert instance.kernel in KERNELS, instance.kernel
+        kernel = KERNELS[instance.kernel]
         current += kernel.backend_name("cuda", instance.absent) == instance.build
     # Kernels changed since the record was made compile at their first use,
     # as without the record; say so when most of it is stale.

@@ -351,16 +351,16 @@ def test_the_weights_check_says_changed_when_a_place_is_gone():
 @pytest.mark.parametrize("traces_with_first_uses, traces", [(1, 2), (10, 1 + D.MAX_RETRACES)])
 def test_a_compiled_step_traces_again_after_a_first_use_inside_its_trace(monkeypatch, traces_with_first_uses, traces):
     """A kernel first met inside a trace runs its reference there (see
-    toolchain/build.py); the step then runs eagerly once more, for the checks,
+    toolchain/kernel.py); the step then runs eagerly once more, for the checks,
     and traces afresh, up to MAX_RETRACES times."""
-    from mlx_lily.toolchain import build
+    from mlx_lily.toolchain import tracing
 
     calls = []
 
     def fn(x):
         calls.append("eager" if isinstance(x, mx.array) and not _tracing(x) else "trace")
         if calls[-1] == "trace" and calls.count("trace") <= traces_with_first_uses:
-            build._FIRST_USES_IN_TRACES[0] += 1  # as a first use inside this trace does
+            tracing.count_first_use_in_trace()  # as a first use inside this trace does
         return x * 2
 
     store = {}

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from bench.diagnostics.numerics.turned_off import capture_turned_off, distance, judge
-from mlx_lily.kernels.gated_delta_decode import gated_delta_decode_kernel
+from mlx_lily.kernels.gated_delta.decode import gated_delta_decode_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
 from test_gated_delta_decode import _cuda_case
@@ -48,11 +48,11 @@ def test_capture_finds_an_instance_its_check_turned_off(monkeypatch):
 
 def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     from bench.diagnostics.decode import host_cost
-    from mlx_lily.toolchain import build, registry
+    from mlx_lily.toolchain import kernel, registry
 
-    before = (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on)
+    before = (registry.gpu_backend, kernel.Kernel._build, kernel.Kernel.ready_on)
     assert host_cost.main(["--layers", "4", "--steps", "2", "--rounds", "2", "--out", str(tmp_path)]) == 0
-    assert (registry.gpu_backend, build.Kernel._build, build.Kernel.ready_on) == before
+    assert (registry.gpu_backend, kernel.Kernel._build, kernel.Kernel.ready_on) == before
     table = (tmp_path / "host_cost.txt").read_text()
     # The stubbed step took lily's default decode path, as on a GPU.
     assert "path: lily whole decode step" in table and "| whole step |" in table

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily.kernels.gated_delta_decode import (
+from mlx_lily.kernels.gated_delta.decode import (
     gated_delta_decode_agree,
     gated_delta_decode_kernel,
     gated_delta_decode_reference,

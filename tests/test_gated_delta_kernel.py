@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from mlx_lily.kernels import OPS
-from mlx_lily.kernels.gated_delta import (
+from mlx_lily.kernels.gated_delta.recurrence import (
     gated_delta,
     gated_delta_agree,
     gated_delta_compare,

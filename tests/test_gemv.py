@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mlx_lily import kernels as K
-from mlx_lily.kernels.gemv import (
+from mlx_lily.kernels.linear.gemv import (
     MAX_K,
     make_call,
     make_weights,
@@ -115,7 +115,7 @@ def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgrou
 
 
 def test_the_launch_choice_follows_the_rows_on_cuda_only():
-    from mlx_lily.kernels.gemv import DEFAULT_LAUNCH, launch_choice
+    from mlx_lily.kernels.linear.gemv import DEFAULT_LAUNCH, launch_choice
 
     # The model's calls: router + shared gate, the output projections, the
     # merged input projections (bench/results/2026-11-30-nvidia-h200-ee721d4d52).

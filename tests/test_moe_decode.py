@@ -19,7 +19,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlx_lily import kernels as K
-from mlx_lily.kernels.moe_decode import (
+from mlx_lily.kernels.moe.decode import (
     make_moe_decode_inputs,
     moe_decode_agree,
     moe_decode_down_kernel,
@@ -30,7 +30,7 @@ from mlx_lily.kernels.moe_decode import (
     moe_decode_supports,
     quantized_moe,
 )
-from mlx_lily.kernels.router import router_topk_ground_truth
+from mlx_lily.kernels.moe.router import router_topk_ground_truth
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
@@ -229,7 +229,7 @@ def test_the_launches_take_the_gemv_outputs_as_they_are():
     """h and the router GEMV's two outputs, [1, 1, N] each, reach the kernels
     as the same arrays (the bodies read them flat): a reshape here would put
     a view node per input into every decode token's graph."""
-    from mlx_lily.kernels.moe_decode import _launch_down, _launch_gate_up
+    from mlx_lily.kernels.moe.decode import _launch_down, _launch_gate_up
 
     (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = make_moe_decode_inputs(
         128, 24, 3, 64, 128, seed=5)

@@ -17,8 +17,8 @@ import pytest
 
 import mlx_lily
 from mlx_lily import kernels as K
-from mlx_lily.kernels.moe import moe_combine_agree, moe_combine_kernel, moe_combine_reference
-from mlx_lily.kernels.moe_gemm import (
+from mlx_lily.kernels.moe.combine import moe_combine_agree, moe_combine_kernel, moe_combine_reference
+from mlx_lily.kernels.moe.experts import (
     MIN_TOKENS,
     RELATIVE_TOLERANCE,
     moe_experts_agree,
@@ -28,7 +28,7 @@ from mlx_lily.kernels.moe_gemm import (
     moe_experts_supports,
     quantized_experts,
 )
-from mlx_lily.kernels.moe_routing import (
+from mlx_lily.kernels.moe.routing import (
     NO_BUCKET,
     moe_routing_agree,
     moe_routing_kernel,
@@ -222,7 +222,7 @@ def test_combine_contract_allows_rounding_of_cancelling_slots_not_a_lost_slot():
 def test_combine_is_judged_against_fp32_not_against_a_reference_that_rounds_more():
     # On an H200 stock's bf16 slot sum sat 1.08e-2 of the terms' magnitudes
     # from the kernel: the kernel must be judged against the fp32 combine.
-    from mlx_lily.kernels.moe import moe_combine_precise
+    from mlx_lily.kernels.moe.combine import moe_combine_precise
 
     keys = mx.random.split(mx.random.key(5), 4)
     y = mx.random.normal((1, 16, 8, 64), key=keys[0]).astype(mx.bfloat16)
@@ -269,7 +269,7 @@ def test_moe_kernels_compile_for_cuda_with_nvcc(tmp_path):
     import re
 
     from test_toolchain import nvcc_ptx
-    from mlx_lily.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel
+    from mlx_lily.kernels.moe.experts import moe_down_kernel, moe_gate_up_kernel
 
     # The real shapes: hidden 2048, intermediate 512, 256 experts, top-8.
     glu = quantized_experts(2048, 512, 4)

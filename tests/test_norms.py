@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlx_lily.kernels.norms import (
+from mlx_lily.kernels.gated_delta.norm import (
     gated_rms_norm_agree,
     gated_rms_norm_kernel,
     gated_rms_norm_reference,

@@ -10,9 +10,9 @@ from mlx_lm.generate import BatchGenerator
 
 import mlx_lily
 from mlx_lily import backend, warmup
-from mlx_lily.kernels.gated_delta import CHUNKED_FROM
-from mlx_lily.kernels.moe_routing import TILE_ROWS, tile_rows_for
-from mlx_lily.toolchain.build import Kernel
+from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
+from mlx_lily.kernels.moe.routing import TILE_ROWS, tile_rows_for
+from mlx_lily.toolchain.kernel import Kernel
 
 
 def launched() -> set:
@@ -102,7 +102,7 @@ def test_the_servers_decode_attention_is_not_the_decode_kernels():
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlx_lily.kernels.attention import decode_supports
+    from mlx_lily.kernels.attention.sdpa import decode_supports
 
     cache = KVCache().merge([KVCache()])
     kv = mx.zeros((1, 2, 5, 64), mx.bfloat16)
@@ -115,7 +115,7 @@ def test_the_servers_decode_attention_is_not_the_decode_kernels():
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 8])
 def test_decode_contexts_meet_every_attention_decode_form(kv_heads):
-    from mlx_lily.kernels.attention import decode_form
+    from mlx_lily.kernels.attention.sdpa import decode_form
 
     def form(n):
         return decode_form(n, kv_heads)

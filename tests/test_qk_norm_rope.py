@@ -24,7 +24,7 @@ from mlx_lm.models.rope_utils import (
 )
 
 from mlx_lily import kernels as K
-from mlx_lily.kernels.qk_norm_rope import (
+from mlx_lily.kernels.attention.qk_norm_rope import (
     element_bounds,
     make_inputs,
     qk_norm_rope_agree,

@@ -16,7 +16,7 @@ import pytest
 
 from mlx_lily.kernels import OPS
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
-from mlx_lily.kernels.router import (
+from mlx_lily.kernels.moe.router import (
     MAX_EXPERTS,
     router_compare,
     router_outputs_agree,
@@ -26,7 +26,7 @@ from mlx_lily.kernels.router import (
     router_topk_reference,
     router_topk_supports,
 )
-from mlx_lily.toolchain.build import Kernel
+from mlx_lily.toolchain.kernel import Kernel
 
 try:
     from mlx_lily.emulator import EmulatorError

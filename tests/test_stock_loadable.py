@@ -34,7 +34,7 @@ import mlx_lily
 from mlx_lily import _notice
 from mlx_lily import kernels as K
 from mlx_lily.random_checkpoints import build_model, make_checkpoint
-from mlx_lily.kernels.gemv import quantized_matvec_agree, quantized_matvec_reference
+from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
 
 TOKENS = mx.array([[17, 301, 45, 499, 2, 77, 212, 8, 64, 123, 400, 5, 6, 7, 300, 31]])

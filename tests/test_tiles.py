@@ -13,9 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lily.kernels import matmul
-from mlx_lily.kernels.matmul import matmul_nt, matmul_nt_kernel
-from mlx_lily.toolchain import build, lint
+from mlx_lily.kernels.linear import matmul
+from mlx_lily.kernels.linear.matmul import matmul_nt, matmul_nt_kernel
+from mlx_lily.toolchain import lint, sources
+from mlx_lily.toolchain.kernel import Kernel, Launch
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -100,7 +101,7 @@ def test_the_op_takes_its_kernel_and_declines_other_dtypes(emulator_backend):
 
 
 def test_the_body_is_in_the_portable_subset_and_simdgroup_matrices_are_not():
-    body = build.body_path("matmul_tiled.metal")
+    body = matmul_nt_kernel.body
     assert lint.lint_paths([body]) == []
     direct = "simdgroup_matrix<float, 8, 8> m;\nsimdgroup_multiply_accumulate(m, m, m, m);\n"
     assert lint.lint_source(direct), "a body must reach the tiles only through lily_tile_*"
@@ -136,9 +137,9 @@ def test_pack2_rounds_to_nearest_even_like_mlx():
       out[i] = lily_tile_pack2(x[2 * i], x[2 * i + 1]);
     }
     """
-    kernel = build.Kernel(
+    kernel = Kernel(
         "pack2", ("x",), ("out",),
-        lambda x: build.Launch([x], (x.size // 2, 1, 1), (32, 1, 1), [(x.size // 2,)], [mx.uint32]),
+        lambda x: Launch([x], (x.size // 2, 1, 1), (32, 1, 1), [(x.size // 2,)], [mx.uint32]),
         source=body, tiles=True,
     )
     base = mx.random.normal((512,), key=mx.random.key(4)) * 100
@@ -154,6 +155,6 @@ def test_pack2_rounds_to_nearest_even_like_mlx():
 def test_the_cuda_tile_header_uses_no_pragmas_nvrtc_ignores():
     # MLX builds custom kernels with NVRTC, which ignores push_macro/pop_macro:
     # a header that relied on them left `device` undefined for the body after it.
-    text = build.TILES_CUDA.read_text()
+    text = sources.TILES_CUDA.read_text()
     assert not re.search(r"#\s*pragma\s+(push|pop)_macro", text)
     assert text.rstrip().endswith("#define device")

@@ -17,11 +17,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlx_lily.toolchain import build as toolchain, cuda_cache, lint, probe
-from mlx_lily.kernels.gated_delta import gated_delta_kernel
+from mlx_lily.toolchain import cuda_cache, lint, probe, sources
+from mlx_lily.kernels.gated_delta.recurrence import gated_delta_kernel
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp, kernel_backend
-from mlx_lily.kernels.router import router_topk_kernel
-from mlx_lily.toolchain.build import Kernel, Launch, whole_threadgroups
+from mlx_lily.kernels.moe.router import router_topk_kernel
+from mlx_lily.toolchain.kernel import Kernel, Launch, whole_threadgroups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,7 @@ def test_the_lint_cli_reports_file_and_line(tmp_path, capsys):
 
 
 def test_the_lint_allowlists_match_the_cuda_prelude():
-    prelude = toolchain.cuda_prelude()
+    prelude = sources.cuda_prelude()
     for name in sorted(lint.SIMD_FUNCTIONS | lint.ATOMIC_NAMES):
         assert re.search(rf"\b{name}\b", prelude), name
     namespaces = {
@@ -405,7 +405,7 @@ def test_each_distinct_source_gets_its_own_backend_name():
     # MLX caches built kernels by name (on CUDA also on disk, across
     # processes): a changed body under the same name must not reuse a binary.
     def kernel(source, header=""):
-        return toolchain.Kernel(
+        return Kernel(
             name="same_name", input_names=("x",), output_names=("y",),
             source=source, header=header, launch=lambda x: None,
         )
@@ -555,7 +555,7 @@ def test_compact_source_drops_comments_and_keeps_the_program():
         '    asm("mma // not a comment /* either */\\n" : "+f"(d));\n'
         "    char c = '/'; char q = '\"';\n"
     )
-    assert toolchain.compact_source(text) == (
+    assert sources.compact_source(text) == (
         "#define TWICE(x) \\\n"
         "((x) + (x))\n"
         "constexpr int N = 4;   int m = N;\n"
@@ -572,17 +572,17 @@ def test_the_cuda_build_gets_the_compact_source(monkeypatch):
         return lambda **kw: None
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel, raising=False)
-    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: False)
+    monkeypatch.setattr(sources, "cuda_includes_work", lambda: False)
     gated_delta_kernel.forget()
     try:
         gated_delta_kernel._make("cuda", row_contiguous=True)
         full = gated_delta_kernel.full_header("cuda") + gated_delta_kernel.body_text()
         assert seen["header"] + seen["source"] == (
-            toolchain.compact_source(gated_delta_kernel.full_header("cuda"))
-            + toolchain.compact_source(gated_delta_kernel.body_text()))
+            sources.compact_source(gated_delta_kernel.full_header("cuda"))
+            + sources.compact_source(gated_delta_kernel.body_text()))
         # What MLX hashes at every launch: under two thirds of the commented text.
         assert len(seen["header"]) + len(seen["source"]) < 0.67 * len(full)
-        monkeypatch.setenv(toolchain.FULL_SOURCE_ENV, "1")
+        monkeypatch.setenv(sources.FULL_SOURCE_ENV, "1")
         gated_delta_kernel._make("cuda", row_contiguous=True)
         assert seen["header"] + seen["source"] == full
     finally:
@@ -603,14 +603,14 @@ def test_the_cuda_build_passes_its_text_by_include(monkeypatch, tmp_path):
 
     monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel, raising=False)
-    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: True)
+    monkeypatch.setattr(sources, "cuda_includes_work", lambda: True)
     gated_delta_kernel.forget()
     try:
         gated_delta_kernel._make("cuda", row_contiguous=True)
     finally:
         gated_delta_kernel.forget()
-    header = toolchain.compact_source(gated_delta_kernel.full_header("cuda"))
-    body = toolchain.compact_source(gated_delta_kernel.body_text())
+    header = sources.compact_source(gated_delta_kernel.full_header("cuda"))
+    body = sources.compact_source(gated_delta_kernel.body_text())
     folder = tmp_path / "cuda-sources"
     # Two include lines name files that hold the compacted header and body.
     (header_file,) = re.findall(r'^#include "([^"]+)"$', seen["header"], re.M)
@@ -639,18 +639,18 @@ def test_cuda_includes_fall_back_to_inline_text_with_one_notice(monkeypatch, tmp
 
     monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
     monkeypatch.setattr(mx.fast, "cuda_kernel", broken, raising=False)
-    toolchain.cuda_includes_work.cache_clear()
+    sources.cuda_includes_work.cache_clear()
     try:
-        assert toolchain.cuda_includes_work() is False
-        assert toolchain.cuda_includes_work() is False
+        assert sources.cuda_includes_work() is False
+        assert sources.cuda_includes_work() is False
         err = capsys.readouterr().err
         assert err.count("CUDA kernels get their source inline") == 1 and "cannot open source file" in err
-        toolchain.cuda_includes_work.cache_clear()
-        monkeypatch.setenv(toolchain.CUDA_INCLUDES_ENV, "0")
-        assert toolchain.cuda_includes_work() is False
+        sources.cuda_includes_work.cache_clear()
+        monkeypatch.setenv(sources.CUDA_INCLUDES_ENV, "0")
+        assert sources.cuda_includes_work() is False
         assert "inline" not in capsys.readouterr().err  # asked for: no notice
     finally:
-        toolchain.cuda_includes_work.cache_clear()
+        sources.cuda_includes_work.cache_clear()
 
 
 def test_cuda_kernels_by_include_compile_to_the_same_ptx(tmp_path, monkeypatch):
@@ -674,12 +674,12 @@ def test_cuda_kernels_by_include_compile_to_the_same_ptx(tmp_path, monkeypatch):
 
 
 def test_the_cuda_prelude_leaves_out_atomics_only_where_unused():
-    full = toolchain.cuda_prelude()
+    full = sources.cuda_prelude()
     assert "atomic_fetch_add_explicit" in full
-    without = toolchain.cuda_prelude("float y = simd_sum(x);")
+    without = sources.cuda_prelude("float y = simd_sum(x);")
     assert "atomic_fetch_add_explicit" not in without and "simd_sum" in without
     assert len(without) < len(full)
-    assert toolchain.cuda_prelude("atomic_fetch_add_explicit(&c[0], 1u, memory_order_relaxed);") == full
+    assert sources.cuda_prelude("atomic_fetch_add_explicit(&c[0], 1u, memory_order_relaxed);") == full
     # The other sections stay whole and in order.
     assert without == full[:full.index("// Atomics") - 80] + full[full.index("// Math:") - 80:]
 
@@ -707,8 +707,8 @@ def test_every_kernel_computes_the_same_from_its_compact_source(monkeypatch):
 
     full = run_all()
     body, header = Kernel.body_text, Kernel.full_header
-    monkeypatch.setattr(Kernel, "body_text", lambda self, absent=(): toolchain.compact_source(body(self, absent)))
-    monkeypatch.setattr(Kernel, "full_header", lambda self, backend: toolchain.compact_source(header(self, backend)))
+    monkeypatch.setattr(Kernel, "body_text", lambda self, absent=(): sources.compact_source(body(self, absent)))
+    monkeypatch.setattr(Kernel, "full_header", lambda self, backend: sources.compact_source(header(self, backend)))
     compact = run_all()
     monkeypatch.undo()
     run_all()  # leave the kernels built from their own text
@@ -724,10 +724,10 @@ def test_doctor_says_how_kernels_get_their_source(monkeypatch, tmp_path):
 
     monkeypatch.setenv("MLX_LILY_CACHE", str(tmp_path))
     monkeypatch.setattr(registry, "kernel_backend", lambda: ("cuda", "test"))
-    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: True)
+    monkeypatch.setattr(sources, "cuda_includes_work", lambda: True)
     assert doctor.kernel_sources() == (
         f"compacted, by #include from {tmp_path / 'cuda-sources'} (MLX rebuilds and hashes less per launch)")
-    monkeypatch.setattr(toolchain, "cuda_includes_work", lambda: False)
+    monkeypatch.setattr(sources, "cuda_includes_work", lambda: False)
     assert doctor.kernel_sources().startswith("compacted, inline (by #include is off")
     monkeypatch.setattr(registry, "kernel_backend", lambda: ("emulator", "test"))
     assert doctor.kernel_sources() == "emulator: full text"

@@ -21,6 +21,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from ..toolchain.type_names import MLX_TYPE_NAMES
+
 # Arrays with fewer elements go to the constant address space (as MLX does).
 MAX_CONSTANT_ARRAY_SIZE = 8
 
@@ -73,23 +75,6 @@ _ATTRIBUTE_VALUES = {
     "threads_per_threadgroup": "lily::to_uint3(I.threads_per_threadgroup)",
 }
 
-# Type names as MLX writes them (get_type_string).
-_TYPE_NAMES = {
-    mx.float32: "float",
-    mx.float16: "float16_t",
-    mx.bfloat16: "bfloat16_t",
-    mx.float64: "double",
-    mx.complex64: "complex64_t",
-    mx.bool_: "bool",
-    mx.int8: "int8_t",
-    mx.int16: "int16_t",
-    mx.int32: "int32_t",
-    mx.int64: "int64_t",
-    mx.uint8: "uint8_t",
-    mx.uint16: "uint16_t",
-    mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t",
-}
 
 TemplateValue = Union[bool, int, "mx.Dtype"]
 
@@ -97,7 +82,7 @@ TemplateValue = Union[bool, int, "mx.Dtype"]
 def type_name(dtype: "mx.Dtype") -> str:
     """The C++/Metal spelling MLX uses for a dtype."""
     try:
-        return _TYPE_NAMES[dtype]
+        return MLX_TYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"Unsupported compilation type {dtype}") from None
 

@@ -98,14 +98,15 @@ def _matching_paren(code: str, open_at: int) -> int:
     return -1
 
 
-def _top_level_semicolons(code: str) -> List[int]:
+def _top_level(code: str, sep: str, opening: str = "([{", closing: str = ")]}") -> List[int]:
+    """Indices of ``sep`` outside the ``opening``/``closing`` brackets."""
     depth, found = 0, []
     for k, ch in enumerate(code):
-        if ch in "([{":
+        if ch in opening:
             depth += 1
-        elif ch in ")]}":
+        elif ch in closing:
             depth -= 1
-        elif ch == ";" and depth == 0:
+        elif ch == sep and depth == 0:
             found.append(k)
     return found
 
@@ -129,7 +130,7 @@ def _guard_loops(text: str) -> str:
         if m.group(1) == "while":
             guarded = f"{_GUARD} && ({inner})"
         else:
-            semis = _top_level_semicolons(inner_code)
+            semis = _top_level(inner_code, ";")
             if len(semis) != 2:
                 continue  # range-based for: bounded
             a, b = semis
@@ -160,17 +161,8 @@ def _rewrite_pointer(m: "re.Match[str]") -> str:
 
 def _split_top_level(text: str) -> List[str]:
     """Splits at commas outside brackets and parentheses."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch in "[(":
-            depth += 1
-        elif ch in "])":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    parts.append(text[start:])
-    return parts
+    cuts = [-1] + _top_level(text, ",", "[(", "])") + [len(text)]
+    return [text[a + 1:b] for a, b in zip(cuts, cuts[1:])]
 
 
 def _tg_declaration(t: str, declarator: str, slot: int) -> Optional[str]:

@@ -1,17 +1,21 @@
-"""Lily's ops, one kernel family per module; see registry.py for how each op
-chooses between its custom kernel and its pure-MLX reference."""
+"""Lily's ops, one package per kernel family (``attention``, ``gated_delta``,
+``moe``, ``linear``), each op defined in the module that registers it, its
+``.metal`` bodies beside it; see toolchain/registry.py for how each op chooses
+between its custom kernel and its pure-MLX reference."""
 
-from .attention import attention, qk_norm_rope
-from .conv import conv_qk_norm
-from .gated_delta import gated_delta
-from .gated_delta_decode import gated_delta_decode
-from .gemv import quantized_matvec
-from .matmul import matmul_nt
-from .moe import moe_combine, moe_experts
-from .moe_decode import moe_decode
-from .norms import gated_rms_norm
 from ..toolchain.registry import OPS, LilyOp, gpu_backend, kernels_enabled
-from .router import router_topk
+from .attention.qk_norm_rope import qk_norm_rope
+from .attention.sdpa import attention
+from .gated_delta.conv import conv_qk_norm
+from .gated_delta.decode import gated_delta_decode
+from .gated_delta.norm import gated_rms_norm
+from .gated_delta.recurrence import gated_delta
+from .linear.gemv import quantized_matvec
+from .linear.matmul import matmul_nt
+from .moe.combine import moe_combine
+from .moe.decode import moe_decode
+from .moe.experts import moe_experts
+from .moe.router import router_topk
 
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",

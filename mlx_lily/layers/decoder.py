@@ -57,7 +57,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
 from .._notice import notice_once
-from ..toolchain.build import first_uses_in_traces, tracing
+from ..toolchain.tracing import first_uses_in_traces, tracing
 from ..toolchain.registry import kernel_backend
 from .stock_gate import record, why_stock
 

@@ -9,8 +9,8 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from .. import kernels as K
-from ..kernels.gated_delta import CHUNKED_FROM
-from ..toolchain.build import contiguous
+from ..kernels.gated_delta.recurrence import CHUNKED_FROM
+from ..toolchain.tracing import contiguous
 from .stock_gate import note_stock, record, why_stock
 
 

@@ -42,7 +42,7 @@ from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
 from .._notice import notice_once
-from ..kernels.attention import attention_kernels
+from ..kernels.attention.sdpa import attention_kernels
 from ..kernels.dtypes import embedding_dtype, reference_notice
 from ..toolchain.registry import kernel_backend
 from .decoder import (

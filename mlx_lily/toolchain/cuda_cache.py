@@ -40,6 +40,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from .._notice import notice_once
+from .type_names import CUDA_TYPES, MLX_TYPE_NAMES
 
 CACHE_ENV = "MLX_LILY_CUDA_CACHE"
 
@@ -92,22 +93,8 @@ def template_suffix(template: Sequence[Tuple[str, object]]) -> str:
         elif isinstance(value, int):
             parts.append(f"_{value}")
         else:
-            parts.append("_" + _TYPE_STRINGS[value])
+            parts.append("_" + MLX_TYPE_NAMES[value])
     return "".join(parts)
-
-
-# MLX's type names in kernel-name suffixes (its get_type_string).
-_TYPE_STRINGS = {
-    mx.bool_: "bool", mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t",
-    mx.uint64: "uint64_t", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t",
-    mx.int64: "int64_t", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float",
-}
-
-CUDA_TYPES = {
-    mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
-    mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
-    mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
-}
 
 
 def generated_source(function: str, header: str, source: str, input_names: Sequence[str],

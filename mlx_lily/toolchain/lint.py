@@ -1,7 +1,7 @@
 """Lint lily's kernel bodies against the portable subset of Metal.
 
 Run ``python -m mlx_lily.toolchain.lint [files...]`` (default: every
-``*.metal`` body and ``*.metal.h`` header in ``mlx_lily/kernels/`` and
+``*.metal`` body and ``*.metal.h`` header under ``mlx_lily/kernels/`` and
 ``mlx_lily/toolchain/``). It prints
 ``file:line: [rule] message`` per violation and exits 1 if there are any.
 
@@ -432,7 +432,7 @@ def kernel_sources(*directories: Path) -> list[Path]:
     families' package and the toolchain's own bodies and headers)."""
     found = []
     for directory in directories or (KERNELS_DIR, TOOLCHAIN_DIR):
-        found += sorted(directory.glob("*.metal")) + sorted(directory.glob("*.metal.h"))
+        found += sorted(directory.rglob("*.metal")) + sorted(directory.rglob("*.metal.h"))
     return found
 
 

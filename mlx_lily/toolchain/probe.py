@@ -11,7 +11,8 @@ import math
 
 import mlx.core as mx
 
-from .build import TOOLCHAIN_DIR, SIMD_WIDTH, Kernel, Launch
+from .kernel import SIMD_WIDTH, Kernel, Launch
+from .sources import TOOLCHAIN_DIR
 
 
 PROBE_THREADGROUP = 64  # two SIMD groups, as TG in the body

@@ -12,7 +12,7 @@ decides per call which path runs:
   tests and what runs on a CPU.
 
 Kernels are written once and built for the active backend by
-``toolchain/build.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
+``toolchain/kernel.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
 SIMT emulator when asked for. ``MLX_LILY_KERNEL_BACKEND`` picks the backend:
 ``auto`` (the default: the default device's GPU backend, else the reference),
 ``emulator`` (run kernels in the CPU emulator, even on a CPU: tests, CI),
@@ -37,7 +37,7 @@ from .._notice import notice_once
 
 
 class KernelLike(Protocol):
-    """What an op needs from a built kernel (see ``toolchain/build.py``)."""
+    """What an op needs from a built kernel (see ``toolchain/kernel.py``)."""
 
     def ready_on(self, backend: str) -> tuple[bool, str]:
         """(usable on ``backend``, why not / which backend).
@@ -49,7 +49,7 @@ class KernelLike(Protocol):
 
     # Optional: run_checked(backend, *args, **kwargs) -> (result, None), or
     # (the reference's result, why not) when this call's instantiation of the
-    # kernel failed its first-use check (see ``toolchain/build.py``).
+    # kernel failed its first-use check (see ``toolchain/kernel.py``).
 
 
 BACKEND_ENV = "MLX_LILY_KERNEL_BACKEND"

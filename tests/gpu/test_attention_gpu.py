@@ -16,7 +16,7 @@ import pytest
 
 import mlx_lily.kernels  # noqa: F401
 
-A = sys.modules["mlx_lily.kernels.attention"]
+A = sys.modules["mlx_lily.kernels.attention.sdpa"]
 
 pytestmark = pytest.mark.gpu
 
@@ -120,7 +120,7 @@ def test_the_whole_decode_step_decodes_as_the_segments_do(backend, demo_conditio
     import mlx_lily
     from mlx_lily import call_trace
     from mlx_lily.layers import text_model as T
-    from mlx_lily.toolchain.build import first_uses_in_traces
+    from mlx_lily.toolchain.tracing import first_uses_in_traces
 
     model, _ = mlx_lily.load(str(demo_conditioned_checkpoint), backend="lily")
     unchecked = first_uses_in_traces()

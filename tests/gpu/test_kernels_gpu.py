@@ -14,14 +14,14 @@ import pytest
 from mlx_lm.models.gated_delta import normalize_qk
 
 from mlx_lily.kernels import OPS
-from mlx_lily.kernels.gated_delta import (
+from mlx_lily.kernels.gated_delta.recurrence import (
     CHUNKED_FROM,
     gated_delta,
     gated_delta_agree,
     gated_delta_compare,
     gated_delta_reference,
 )
-from mlx_lily.kernels.router import (
+from mlx_lily.kernels.moe.router import (
     router_outputs_agree,
     router_topk,
     router_topk_ground_truth,
@@ -144,7 +144,7 @@ def test_gated_delta_at_real_shapes(backend, T, with_state):
 
 @pytest.mark.parametrize("M, N, K", [(4096, 4096, 4096), (2048, 1024, 2048), (333, 517, 200)])
 def test_tiled_gemm_on_the_gpu_matches_float64(backend, M, N, K):
-    from mlx_lily.kernels.matmul import matmul_nt
+    from mlx_lily.kernels.linear.matmul import matmul_nt
 
     keys = mx.random.split(mx.random.key(M + N + K), 2)
     x = mx.random.normal((M, K), key=keys[0]).astype(mx.bfloat16)
@@ -177,7 +177,7 @@ def test_gated_delta_chunked_at_real_shapes(backend, T, with_state):
     # of chunks, and one more token); they agree with the op's reference
     # within its contract and with the sequential kernel (the oracle) within
     # the bf16-operand bounds of tests/test_gated_delta_chunked.py.
-    from mlx_lily.kernels.gated_delta import gated_delta_kernel
+    from mlx_lily.kernels.gated_delta.recurrence import gated_delta_kernel
 
     args = gated_delta_inputs(T, with_state, seed=T + 1)
     assert gated_delta.kernel.path_for(backend, *args) == "chunked", gated_delta.kernel.chunked_ready_on(backend)
@@ -272,7 +272,7 @@ MOE_HIDDEN, MOE_INTER = 2048, 512
 
 @pytest.fixture(scope="module")
 def real_experts():
-    from mlx_lily.kernels.moe_gemm import quantized_experts
+    from mlx_lily.kernels.moe.experts import quantized_experts
 
     return quantized_experts(MOE_HIDDEN, MOE_INTER, EXPERTS, seed=7)
 
@@ -286,7 +286,7 @@ def moe_inputs(tokens, seed):
 
 @pytest.mark.parametrize("tokens", [256, 1024, 2048])  # tiles of 16, 32 and 64 rows
 def test_moe_routing_at_real_shapes(backend, tokens):
-    from mlx_lily.kernels.moe_routing import (
+    from mlx_lily.kernels.moe.routing import (
         moe_routing_agree, moe_routing_kernel, moe_routing_reference, tile_rows_for)
 
     _, inds = moe_inputs(tokens, tokens)
@@ -300,8 +300,8 @@ def test_moe_routing_at_real_shapes(backend, tokens):
 @pytest.mark.parametrize("tokens", [256, 1024, 2048])
 def test_moe_experts_at_real_shapes_match_stock(backend, real_experts, tokens):
     # On a GPU stock's gather_qmm accumulates in fp32 like the kernel.
-    from mlx_lily.kernels.moe import moe_experts
-    from mlx_lily.kernels.moe_gemm import RELATIVE_TOLERANCE, relative_error
+    from mlx_lily.kernels.moe.experts import moe_experts
+    from mlx_lily.kernels.moe.experts import RELATIVE_TOLERANCE, relative_error
 
     x, inds = moe_inputs(tokens, tokens)
     got = moe_experts(x, inds, real_experts)
@@ -313,7 +313,7 @@ def test_moe_experts_at_real_shapes_match_stock(backend, real_experts, tokens):
 
 
 def test_moe_experts_match_the_precise_reference(backend, real_experts):
-    from mlx_lily.kernels.moe_gemm import moe_experts_agree, moe_experts_precise, run_moe_experts
+    from mlx_lily.kernels.moe.experts import moe_experts_agree, moe_experts_precise, run_moe_experts
 
     x, inds = moe_inputs(256, 3)
     inds[0, 7, 2] = 0xFFFFFFFF  # out of range: that slot's output is zero
@@ -323,7 +323,7 @@ def test_moe_experts_match_the_precise_reference(backend, real_experts):
 
 
 def test_moe_experts_is_deterministic(backend, real_experts):
-    from mlx_lily.kernels.moe_gemm import run_moe_experts
+    from mlx_lily.kernels.moe.experts import run_moe_experts
 
     x, inds = moe_inputs(2048, 11)
     first = run_moe_experts(backend, x, inds, real_experts)
@@ -332,7 +332,7 @@ def test_moe_experts_is_deterministic(backend, real_experts):
 
 
 def test_moe_combine_at_real_shapes(backend):
-    from mlx_lily.kernels.moe import moe_combine, moe_combine_agree, moe_combine_reference
+    from mlx_lily.kernels.moe.combine import moe_combine, moe_combine_agree, moe_combine_reference
 
     keys = mx.random.split(mx.random.key(12), 4)
     y = mx.random.normal((1, 2048, TOP_K, MOE_HIDDEN), key=keys[0]).astype(mx.bfloat16)
@@ -349,7 +349,7 @@ def test_moe_combine_at_real_shapes(backend):
 
 @pytest.mark.parametrize("T", [1, 193, 2048])
 def test_conv_qk_norm_at_real_shapes(backend, T):
-    from mlx_lily.kernels.conv import conv_qk_norm_agree, conv_qk_norm_kernel, make_call
+    from mlx_lily.kernels.gated_delta.conv import conv_qk_norm_agree, conv_qk_norm_kernel, make_call
 
     args, _ = make_call(1, T, 16, 32, 128, 128, seed=T)  # Qwen3.6: 16 key, 32 value heads
     got = conv_qk_norm_kernel.run_on(backend, *args)
@@ -359,7 +359,7 @@ def test_conv_qk_norm_at_real_shapes(backend, T):
 
 @pytest.mark.parametrize("T", [1, 2048])
 def test_gated_rms_norm_at_real_shapes(backend, T):
-    from mlx_lily.kernels.norms import gated_rms_norm_agree, gated_rms_norm_kernel, make_call
+    from mlx_lily.kernels.gated_delta.norm import gated_rms_norm_agree, gated_rms_norm_kernel, make_call
 
     args, _ = make_call((1, T, 32, 128), seed=T)
     got = gated_rms_norm_kernel.run_on(backend, *args)
@@ -372,12 +372,12 @@ def test_gated_rms_norm_at_real_shapes(backend, T):
 
 def _fp16_calls():
     """(op name, a small fp16 call its kernel takes) for each op with fp16 kernels."""
-    from mlx_lily.kernels import attention as attention_module
-    from mlx_lily.kernels.conv import make_call as conv_call
-    from mlx_lily.kernels.gated_delta_decode import make_decode_inputs
-    from mlx_lily.kernels.gemv import make_call as gemv_call
-    from mlx_lily.kernels.moe_decode import make_moe_decode_inputs
-    from mlx_lily.kernels.norms import make_call as norm_call
+    from mlx_lily.kernels.attention import sdpa as attention_module
+    from mlx_lily.kernels.gated_delta.conv import make_call as conv_call
+    from mlx_lily.kernels.gated_delta.decode import make_decode_inputs
+    from mlx_lily.kernels.linear.gemv import make_call as gemv_call
+    from mlx_lily.kernels.moe.decode import make_moe_decode_inputs
+    from mlx_lily.kernels.gated_delta.norm import make_call as norm_call
 
     f16 = mx.float16
     q, k, v, scale, mask = attention_module._decode_check_inputs(300, Hq=16, Hkv=2, D=256)
@@ -405,17 +405,17 @@ def test_fp16_calls_take_their_kernels_and_pass_the_first_use_check(backend, ind
     outputs = got if isinstance(got, (list, tuple)) else [got]
     assert all(o.dtype in (mx.float16, mx.float32) for o in outputs)
     if name == "moe_decode":
-        from mlx_lily.kernels.moe_decode import moe_decode_agree
+        from mlx_lily.kernels.moe.decode import moe_decode_agree
 
         assert moe_decode_agree(got, got, *args, **kwargs) is None
     elif name == "attention":
-        from mlx_lily.kernels.attention import attention_agree, attention_reference
+        from mlx_lily.kernels.attention.sdpa import attention_agree, attention_reference
 
         assert attention_agree(got, attention_reference(*args, **kwargs)) is None
 
 
 def test_fp16_decode_attention_splits_at_long_contexts(backend):
-    from mlx_lily.kernels import attention as A
+    from mlx_lily.kernels.attention import sdpa as A
 
     q, k, v, scale, mask = A._decode_check_inputs(5000, Hq=16, Hkv=2, D=256)
     q, k, v = (a.astype(mx.float16) for a in (q, k, v))

@@ -27,7 +27,7 @@ from bench.common import length_label, log, machine_info, now_iso, parse_lengths
 from bench.ops import KV_CACHE_STEP, time_call
 from mlx_lily.toolchain.registry import gpu_backend
 
-A = sys.modules["mlx_lily.kernels.attention"]
+A = sys.modules["mlx_lily.kernels.attention.sdpa"]
 
 LENGTHS = "256,1K,2K,4K,8K,16K,32K,64K,128K"
 KEY_BLOCKS = (64, 128, 256, 512)

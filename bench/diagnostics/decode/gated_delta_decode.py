@@ -24,8 +24,8 @@ import numpy as np
 
 from bench.common import write_report
 
-gdd = importlib.import_module("mlx_lily.kernels.gated_delta_decode")
-gd = importlib.import_module("mlx_lily.kernels.gated_delta")
+gdd = importlib.import_module("mlx_lily.kernels.gated_delta.decode")
+gd = importlib.import_module("mlx_lily.kernels.gated_delta.recurrence")
 from mlx_lily.toolchain.registry import gpu_backend  # noqa: E402
 
 HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv

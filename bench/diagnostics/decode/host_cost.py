@@ -39,7 +39,7 @@ from bench.common import write_report
 def stubbed_kernels() -> Iterator[None]:
     """Every kernel op takes its kernel path as on CUDA; every launch returns
     outputs of the right shapes without running anything."""
-    from mlx_lily.toolchain import build, registry
+    from mlx_lily.toolchain import kernel, registry
 
     def fake_build(self, backend, absent=()):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None, **kw):
@@ -56,8 +56,8 @@ def stubbed_kernels() -> Iterator[None]:
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(held(registry, "gpu_backend", lambda: "cuda"))
-        stack.enter_context(held(build.Kernel, "_build", fake_build))
-        classes = {type(op.kernel) for op in registry.OPS.values() if op.kernel is not None} | {build.Kernel}
+        stack.enter_context(held(kernel.Kernel, "_build", fake_build))
+        classes = {type(op.kernel) for op in registry.OPS.values() if op.kernel is not None} | {kernel.Kernel}
         for cls in classes:
             for name in ("ready_on", "chunked_ready_on"):
                 if hasattr(cls, name):

@@ -28,7 +28,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.common import write_report  # noqa: E402
-from mlx_lily.toolchain.build import on_cpu  # noqa: E402
+from mlx_lily.toolchain.contracts import on_cpu  # noqa: E402
 
 
 def capture_turned_off(tokens: int, decode_steps: int) -> dict:
@@ -38,7 +38,7 @@ def capture_turned_off(tokens: int, decode_steps: int) -> dict:
 
     from mlx_lily.random_checkpoints import build_model
     from mlx_lily.models.qwen3_5_moe import Model
-    from mlx_lily.toolchain.build import Kernel
+    from mlx_lily.toolchain.kernel import Kernel
 
     captured: dict = {}
     off = Kernel._off

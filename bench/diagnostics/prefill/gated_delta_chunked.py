@@ -28,8 +28,8 @@ import numpy as np
 
 from bench.common import REPO_ROOT, write_report
 
-gd = importlib.import_module("mlx_lily.kernels.gated_delta")
-gdc = importlib.import_module("mlx_lily.kernels.gated_delta_chunked")
+gd = importlib.import_module("mlx_lily.kernels.gated_delta.recurrence")
+gdc = importlib.import_module("mlx_lily.kernels.gated_delta.chunked")
 from mlx_lily.toolchain.registry import gpu_backend  # noqa: E402
 
 HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv of the real shapes, for the report

@@ -20,15 +20,15 @@ import mlx.core as mx
 
 from bench.common import machine_info, software_info, write_report
 from bench.ops import time_call
-from mlx_lily.kernels.moe import moe_combine_kernel, moe_combine_reference
-from mlx_lily.kernels.moe_gemm import (
+from mlx_lily.kernels.moe.combine import moe_combine_kernel, moe_combine_reference
+from mlx_lily.kernels.moe.experts import (
     moe_down_kernel,
     moe_gate_up_kernel,
     quantized_experts,
     relative_error,
     run_moe_experts,
 )
-from mlx_lily.kernels.moe_routing import moe_routing_kernel, tile_rows_for
+from mlx_lily.kernels.moe.routing import moe_routing_kernel, tile_rows_for
 from mlx_lily.toolchain.registry import gpu_backend
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 512, 256, 8

@@ -39,7 +39,7 @@ from bench.diagnostics.tuning.weight_reads import (
     torch_cuda_missing,
     weight_bytes,
 )
-from mlx_lily.kernels.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
+from mlx_lily.kernels.linear.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
 
 def _torch_read_us(nbytes: int, copies: int) -> float:
     import torch

@@ -31,7 +31,7 @@ import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import log, machine_info, now_iso, software_info, write_report
 from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, torch_cuda_missing, weight_bytes
 from bench.ops import time_call, time_in_graph as ops_time_in_graph
-from mlx_lily.kernels.gemv import (
+from mlx_lily.kernels.linear.gemv import (
     ROWS_CHOICES,
     make_call,
     quantized_matvec_agree,

@@ -36,16 +36,19 @@ max|want|.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
-from ..toolchain.registry import LilyOp, register
-from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
-from .gated_delta import l2norm_qk_reference
+from ...toolchain.contracts import elementwise_mismatch, on_cpu
+
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
+from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
+from .recurrence import l2norm_qk_reference
 
 # The stock L2 norm's epsilon (added to sum(x^2)), as the layer passes it.
 L2_EPS = 1e-6
@@ -161,7 +164,7 @@ conv_qk_norm_kernel = Kernel(
     name="conv_qk_norm",
     input_names=("qkv", "conv_state", "conv_weight", "scalars"),
     output_names=("q", "k", "v"),
-    body="conv_qk_norm.metal",
+    body=Path(__file__).with_name("conv_qk_norm.metal"),
     launch=_launch,
     reference=conv_qk_norm_reference,
     sample=_sample,

@@ -29,16 +29,21 @@ kernel failed (``tests/data/gated_delta_decode_cuda_case.npz``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, contiguous, on_cpu
-from ..toolchain.registry import LilyOp, register
+from ...toolchain.contracts import on_cpu
+
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+
+from ...toolchain.tracing import contiguous
+from ...toolchain.registry import LilyOp, register
 from .conv import conv1d_silu_reference
-from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason
-from .gated_delta import (
+from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason
+from .recurrence import (
     KERNEL_DTYPES,
     MAX_DK,
     STATE_TOLERANCE,
@@ -47,7 +52,7 @@ from .gated_delta import (
     gated_delta_reference,
     l2norm_qk_reference,
 )
-from .norms import gated_rms_norm_reference
+from .norm import gated_rms_norm_reference
 
 # The stock L2 norm's epsilon (added to sum(x^2)), as the layer passes it.
 L2_EPS = 1e-6
@@ -251,7 +256,7 @@ gated_delta_decode_kernel = Kernel(
         "state_in", "norm_weight", "scalars",
     ),
     output_names=("out", "conv_state_out", "state_out"),
-    body="gated_delta_decode.metal",
+    body=Path(__file__).with_name("gated_delta_decode.metal"),
     launch=_launch,
     reference=gated_delta_decode_reference,
     sample=_sample,

@@ -21,13 +21,14 @@ may order ties otherwise), and the same weights within the dtype's tolerance.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.registry import LilyOp, register
-from ..toolchain.build import KERNELS_DIR, SIMD_WIDTH, Kernel, Launch
+from ...toolchain.registry import LilyOp, register
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
 
 
 def router_topk_reference(logits: mx.array, k: int, normalize: bool):
@@ -44,7 +45,7 @@ def router_topk_reference(logits: mx.array, k: int, normalize: bool):
 
 # The top-k routine (a macro of the portable subset), shared with the bodies
 # that route a token themselves (moe_decode).
-TOPK_HEADER = (KERNELS_DIR / "router_topk.metal.h").read_text()
+TOPK_HEADER = Path(__file__).with_name("router_topk.metal.h").read_text()
 
 # Rows (tokens) per threadgroup: one SIMD group each. Four keep a 2048-token
 # prefill chunk at 512 threadgroups, enough to fill a large GPU.
@@ -224,7 +225,7 @@ router_topk_kernel = Kernel(
     name="router_topk",
     input_names=("logits",),
     output_names=("indices", "weights"),
-    body="router_topk.metal",
+    body=Path(__file__).with_name("router_topk.metal"),
     header=TOPK_HEADER,
     launch=_launch_router_topk,
     reference=router_topk_reference,

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -57,11 +58,11 @@ import numpy as np
 from mlx_lm.models.qwen3_next import Qwen3NextMLP
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, SampleCheckedKernels, Launch
-from ..toolchain.registry import LilyOp, register
-from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
-from .moe import moe_combine_reference
-from .moe_gemm import _quantized_as_kernel_takes
+from ...toolchain.kernel import Kernel, Launch, SampleCheckedKernels, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
+from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
+from .combine import moe_combine_reference
+from .experts import _quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
 # Must match the bodies: rows per threadgroup and threads per threadgroup.
@@ -223,7 +224,7 @@ moe_decode_gate_up_kernel = Kernel(
     input_names=("h", "logits", "norm_weight", "eps", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
     output_names=("act", "inds", "scores"),
-    body="moe_decode_gate_up.metal",
+    body=Path(__file__).with_name("moe_decode_gate_up.metal"),
     header=TOPK_HEADER,
     launch=_launch_gate_up,
 )
@@ -233,7 +234,7 @@ moe_decode_down_kernel = Kernel(
     input_names=("h", "act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
                  "sdown_w", "sdown_s", "sdown_b"),
     output_names=("out",),
-    body="moe_decode_down.metal",
+    body=Path(__file__).with_name("moe_decode_down.metal"),
     launch=_launch_down,
 )
 
@@ -391,28 +392,11 @@ def _fuzz(rng):
                                   dtype=dtype)
 
 
-class MoeDecodeKernel(SampleCheckedKernels):
-    """The two kernels as one KernelLike, self-checked together once per
-    backend against ``moe_decode_precise`` on the sample."""
-
-    name = "moe_decode"
-    parts = (moe_decode_gate_up_kernel, moe_decode_down_kernel)
-    summary = "routing + norm + gate/up + SwiGLU, down + combine"
-
-    def sample(self):
-        return _sample()
-
-    def run_on(self, backend: str, *args, **kwargs):
-        return run_moe_decode(backend, *args, **kwargs)
-
-    def agree(self, got, want, *args, **kwargs) -> Optional[str]:
-        """The kernels' contract is with ``moe_decode_precise`` (stock's math
-        accumulated in fp32), not with ``want`` (stock, which on a CPU
-        accumulates its bf16 matmuls in bf16)."""
-        return moe_decode_agree(got, want, *args, **kwargs)
-
-
-moe_decode_kernel = MoeDecodeKernel()
+# The two kernels as one KernelLike, self-checked together once per backend
+# against ``moe_decode_precise`` on the sample (``moe_decode_agree``).
+moe_decode_kernel = SampleCheckedKernels(
+    "moe_decode", (moe_decode_gate_up_kernel, moe_decode_down_kernel),
+    "routing + norm + gate/up + SwiGLU, down + combine", sample=_sample, run=run_moe_decode, agree=moe_decode_agree)
 
 moe_decode = register(
     LilyOp(

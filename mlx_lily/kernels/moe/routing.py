@@ -22,12 +22,13 @@ computes both in one dispatch, with no round trip to the host:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import Kernel, Launch
+from ...toolchain.kernel import Kernel, Launch
 
 # One threadgroup of THREADS (8 SIMD groups) per 8 buckets: each SIMD group
 # compacts one bucket, so 256 experts use 33 threadgroups. Must match the body.
@@ -130,7 +131,7 @@ moe_routing_kernel = Kernel(
     name="moe_routing",
     input_names=("indices",),
     output_names=("order", "offsets", "tiles"),
-    body="moe_routing.metal",
+    body=Path(__file__).with_name("moe_routing.metal"),
     launch=_launch_moe_routing,
     reference=moe_routing_reference,
     sample=_sample,

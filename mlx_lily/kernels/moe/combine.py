@@ -1,8 +1,5 @@
-"""Sparse MoE: the routed experts (gate+up, SwiGLU, down) and the combine step.
+"""Sparse MoE's combine step (the routed experts are ``experts.py``).
 
-``moe_experts`` runs, for prefill-sized calls with 4-bit group-64 experts, the
-grouped expert GEMM path of ``moe_gemm.py`` (on-GPU routing, then two
-fused-dequantization GEMMs on matrix tiles); otherwise stock's SwitchGLU.
 ``moe_combine`` weights each slot's output by its routing score, sums the
 slots in order and adds the sigmoid-gated shared expert (``moe_combine.metal``).
 """
@@ -10,21 +7,14 @@ slots in order and adds the sigmoid-gated shared expert (``moe_combine.metal``).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import Kernel, Launch
-from ..toolchain.registry import LilyOp, register
-from .moe_gemm import (
-    moe_experts_compare,
-    moe_experts_kernel,
-    moe_experts_reference,
-    moe_experts_supports,
-    sample_moe_experts,
-    fuzz_moe_experts,
-)
+from ...toolchain.kernel import Kernel, Launch
+from ...toolchain.registry import LilyOp, register
 
 COMBINE_THREADS = 256
 COMBINE_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
@@ -128,24 +118,11 @@ moe_combine_kernel = Kernel(
     name="moe_combine",
     input_names=("y", "scores", "shared", "gate"),
     output_names=("out",),
-    body="moe_combine.metal",
+    body=Path(__file__).with_name("moe_combine.metal"),
     launch=_launch_combine,
     reference=moe_combine_reference,
     sample=_sample_combine,
     agree=moe_combine_agree,
-)
-
-moe_experts = register(
-    LilyOp(
-        "moe_experts",
-        moe_experts_reference,
-        kernel=moe_experts_kernel,
-        supports=moe_experts_supports,
-        description="routed experts: on-GPU routing, grouped 4-bit GEMMs (gate+up+SwiGLU, down)",
-        sample=sample_moe_experts,
-        compare=moe_experts_compare,
-        fuzz=fuzz_moe_experts,
-    )
 )
 
 moe_combine = register(

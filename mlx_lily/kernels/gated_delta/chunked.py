@@ -32,12 +32,13 @@ b's dtype), its output y is in q's dtype and its state fp32, as stock's.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..toolchain.build import Kernel, Launch
+from ...toolchain.kernel import Kernel, Launch
 
 # Tokens per chunk: the rows of the triangular system and of each tile pass.
 CHUNK = 64
@@ -227,7 +228,7 @@ chunk_prepare_kernel = Kernel(
     name="gated_delta_chunk_prepare",
     input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias"),
     output_names=("w_out", "u_out", "kd_out", "p_out", "gcum_out"),
-    body="gated_delta_chunk_prepare.metal",
+    body=Path(__file__).with_name("gated_delta_chunk_prepare.metal"),
     launch=_prepare_launch,
     tiles=True,
 )
@@ -235,7 +236,7 @@ chunk_state_kernel = Kernel(
     name="gated_delta_chunk_state",
     input_names=("w", "u", "kd", "gcum", "state_in"),
     output_names=("d_out", "s0_out", "state_out"),
-    body="gated_delta_chunk_state.metal",
+    body=Path(__file__).with_name("gated_delta_chunk_state.metal"),
     launch=_state_launch,
     tiles=True,
 )
@@ -243,7 +244,7 @@ chunk_output_kernel = Kernel(
     name="gated_delta_chunk_output",
     input_names=("q", "s0", "d", "p", "gcum"),
     output_names=("y",),
-    body="gated_delta_chunk_output.metal",
+    body=Path(__file__).with_name("gated_delta_chunk_output.metal"),
     launch=_output_launch,
     tiles=True,
 )

@@ -50,14 +50,15 @@ reference over the fuzz cases (offsets up to 40K).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
-from ..toolchain.registry import LilyOp, register
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
 
 KERNEL_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # The body keeps D / 32 values per lane; rms_norm over at most 256.
@@ -273,7 +274,7 @@ qk_norm_rope_kernel = Kernel(
     name="qk_norm_rope",
     input_names=("q", "k", "q_weight", "k_weight", "offsets", "scalars"),
     output_names=("q_out", "k_out"),
-    body="qk_norm_rope.metal",
+    body=Path(__file__).with_name("qk_norm_rope.metal"),
     launch=_launch,
     reference=qk_norm_rope_reference,
     sample=_sample,

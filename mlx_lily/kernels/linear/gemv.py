@@ -64,14 +64,15 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
-from ..toolchain.registry import LilyOp, gpu_backend, register
-from .dtypes import ACTIVATION_DTYPES, STEP, activation_dtype_reason
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, gpu_backend, register
+from ..dtypes import ACTIVATION_DTYPES, STEP, activation_dtype_reason
 
 GROUP_SIZE = 64
 KERNEL_BITS = (4, 8)
@@ -495,7 +496,7 @@ quantized_matvec_kernel = Kernel(
         "norm_weight", "gate", "residual", "layout", "scalars",
     ),
     output_names=("out0", "out1", "out2", "out3"),
-    body="gemv.metal",
+    body=Path(__file__).with_name("gemv.metal"),
     launch=_launch,
     reference=quantized_matvec_reference,
     sample=_sample,

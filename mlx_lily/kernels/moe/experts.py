@@ -4,7 +4,7 @@ Stock mlx-lm's ``SwitchGLU`` sorts the (token, slot) rows by expert and runs
 ``gather_qmm`` three times (gate, up, down) with a SwiGLU between. Lily's
 kernel path does the same math in three dispatches, with no host round trip:
 
-1. ``moe_routing`` (``moe_routing.py``): expert-contiguous row order and the
+1. ``moe_routing`` (``routing.py``): expert-contiguous row order and the
    tile map, sized for the worst case;
 2. gate + up (``moe_gemm.metal``, GATED): both projections of a tile in one
    pass over ``x``, 4-bit weights dequantized to bf16 in threadgroup memory,
@@ -23,6 +23,7 @@ Everything else runs the reference, stock's ``SwitchGLU``.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
@@ -30,8 +31,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
 
-from ..toolchain.build import SampleCheckedKernels, Kernel, Launch
-from .moe_routing import moe_routing_kernel, moe_routing_supports, tile_rows_for
+from ...toolchain.kernel import Kernel, Launch, SampleCheckedKernels
+from ...toolchain.registry import LilyOp, register
+from .routing import moe_routing_kernel, moe_routing_supports, tile_rows_for
 
 # Threads per threadgroup and output columns per threadgroup: must match the body.
 THREADS = 128
@@ -118,7 +120,7 @@ def _launch_grouped(act, order, tiles, first, second, tile_m: int, top_k: int) -
 _GEMM = dict(
     input_names=("act", "order", "tiles", "w0", "scales0", "biases0", "w1", "scales1", "biases1"),
     output_names=("out",),
-    body="moe_gemm.metal",
+    body=Path(__file__).with_name("moe_gemm.metal"),
     launch=_launch_grouped,
     tiles=True,
 )
@@ -242,25 +244,28 @@ def fuzz_moe_experts(rng):
     return (x, mx.array(inds)[None], glu), {}
 
 
-class MoeExpertsKernel(SampleCheckedKernels):
-    """The kernel path as one KernelLike: the three kernels, self-checked
-    together once per backend against ``moe_experts_precise`` on the sample."""
-
-    name = "moe_experts"
-    parts = (moe_routing_kernel, moe_gate_up_kernel, moe_down_kernel)
-    summary = "routing, gate+up+SwiGLU, down"
-
-    def sample(self):
-        return sample_moe_experts()
-
-    def run_on(self, backend: str, *args, **kwargs):
-        return run_moe_experts(backend, *args, **kwargs)
-
-    def agree(self, got, want, *args, **kwargs) -> Optional[str]:
-        """The kernels' contract is with ``moe_experts_precise`` (stock's math
-        accumulated in fp32), not with ``want`` (stock, which on a CPU
-        accumulates its bf16 matmuls in bf16)."""
-        return moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
+def _agree_with_precise(got, want, *args, **kwargs) -> Optional[str]:
+    """The kernels' contract is with ``moe_experts_precise`` (stock's math
+    accumulated in fp32), not with ``want`` (stock, which on a CPU
+    accumulates its bf16 matmuls in bf16)."""
+    return moe_experts_agree(got, moe_experts_precise(*args, **kwargs))
 
 
-moe_experts_kernel = MoeExpertsKernel()
+# The kernel path as one KernelLike: the three kernels, self-checked together
+# once per backend against ``moe_experts_precise`` on the sample.
+moe_experts_kernel = SampleCheckedKernels(
+    "moe_experts", (moe_routing_kernel, moe_gate_up_kernel, moe_down_kernel), "routing, gate+up+SwiGLU, down",
+    sample=sample_moe_experts, run=run_moe_experts, agree=_agree_with_precise)
+
+moe_experts = register(
+    LilyOp(
+        "moe_experts",
+        moe_experts_reference,
+        kernel=moe_experts_kernel,
+        supports=moe_experts_supports,
+        description="routed experts: on-GPU routing, grouped 4-bit GEMMs (gate+up+SwiGLU, down)",
+        sample=sample_moe_experts,
+        compare=moe_experts_compare,
+        fuzz=fuzz_moe_experts,
+    )
+)

@@ -15,13 +15,14 @@ once, to ``x``'s dtype.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch
-from ..toolchain.registry import LilyOp, register
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
 
 # Threadgroup block of C and the K step; SIMD groups per threadgroup as WM x WN.
 # 128 x 128 with 8 SIMD groups (each 64 x 32: 4 x 2 tiles) keeps the tensor
@@ -97,7 +98,7 @@ matmul_nt_kernel = Kernel(
     name="matmul_tiled",
     input_names=("a", "b"),
     output_names=("c",),
-    body="matmul_tiled.metal",
+    body=Path(__file__).with_name("matmul_tiled.metal"),
     launch=_launch,
     tiles=True,
     reference=matmul_nt_reference,

@@ -29,15 +29,17 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .._notice import notice_once
-from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch, contiguous
-from ..toolchain.registry import LilyOp, register
-from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
+from ..._notice import notice_once
+from ...toolchain.kernel import Kernel, KernelGroup, Launch, SIMD_WIDTH
+from ...toolchain.tracing import contiguous
+from ...toolchain.registry import LilyOp, register
+from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
@@ -79,28 +81,46 @@ MAX_GROUP = 8
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
 
 
-def decode_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
-    """None when the decode kernel takes this call, else why not."""
-    if length is not None and (mask is not None or length.dtype != mx.int32 or length.size != 1):
-        return "a length bound needs no mask and one int32 length"
+def _shapes_reason(kind: str, q, k, v, mask, head_dims, dtypes_reason) -> Optional[str]:
+    """The checks the decode and prefill kernels share, in order: ranks, one
+    query token (decode), batch 1, mask, dtypes (``dtypes_reason``), head
+    dims, keys and values; None when all pass."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
     B, Hq, L, D = q.shape
     _, Hkv, S, _ = k.shape
-    if L != 1:
+    if kind == "decode" and L != 1:
         return f"{L} query tokens (decode kernel: 1)"
     if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
-        return f"batch {B} (decode kernel: 1)"
+        return f"batch {B} ({kind} kernel: 1)"
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
-        return "an explicit mask (decode kernel: none, or causal)"
+        return f"an explicit mask ({kind} kernel: none, or causal)"
+    why = dtypes_reason(q, k, v)
+    if why is not None:
+        return why
+    if D not in head_dims or k.shape[3] != D or v.shape[3] != D:
+        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} ({kind} kernel: one of {head_dims})"
+    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1 or L < 1:
+        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    return None
+
+
+def _decode_dtypes_reason(q, k, v) -> Optional[str]:
     if q.dtype not in ACTIVATION_DTYPES:
         return activation_dtype_reason("q", q.dtype)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (decode kernel: one dtype)"
-    if D not in DECODE_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
-        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (decode kernel: one of {DECODE_HEAD_DIMS})"
-    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1:
-        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    return None
+
+
+def decode_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
+    """None when the decode kernel takes this call, else why not."""
+    if length is not None and (mask is not None or length.dtype != mx.int32 or length.size != 1):
+        return "a length bound needs no mask and one int32 length"
+    why = _shapes_reason("decode", q, k, v, mask, DECODE_HEAD_DIMS, _decode_dtypes_reason)
+    if why is not None:
+        return why
+    Hq, Hkv = q.shape[1], k.shape[1]
     if Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return f"{Hq} query heads on {Hkv} KV heads (decode kernel: at most {MAX_GROUP} per KV head)"
     return None
@@ -170,7 +190,7 @@ attention_decode_kernel = Kernel(
     name="attention_decode",
     input_names=("queries", "keys", "values", "scale", "length"),
     output_names=("out", "part_o", "part_lse"),
-    body="attention_decode.metal",
+    body=Path(__file__).with_name("attention_decode.metal"),
     launch=_launch_decode,
     # Unbounded launches pass no length; the body reads it only when BOUNDED.
     stand_ins={"length": "auto length = scale;"},
@@ -184,7 +204,7 @@ attention_combine_kernel = Kernel(
     name="attention_combine",
     input_names=("part_o", "part_lse"),
     output_names=("out",),
-    body="attention_combine.metal",
+    body=Path(__file__).with_name("attention_combine.metal"),
     launch=_launch_combine,
 )
 
@@ -225,25 +245,22 @@ PREFILL_HEAD_DIMS = (32, 64, 128, 256)
 PREFILL_MAX_GROUP = PREFILL_ROWS  # at least one query position per threadgroup
 
 
+def _prefill_dtypes_reason(q, k, v) -> Optional[str]:
+    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
+        # The matrix tiles multiply bf16 only (fp16 prompt calls: the reference).
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (prefill kernel: bfloat16)"
+    return None
+
+
 def prefill_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
     """None when the prefill kernel takes this call, else why not."""
     if length is not None:
         return "a length bound (decode only)"
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
-    B, Hq, L, D = q.shape
-    _, Hkv, S, _ = k.shape
-    if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
-        return f"batch {B} (prefill kernel: 1)"
-    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
-        return "an explicit mask (prefill kernel: none, or causal)"
-    if q.dtype != mx.bfloat16 or k.dtype != mx.bfloat16 or v.dtype != mx.bfloat16:
-        # The matrix tiles multiply bf16 only (fp16 prompt calls: the reference).
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (prefill kernel: bfloat16)"
-    if D not in PREFILL_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
-        return f"head dims {D}, {k.shape[3]}, {v.shape[3]} (prefill kernel: one of {PREFILL_HEAD_DIMS})"
-    if v.shape[:3] != k.shape[:3] or S < 1 or Hkv < 1 or L < 1:
-        return f"keys {tuple(k.shape)}, values {tuple(v.shape)}"
+    why = _shapes_reason("prefill", q, k, v, mask, PREFILL_HEAD_DIMS, _prefill_dtypes_reason)
+    if why is not None:
+        return why
+    Hq, L = q.shape[1], q.shape[2]
+    Hkv, S = k.shape[1], k.shape[2]
     if mask == "causal" and S < L:
         return f"causal with fewer keys ({S}) than queries ({L})"
     if Hq % Hkv or Hq // Hkv > PREFILL_MAX_GROUP:
@@ -277,7 +294,7 @@ attention_prefill_kernel = Kernel(
     name="attention_prefill",
     input_names=("queries", "keys", "values", "scale"),
     output_names=("out",),
-    body="attention_prefill.metal",
+    body=Path(__file__).with_name("attention_prefill.metal"),
     launch=_launch_prefill,
     tiles=True,
     row_contiguous=False,

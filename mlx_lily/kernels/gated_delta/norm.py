@@ -27,15 +27,18 @@ max|want|.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.activations import precise_swiglu
 
-from ..toolchain.build import SIMD_WIDTH, Kernel, Launch, elementwise_mismatch, on_cpu
-from ..toolchain.registry import LilyOp, register
-from .dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
+from ...toolchain.contracts import elementwise_mismatch, on_cpu
+
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
+from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 
 SIMD_GROUPS = 8
 MAX_DV = 256
@@ -119,7 +122,7 @@ gated_rms_norm_kernel = Kernel(
     name="gated_rms_norm",
     input_names=("x", "z", "weight", "scalars"),
     output_names=("out",),
-    body="gated_rms_norm.metal",
+    body=Path(__file__).with_name("gated_rms_norm.metal"),
     launch=_launch,
     reference=gated_rms_norm_reference,
     sample=_sample,

@@ -36,16 +36,17 @@ differ from the CPU's by one step; on the CPU the kernel is within ~1e-7.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .._notice import notice_once
-from ..toolchain.registry import LilyOp, register
-from ..toolchain.build import KernelGroup, SIMD_WIDTH, Kernel, Launch
-from .gated_delta_chunked import (
+from ..._notice import notice_once
+from ...toolchain.registry import LilyOp, register
+from ...toolchain.kernel import Kernel, KernelGroup, Launch, SIMD_WIDTH
+from .chunked import (
     CHUNKED_KERNELS,
     chunked_supports,
     gated_delta_chunked_run,
@@ -300,7 +301,7 @@ gated_delta_kernel = Kernel(
     name="gated_delta",
     input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "mask"),
     output_names=("y", "state_out"),
-    body="gated_delta.metal",
+    body=Path(__file__).with_name("gated_delta.metal"),
     launch=_launch_gated_delta,
     reference=gated_delta_reference,
     sample=_sample_recurrence,
