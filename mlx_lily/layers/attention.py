@@ -9,7 +9,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import kernels as K
-from .stock_gate import note_stock, record, why_stock
+from .stock_gate import runs_stock
 
 Mask = Union[None, str, mx.array]
 
@@ -29,14 +29,27 @@ def plain_causal(mask: Mask, cache: Any, n_queries: int) -> Mask:
     return "causal" if max(cache.left_padding.tolist()) <= 0 else mask
 
 
+def attention_heads(attn: Any, q: mx.array, k: mx.array, v: mx.array, offset: Any):
+    """The q/k/v projections' outputs [B, L, *] as heads: (queries, keys,
+    values, gate), queries and keys through q/k RMSNorm and RoPE at
+    ``offset``, values [B, Hkv, L, D]. q_proj yields each head's query and
+    its output gate side by side. ``attn``: the attention module (its head
+    counts, norms, RoPE); the layer's call and the decoder's fused step both
+    split here."""
+    B, L, _ = q.shape
+    queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    keys = k.reshape(B, L, attn.num_key_value_heads, -1)
+    values = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    queries, keys = K.qk_norm_rope(
+        queries, keys, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.rope, offset
+    )
+    return queries, keys, values, gate
+
+
 class LilyAttention(Qwen3NextAttention):
     def __call__(self, x: mx.array, mask: Mask = None, cache: Any = None):
-        reason = why_stock(self, cache, KVCache)
-        if reason is not None:
-            note_stock("full attention", reason)
-            record("full attention", "stock", x, mask, cache)
+        if runs_stock(self, "full attention", x, mask, cache, KVCache):
             return super().__call__(x, mask, cache)
-        record("full attention", "lily", x, mask, cache)
         return self._lily(x, mask, cache)
 
     def _lily(self, x: mx.array, mask: Mask, cache: Optional[KVCache]) -> mx.array:
@@ -44,19 +57,8 @@ class LilyAttention(Qwen3NextAttention):
         (boolean or additive). With a BatchKVCache, cache.offset is one
         position per row (left padding makes them differ)."""
         B, L, _ = x.shape
-        # q_proj yields each head's query and its output gate side by side.
-        queries, gate = mx.split(
-            self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1
-        )
-        keys = self.k_proj(x).reshape(B, L, self.num_key_value_heads, -1)
-        values = self.v_proj(x).reshape(B, L, self.num_key_value_heads, -1)
-        values = values.transpose(0, 2, 1, 3)
-
         offset = cache.offset if cache is not None else 0
-        queries, keys = K.qk_norm_rope(
-            queries, keys, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-            self.rope, offset,
-        )
+        queries, keys, values, gate = attention_heads(self, self.q_proj(x), self.k_proj(x), self.v_proj(x), offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
 

@@ -56,9 +56,10 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
-from .._notice import notice_once
 from ..toolchain.tracing import first_uses_in_traces, tracing
 from ..toolchain.registry import kernel_backend
+from .attention import attention_heads
+from .decode_tiers import LAYER_TIERS, Declined, DecodeCall, decode, kv_position
 from .stock_gate import record, why_stock
 
 COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
@@ -86,20 +87,6 @@ def next_position(cache: Any) -> mx.array:
     step serves every position); a BatchKVCache's offset already is one (its
     row's position, left padding counted negative)."""
     return cache.offset if type(cache) is BatchKVCache else mx.array([cache.offset], dtype=mx.int32)
-
-
-def kv_position(cache: Any) -> tuple:
-    """What undoes a KV cache's write: its offset (and a BatchKVCache's write
-    index). A failed step restores it (``restore_kv_position``); the retry
-    rewrites that slot."""
-    return cache, cache.offset, getattr(cache, "_idx", None)
-
-
-def restore_kv_position(saved: tuple) -> None:
-    cache, offset, index = saved
-    cache.offset = offset
-    if index is not None:
-        cache._idx = index
 
 
 def write_row(buffer: mx.array, row: mx.array, position: mx.array) -> mx.array:
@@ -260,26 +247,14 @@ def compile_enabled() -> bool:
     return kernel_backend()[0] != "emulator"
 
 
-class _NoLongerFits(Exception):
-    """A layer's parts changed so that its fused decode step no longer fits."""
-
-
 class LilyDecoderLayer(DecoderLayer):
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Any = None) -> mx.array:
-        if self._takes_decode(x, mask, cache):
-            # A failed step leaves the cache as it found it: the recurrent
-            # states are assigned only at the end, and the KV cache's write is
-            # undone by restoring its position.
-            position = None if self.is_linear else kv_position(cache)
-            try:
-                return self._decode(x, mask, cache)
-            except _NoLongerFits:
-                pass  # the layer's parts changed: stock's flow from now on
-            except Exception as exc:  # noqa: BLE001 - a failing fused step must not stop generation
-                if position is not None:
-                    restore_kv_position(position)
-                self._fused_failed(exc)
-        out = super().__call__(x, mask, cache)
+        return decode(self, LAYER_TIERS, DecodeCall(x=x, mask=mask, cache=cache))
+
+    def _stock_flow(self, call: DecodeCall) -> mx.array:
+        """Stock's layer flow (with lily's mixer and MoE), prefill paced."""
+        x = call.x
+        out = super().__call__(x, call.mask, call.cache)
         if x.shape[1] > 1 and x.shape[0] * x.shape[1] >= PACE_MIN_ROWS:
             pace_prefill(x, out)
         return out
@@ -321,24 +296,18 @@ class LilyDecoderLayer(DecoderLayer):
             projections = (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj)
         return _plain_quantized(*projections, mlp.gate, mlp.shared_expert_gate)
 
-    def _fused_failed(self, exc: Exception) -> None:
-        self._lily_decode_ok = False
-        notice_once(
-            f"fused-decode-failed:{type(exc).__name__}",
-            f"lily's fused decode step failed ({type(exc).__name__}: {str(exc)[:200]}); "
-            "this layer decodes through its unfused ops from now on",
-        )
-
     # -- the fused step ----------------------------------------------------------
 
-    def _decode(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
+    def _decode(self, x: mx.array, mask: Any, cache: Any, touched: list) -> mx.array:
+        """The fused step (the recurrent states assigned only at its end; the
+        KV cache's write listed in ``touched``, undone if the step fails)."""
         record("Gated DeltaNet" if self.is_linear else "full attention", "lily fused decode", x, mask, cache)
         record("MoE", "lily fused decode", x)
         key, changed = weights_version(self.__dict__, [self])
         if changed:  # a part added, removed or swapped can change whether the fused path fits
             self._lily_decode_ok = self._layer_fits()
-        if not self._lily_decode_ok:
-            raise _NoLongerFits
+        if not self._lily_decode_ok:  # its parts changed: stock's flow from now on
+            raise Declined
         key = key if compile_enabled() else None
         if self.is_linear:
             if mask is None:
@@ -355,6 +324,7 @@ class LilyDecoderLayer(DecoderLayer):
         sa = self.self_attn
         position = next_position(cache)
         queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in, key)(x, position)
+        touched.append(kv_position(cache))
         keys, values = cache.update_and_fetch(keys, values)
         out = K.attention(queries, keys, values, sa.scale, mask)
         return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
@@ -394,13 +364,7 @@ class LilyDecoderLayer(DecoderLayer):
         q, k, v = K.quantized_matvec(
             x, (_triple(sa.q_proj), _triple(sa.k_proj), _triple(sa.v_proj)), norm.weight, norm.eps
         )
-        queries, gate = mx.split(q.reshape(1, 1, sa.num_attention_heads, -1), 2, axis=-1)
-        keys = k.reshape(1, 1, sa.num_key_value_heads, -1)
-        values = v.reshape(1, 1, sa.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        queries, keys = K.qk_norm_rope(
-            queries, keys, sa.q_norm.weight, sa.k_norm.weight, sa.q_norm.eps, sa.rope, position
-        )
-        return queries, keys, values, gate
+        return attention_heads(sa, q, k, v, position)
 
     def _attention_step(self, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array):
         """The whole attention layer on a KV cache of fixed capacity (the

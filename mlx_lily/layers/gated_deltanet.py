@@ -11,7 +11,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from .. import kernels as K
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
 from ..toolchain.tracing import contiguous
-from .stock_gate import note_stock, record, why_stock
+from .stock_gate import runs_stock
 
 
 def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.array]) -> mx.array:
@@ -51,12 +51,8 @@ def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
 
 class LilyGatedDeltaNet(GatedDeltaNet):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Any = None):
-        reason = why_stock(self, cache, ArraysCache)
-        if reason is not None:
-            note_stock("Gated DeltaNet", reason)
-            record("Gated DeltaNet", "stock", inputs, mask, cache)
+        if runs_stock(self, "Gated DeltaNet", inputs, mask, cache, ArraysCache):
             return super().__call__(inputs, mask, cache)
-        record("Gated DeltaNet", "lily", inputs, mask, cache)
         return self._lily(inputs, mask, cache)
 
     def _lily(

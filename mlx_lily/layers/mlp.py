@@ -20,18 +20,15 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from .. import kernels as K
 from .decoder import _plain_quantized, _triple
-from .stock_gate import note_stock, record, why_stock
+from .stock_gate import runs_stock
 
 
 class LilyDenseMLP(Qwen3NextMLP):
     def __call__(self, x: mx.array) -> mx.array:
-        reason = why_stock(self)
-        if reason is not None:
-            note_stock("MLP", reason)
-        elif x.ndim == 3 and x.shape[:2] == (1, 1) and _plain_quantized(self.gate_proj, self.up_proj, self.down_proj):
-            record("MLP", "lily", x)
-            gate, up = K.quantized_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
-            (out,) = K.quantized_matvec(swiglu(gate, up), (_triple(self.down_proj),))
-            return out
-        record("MLP", "stock", x)
-        return super().__call__(x)
+        one_token = x.ndim == 3 and x.shape[:2] == (1, 1)
+        takes = one_token and _plain_quantized(self.gate_proj, self.up_proj, self.down_proj)
+        if runs_stock(self, "MLP", x, takes=takes):
+            return super().__call__(x)
+        gate, up = K.quantized_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
+        (out,) = K.quantized_matvec(swiglu(gate, up), (_triple(self.down_proj),))
+        return out

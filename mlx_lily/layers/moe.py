@@ -6,19 +6,15 @@ import mlx.core as mx
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 from .. import kernels as K
-from .stock_gate import note_stock, record, why_stock
+from .stock_gate import runs_stock
 
 
 class LilySparseMoeBlock(Qwen3NextSparseMoeBlock):
     def __call__(self, x: mx.array) -> mx.array:
         # Any batch: every token is routed on its own (padding rows too, as in
         # stock; their outputs are never read).
-        reason = why_stock(self)
-        if reason is not None:
-            note_stock("MoE", reason)
-            record("MoE", "stock", x)
+        if runs_stock(self, "MoE", x):
             return super().__call__(x)
-        record("MoE", "lily", x)
         inds, scores = K.router_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         y = K.moe_experts(x, inds, self.switch_mlp)
         shared = self.shared_expert(x)

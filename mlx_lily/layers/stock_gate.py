@@ -5,7 +5,8 @@ batch size, padding masks (boolean or additive arrays), left-padded and
 length-limited batches, and the caches ``KVCache``, ``BatchKVCache`` and
 ``ArraysCache`` (with or without ``left_padding`` / ``lengths``), for prefill
 and decode. Within a layer, each op picks its kernel or its reference per call.
-What remains for the stock layer's own code is listed by ``why_stock``.
+What remains for the stock layer's own code is listed by ``why_stock``;
+``runs_stock`` is the one gate every lily layer asks.
 """
 
 from __future__ import annotations
@@ -38,6 +39,19 @@ def why_stock(layer: Any, cache: Any = None, cache_kind: Any = None) -> Optional
             "BatchKVCache; quantized, rotating, chunked and concatenating KV caches run stock)"
         )
     return None
+
+
+def runs_stock(layer: Any, layer_kind: str, x: mx.array, mask: Any = None, cache: Any = None,
+               cache_kind: Any = None, takes: bool = True) -> bool:
+    """Whether this call runs the stock layer's code: when ``why_stock``
+    names a reason (noted once), or when lily's path does not ``takes`` the
+    call. Records the path taken either way."""
+    reason = why_stock(layer, cache, cache_kind)
+    if reason is not None:
+        note_stock(layer_kind, reason)
+    stock = reason is not None or not takes
+    record(layer_kind, "stock" if stock else "lily", x, mask, cache)
+    return stock
 
 
 def note_stock(layer_kind: str, reason: str) -> None:

@@ -24,6 +24,9 @@ forms:
   it advanced, assigns no state, prints one notice, and the model decodes
   per layer from then on.
 
+Which of these (or the per-layer tiers, or stock) runs a call, and what a
+failing one does, is ``decode_tiers.py``'s table and policy.
+
 Both compute what the per-layer path computes (the same layer methods, in the
 same order); the segments give the same bits, the whole step differs only in
 the bounded attention's split of the keys. Every call neither takes
@@ -41,14 +44,11 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 
 from .. import kernels as K
-from .._notice import notice_once
 from ..kernels.attention.sdpa import attention_kernels
 from ..kernels.dtypes import embedding_dtype, reference_notice
 from ..toolchain.registry import kernel_backend
-from .decoder import (
-    LilyDecoderLayer, compile_enabled, compiled_step, kv_position, next_position, restore_kv_position,
-    weights_version,
-)
+from .decode_tiers import MODEL_TIERS, DecodeCall, decode, kv_position
+from .decoder import LilyDecoderLayer, compile_enabled, compiled_step, next_position, weights_version
 from .stock_gate import record
 
 
@@ -57,30 +57,12 @@ class LilyTextModel(Qwen3_5TextModel):
         if "_lily_dtype_seen" not in self.__dict__:  # once per model: the activations' dtype notice
             self._dtype_notice(input_embeddings)
         masks = self._segment_masks(inputs, cache) if input_embeddings is None else None
-        if masks is not None and self._whole_takes(cache, *masks[:2]):
-            try:
-                return self._decode_whole(inputs, cache, masks[2])
-            except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
-                self.__dict__["_lily_whole_ok"] = False
-                notice_once(
-                    f"whole-step-failed:{type(exc).__name__}",
-                    f"lily's compiled whole decode step failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                    "the model decodes in segments from now on",
-                )
-        if masks is not None and self.__dict__.get("_lily_segments_ok") is not False:
-            touched: List[Any] = []
-            try:
-                return self._decode_segments(inputs, cache, touched, *masks)
-            except Exception as exc:  # noqa: BLE001 - a failing step must not stop generation
-                for position in touched:
-                    restore_kv_position(position)
-                self.__dict__["_lily_segments_ok"] = False
-                notice_once(
-                    f"segments-failed:{type(exc).__name__}",
-                    f"lily's compiled decode segments failed ({type(exc).__name__}: {str(exc)[:200]}); "
-                    "the model decodes layer by layer from now on",
-                )
-        return super().__call__(inputs, cache, input_embeddings)
+        call = DecodeCall(inputs=inputs, cache=cache, input_embeddings=input_embeddings, masks=masks)
+        return decode(self, MODEL_TIERS, call)
+
+    def _stock_stack(self, call: DecodeCall) -> mx.array:
+        """Stock's stack of lily's layers (each layer picks its own tier)."""
+        return super().__call__(call.inputs, call.cache, call.input_embeddings)
 
     def _dtype_notice(self, input_embeddings) -> None:
         """Say once which ops run their references at this model's activation
@@ -210,8 +192,6 @@ class LilyTextModel(Qwen3_5TextModel):
         KVCache filled to one offset, in bf16, and the attention's decode
         kernels on (the reference path stays stock's op sequence: segments)."""
         if fa_mask is not None or ssm_mask is not None or self.fa_idx is None:
-            return False
-        if self.__dict__.get("_lily_whole_ok") is False:
             return False
         kv = [cache[i] for i in self._cuts()]
         if not all(type(c) is KVCache and c.keys is not None and c.keys.dtype == mx.bfloat16 for c in kv):
