@@ -15,8 +15,8 @@ from mlx_lily.kernels.gated_delta.conv import (
     conv_qk_norm_kernel,
     conv_qk_norm_reference,
     conv_qk_norm_supports,
-    make_call,
 )
+from mlx_lily.kernels.gated_delta.testing import conv_qk_norm_call
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -34,7 +34,7 @@ SHAPES = [
 @pytest.mark.parametrize("B, T, Hk, ratio, Dk, Dv, width", SHAPES)
 def test_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, Dv, width):
     emulator_or_skip()
-    args, _ = make_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk)
+    args, _ = conv_qk_norm_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk)
     assert conv_qk_norm_supports(*args) is None
     got = conv_qk_norm_kernel.emulate(*args)
     want = conv_qk_norm_reference(*args)
@@ -50,7 +50,7 @@ def test_fp16_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, 
     # the contract's bound is 2^-8 |want| + 2^-12 max|want| (three roundings,
     # each tipped by at most one step by the fp32 sums' order).
     emulator_or_skip()
-    args, _ = make_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk, dtype=mx.float16)
+    args, _ = conv_qk_norm_call(B, T, Hk, Hk * ratio, Dk, Dv, K=width, seed=T + Dk, dtype=mx.float16)
     assert conv_qk_norm_supports(*args) is None
     got = conv_qk_norm_kernel.emulate(*args)
     want = conv_qk_norm_reference(*args)
@@ -67,7 +67,7 @@ def test_fp16_matches_the_layer_s_sequence_in_the_emulator(B, T, Hk, ratio, Dk, 
 
 
 def test_the_judge_catches_a_shifted_tap_and_a_missing_scale():
-    args, _ = make_call(1, 9, 2, 4, 32, 32, seed=5)
+    args, _ = conv_qk_norm_call(1, 9, 2, 4, 32, 32, seed=5)
     q, k, v = conv_qk_norm_reference(*args)
     assert conv_qk_norm_agree((q, k, v), (q, k, v)) is None
     assert "q" in conv_qk_norm_agree((q * 1.1, k, v), (q, k, v))
@@ -79,12 +79,12 @@ def test_the_judge_catches_a_shifted_tap_and_a_missing_scale():
 
 
 def test_refuses_what_it_does_not_take():
-    args, _ = make_call(1, 4, 1, 2, 32, 32)
+    args, _ = conv_qk_norm_call(1, 4, 1, 2, 32, 32)
     single = (args[0].astype(mx.float32),) + args[1:]
     assert "bfloat16" in conv_qk_norm_supports(*single)
     mixed = (args[0].astype(mx.float16),) + args[1:]
     assert "conv_state" in conv_qk_norm_supports(*mixed)
-    odd, _ = make_call(1, 4, 1, 1, 48, 32)
+    odd, _ = conv_qk_norm_call(1, 4, 1, 1, 48, 32)
     assert "head dims" in conv_qk_norm_supports(*odd)
     wrong = args[:3] + (2,) + args[4:]
     assert "width" in conv_qk_norm_supports(*wrong)
@@ -92,10 +92,10 @@ def test_refuses_what_it_does_not_take():
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
     # The real shape (16 key heads, 32 value heads, dims 128, width 4) and an odd one.
-    units = {f"conv_{Hk}": conv_qk_norm_kernel.cuda_translation_unit(*make_call(1, 8, Hk, Hv, Dk, Dv, K=w)[0])
+    units = {f"conv_{Hk}": conv_qk_norm_kernel.cuda_translation_unit(*conv_qk_norm_call(1, 8, Hk, Hv, Dk, Dv, K=w)[0])
              for Hk, Hv, Dk, Dv, w in ((16, 32, 128, 128, 4), (3, 9, 64, 96, 3))}
     units["conv_fp16"] = conv_qk_norm_kernel.cuda_translation_unit(
-        *make_call(1, 8, 16, 32, 128, 128, K=4, dtype=mx.float16)[0])
+        *conv_qk_norm_call(1, 8, 16, 32, 128, 128, K=4, dtype=mx.float16)[0])
     for text in nvcc_ptx(tmp_path, units).values():
         assert "ld.local" not in text and "st.local" not in text
 
@@ -119,7 +119,7 @@ def test_the_layer_s_prompt_calls_take_its_prologue_and_closing_norm_kernels(dem
 def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():
     # As gated_delta_decode's: a first-use check on a GPU passes the GPU's own
     # reference, which may round SiLU's steps otherwise; the CPU's is the judge.
-    args, _ = make_call(1, 6, 1, 2, 32, 32, seed=9)
+    args, _ = conv_qk_norm_call(1, 6, 1, 2, 32, 32, seed=9)
     q, k, v = conv_qk_norm_reference(*args)
     off = (q * 1.5, k, v)
     assert conv_qk_norm_agree((q, k, v), off) is not None

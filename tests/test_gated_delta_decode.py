@@ -22,9 +22,9 @@ from mlx_lily.kernels.gated_delta.decode import (
     gated_delta_decode_kernel,
     gated_delta_decode_reference,
     gated_delta_decode_supports,
-    make_decode_inputs,
 )
 from mlx_lily.toolchain.registry import BACKEND_ENV, LilyOp
+from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_inputs
 
 from test_model import TOKENS, greedy
 from test_toolchain import emulator_or_skip, nvcc_ptx
@@ -38,12 +38,12 @@ def run_steps(Hk, ratio, Dk, Dv, steps, with_state, seed, dtype=mx.bfloat16):
     each carrying its own conv and recurrent state; every step's outputs
     meet the contract, and the conv states are equal throughout."""
     rng = np.random.default_rng(seed)
-    args, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, with_state=with_state, rng=rng, dtype=dtype)
+    args, _ = gated_delta_decode_inputs(Hk, Hk * ratio, Dk, Dv, with_state=with_state, rng=rng, dtype=dtype)
     args = list(args)
     kernel_conv, kernel_state = args[4], args[8]
     for step in range(steps):
         if step:
-            fresh, _ = make_decode_inputs(Hk, Hk * ratio, Dk, Dv, rng=rng, dtype=dtype)
+            fresh, _ = gated_delta_decode_inputs(Hk, Hk * ratio, Dk, Dv, rng=rng, dtype=dtype)
             args[:4] = fresh[:4]  # a new token's qkv, z, a, b
         kernel_args = tuple(args[:4]) + (kernel_conv,) + tuple(args[5:8]) + (kernel_state,) + tuple(args[9:])
         assert gated_delta_decode_supports(*kernel_args) is None
@@ -77,7 +77,7 @@ def test_fp16_steps_carry_conv_and_recurrent_state(Hk, ratio, Dk, Dv):
 def test_from_a_zero_state():
     emulator_or_skip()
     # No recurrent state yet (the kernel's HAS_STATE=false) and a zero conv state.
-    args, _ = make_decode_inputs(2, 4, 32, 32, with_state=False, seed=3)
+    args, _ = gated_delta_decode_inputs(2, 4, 32, 32, with_state=False, seed=3)
     args = list(args)
     args[4] = mx.zeros_like(args[4])
     got = gated_delta_decode_kernel.emulate(*args)
@@ -87,7 +87,7 @@ def test_from_a_zero_state():
 
 
 def test_agree_rejects_a_wrong_conv_state_and_a_wrong_output():
-    args, _ = make_decode_inputs(1, 2, 32, 32, seed=5)
+    args, _ = gated_delta_decode_inputs(1, 2, 32, 32, seed=5)
     want = gated_delta_decode_reference(*args)
     out, conv, state = want
     assert gated_delta_decode_agree(want, want) is None
@@ -133,7 +133,7 @@ def test_agree_judges_against_the_cpu_s_rounding_not_another_device_s():
 
 
 def test_supports_takes_one_bf16_token_only():
-    args, _ = make_decode_inputs(2, 4, 32, 32, seed=6)
+    args, _ = gated_delta_decode_inputs(2, 4, 32, 32, seed=6)
     assert gated_delta_decode_supports(*args) is None
     two = list(args)
     two[0] = mx.concatenate([args[0], args[0]], axis=1)
@@ -145,9 +145,9 @@ def test_supports_takes_one_bf16_token_only():
     mixed = list(args)
     mixed[0] = args[0].astype(mx.float16)
     assert "qkv's" in gated_delta_decode_supports(*mixed)
-    half, _ = make_decode_inputs(2, 4, 32, 32, seed=6, dtype=mx.float16)
+    half, _ = gated_delta_decode_inputs(2, 4, 32, 32, seed=6, dtype=mx.float16)
     assert gated_delta_decode_supports(*half) is None
-    odd_dk, _ = make_decode_inputs(1, 1, 48, 32, seed=6)
+    odd_dk, _ = gated_delta_decode_inputs(1, 1, 48, 32, seed=6)
     assert "Dk=48" in gated_delta_decode_supports(*odd_dk)
 
 
@@ -189,11 +189,11 @@ def test_the_reference_path_decodes_like_stock_to_the_bit(demo_checkpoint, monke
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
     units = {  # the real shape (Hk 16, Hv 32, Dk = Dv = 128) and a small odd one
-        f"gdd_{Hv}": gated_delta_decode_kernel.cuda_translation_unit(*make_decode_inputs(Hk, Hv, Dk, Dv, seed=0)[0])
+        f"gdd_{Hv}": gated_delta_decode_kernel.cuda_translation_unit(*gated_delta_decode_inputs(Hk, Hv, Dk, Dv, seed=0)[0])
         for Hk, Hv, Dk, Dv in ((16, 32, 128, 128), (3, 9, 64, 48))
     }
     units["gdd_fp16"] = gated_delta_decode_kernel.cuda_translation_unit(
-        *make_decode_inputs(16, 32, 128, 128, seed=0, dtype=mx.float16)[0])
+        *gated_delta_decode_inputs(16, 32, 128, 128, seed=0, dtype=mx.float16)[0])
     for text in nvcc_ptx(tmp_path, units).values():
         # State rows, q and k stay in registers.
         assert "ld.local" not in text and "st.local" not in text

@@ -19,8 +19,6 @@ import pytest
 from mlx_lily import kernels as K
 from mlx_lily.kernels.linear.gemv import (
     MAX_K,
-    make_call,
-    make_weights,
     precise_reference,
     quantized_matvec_agree,
     quantized_matvec_compare,
@@ -28,6 +26,7 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_reference,
     quantized_matvec_supports,
 )
+from mlx_lily.kernels.linear.testing import gemv_call, gemv_weights
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -56,7 +55,7 @@ def check(args, kwargs):
 @pytest.mark.parametrize("K_, rows, bits, prologue, residual", CASES)
 def test_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, residual):
     emulator_or_skip()
-    args, kwargs = make_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows))
+    args, kwargs = gemv_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows))
     got, want = check(args, kwargs)
     assert [g.shape for g in got] == [(1, 1, n) for n in rows]
     assert all(g.dtype == mx.bfloat16 for g in got)
@@ -74,7 +73,7 @@ def test_fp16_matches_the_reference_in_the_emulator(K_, rows, bits, prologue, re
     # (2^-10 |expected|, one fp16 step, + 2^-12 A; module docstring), and
     # all but a rare few rows equal the fp32-summed reference's to the bit.
     emulator_or_skip()
-    args, kwargs = make_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows) + 1, dtype=mx.float16)
+    args, kwargs = gemv_call(K_, rows, bits, prologue, residual, seed=K_ + sum(rows) + 1, dtype=mx.float16)
     got, want = check(args, kwargs)
     assert all(g.dtype == w.dtype == mx.float16 for g, w in zip(got, want))
     precise, _ = precise_reference(*args, **kwargs)
@@ -88,7 +87,7 @@ def test_fp16_rows_are_within_one_fp16_step_of_an_fp32_oracle():
     # differ by the prologue's fp16 roundings (half a step of each input,
     # 2^-11 A at most in all) and the output's (half a step).
     emulator_or_skip()
-    args, kwargs = make_call(320, (33, 7), (4, 8), "norm", False, seed=5, dtype=mx.float16)
+    args, kwargs = gemv_call(320, (33, 7), (4, 8), "norm", False, seed=5, dtype=mx.float16)
     got, _ = check(args, kwargs)
     x, weights = args
     f32 = lambda a: a.astype(mx.float32)  # noqa: E731
@@ -106,7 +105,7 @@ def test_every_tuning_choice_computes_the_same_rows(rows_per_simdgroup, simdgrou
     # The launch's tuning choices (bench/diagnostics/tuning/gemv_sweep.py) move rows
     # between SIMD groups and threadgroups, never their sums.
     emulator_or_skip()
-    args, kwargs = make_call(320, (37, 5, 70), (4, 8, 4), "norm", seed=rows_per_simdgroup + simdgroups)
+    args, kwargs = gemv_call(320, (37, 5, 70), (4, 8, 4), "norm", seed=rows_per_simdgroup + simdgroups)
     tuned = quantized_matvec_kernel.emulate(
         *args, rows_per_simdgroup=rows_per_simdgroup, simdgroups=simdgroups, **kwargs)
     default = quantized_matvec_kernel.emulate(*args, **kwargs)
@@ -124,13 +123,13 @@ def test_the_launch_choice_follows_the_rows_on_cuda_only():
     assert launch_choice(2048, "cuda") == (2, 8)
     assert launch_choice(12352, "cuda") == (4, None)
     assert launch_choice(257, "metal") == launch_choice(12352, None) == DEFAULT_LAUNCH == (4, None)
-    args, kwargs = make_call(64, (300, 20), (4, 4))
+    args, kwargs = gemv_call(64, (300, 20), (4, 4))
     launch = quantized_matvec_kernel.launch(*args, **kwargs)
     assert ("ROWS", 4) in launch.template  # no GPU here: the default
 
 
 def test_tuning_choices_out_of_range_are_refused():
-    args, kwargs = make_call(64, (5,), (4,))
+    args, kwargs = gemv_call(64, (5,), (4,))
     with pytest.raises(ValueError, match="rows_per_simdgroup"):
         quantized_matvec_kernel.launch(*args, rows_per_simdgroup=8, **kwargs)
     with pytest.raises(ValueError, match="simdgroups"):
@@ -139,10 +138,10 @@ def test_tuning_choices_out_of_range_are_refused():
 
 def test_fp32_norm_weight_keeps_fp32_like_stock():
     emulator_or_skip()
-    args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3)
+    args, kwargs = gemv_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3)
     got, want = check(args, kwargs)
     assert got[0].dtype == want[0].dtype == mx.float32
-    args, kwargs = make_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3,
+    args, kwargs = gemv_call(192, (9,), (4,), "norm", residual=True, norm_dtype=mx.float32, seed=3,
                              dtype=mx.float16)
     got, want = check(args, kwargs)
     assert got[0].dtype == want[0].dtype == mx.float32
@@ -150,7 +149,7 @@ def test_fp32_norm_weight_keeps_fp32_like_stock():
 
 def test_strided_inputs_are_read_through_their_strides():
     emulator_or_skip()
-    args, kwargs = make_call(128, (6, 3), (4, 8), "gate", seed=4)
+    args, kwargs = gemv_call(128, (6, 3), (4, 8), "gate", seed=4)
     x, weights = args
     # x and the gate with an inner stride of 2; the gate also half of each row.
     x = mx.repeat(x, 2, axis=-1)[..., ::2]
@@ -162,7 +161,7 @@ def test_strided_inputs_are_read_through_their_strides():
 
 
 def test_a_wrong_result_fails_the_contract():
-    args, kwargs = make_call(320, (12, 5), (4, 8), "norm", seed=5)
+    args, kwargs = gemv_call(320, (12, 5), (4, 8), "norm", seed=5)
     want = quantized_matvec_reference(*args, **kwargs)
     precise, _ = precise_reference(*args, **kwargs)
     assert quantized_matvec_agree(precise, want, *args, **kwargs) is None
@@ -186,13 +185,13 @@ def test_a_wrong_result_fails_the_contract():
 
 
 def test_supports_refuses_what_the_kernel_does_not_take():
-    args, kwargs = make_call(128, (8, 4), (4, 8), seed=6)
+    args, kwargs = gemv_call(128, (8, 4), (4, 8), seed=6)
     x, weights = args
     assert quantized_matvec_supports(x, weights) is None
     assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=1), weights)
     assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=0), weights)
     assert "bfloat16" in quantized_matvec_supports(x.astype(mx.float16), weights)
-    w2 = make_weights(128, (8,), (2,))
+    w2 = gemv_weights(128, (8,), (2,))
     assert "2-bit" in quantized_matvec_supports(x, w2)
     dense = mx.zeros((8, 128), mx.bfloat16)
     g32 = tuple(mx.quantize(dense, group_size=32, bits=4))
@@ -253,7 +252,7 @@ def test_the_reference_is_stock_s_modules_to_the_bit():
 def test_the_op_returns_one_output_per_projection_and_is_registered():
     assert K.OPS["quantized_matvec"] is K.quantized_matvec
     assert K.quantized_matvec.in_model and K.quantized_matvec.fuzz is not None
-    args, kwargs = make_call(128, (5, 3), (4, 8), seed=8)
+    args, kwargs = gemv_call(128, (5, 3), (4, 8), seed=8)
     launch = quantized_matvec_kernel.launch(*args, **kwargs)
     # One output per projection, each already in the op's shape (no view
     # nodes in a decode graph), and none for segments the call lacks: their
@@ -271,7 +270,7 @@ def test_each_segment_count_is_its_own_build_with_fewer_arrays(emulator_backend)
     """A call of S projections builds a kernel whose inputs and outputs are
     those of S segments; the names past S are stand-ins in its source."""
     for S in range(1, 5):
-        args, kwargs = make_call(64, (7,) * S, (4,) * S, seed=S)
+        args, kwargs = gemv_call(64, (7,) * S, (4,) * S, seed=S)
         launch = quantized_matvec_kernel.launch(*args, **kwargs)
         names = quantized_matvec_kernel.present(quantized_matvec_kernel.input_names, launch.absent)
         assert len(names) == len(launch.inputs) == 1 + 3 * S + 5
@@ -281,13 +280,13 @@ def test_each_segment_count_is_its_own_build_with_fewer_arrays(emulator_backend)
         assert ("auto out3 = out0;" in text) == (S < 4)
         assert text.count("\n") == quantized_matvec_kernel.body_text().count("\n")  # the body's lines
     assert len({quantized_matvec_kernel.backend_name("metal", quantized_matvec_kernel.launch(
-        *make_call(64, (7,) * S, (4,) * S)[0]).absent) for S in range(1, 5)}) == 4
+        *gemv_call(64, (7,) * S, (4,) * S)[0]).absent) for S in range(1, 5)}) == 4
     with pytest.raises(ValueError, match="no stand-in for absent norm_weight"):
         quantized_matvec_kernel.body_text(("norm_weight",))
 
 
 def test_the_op_takes_the_kernel_through_the_registry(emulator_backend, fresh_notices):
-    args, kwargs = make_call(128, (3, 9), (8, 4), "gate", seed=9)
+    args, kwargs = gemv_call(128, (3, 9), (8, 4), "gate", seed=9)
     got = K.quantized_matvec(*args, **kwargs)
     assert K.quantized_matvec.last_path == "kernel", K.quantized_matvec.last_reason
     assert quantized_matvec_agree(got, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
@@ -419,7 +418,7 @@ def test_no_call_touches_the_segments_it_leaves_out(emulator_backend, monkeypatc
     monkeypatch.setattr(quantized_matvec_kernel, "stand_ins", empty)
     try:
         for S, prologue, residual in ((1, "norm", True), (2, "gate", False), (3, "none", False), (1, "gate", True)):
-            args, kwargs = make_call(128, (9, 5, 3)[:S], (4, 8, 4)[:S], prologue, residual, seed=20 + S)
+            args, kwargs = gemv_call(128, (9, 5, 3)[:S], (4, 8, 4)[:S], prologue, residual, seed=20 + S)
             got = quantized_matvec_kernel.emulate(*args, **kwargs)
             want = quantized_matvec_reference(*args, **kwargs)
             assert quantized_matvec_agree(got, want, *args, **kwargs) is None, (S, prologue)

@@ -20,7 +20,6 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from mlx_lily import kernels as K
 from mlx_lily.kernels.moe.decode import (
-    make_moe_decode_inputs,
     moe_decode_agree,
     moe_decode_down_kernel,
     moe_decode_gate_up_kernel,
@@ -28,10 +27,10 @@ from mlx_lily.kernels.moe.decode import (
     moe_decode_precise,
     moe_decode_reference,
     moe_decode_supports,
-    quantized_moe,
 )
 from mlx_lily.kernels.moe.router import router_topk_ground_truth
 from mlx_lily.toolchain.registry import BACKEND_ENV
+from mlx_lily.kernels.moe.testing import moe_decode_inputs, quantized_moe
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -58,7 +57,7 @@ def check(args):
 @pytest.mark.parametrize("D, E, k, I, IS, normalize", SHAPES)
 def test_kernels_meet_the_contract_in_the_emulator(D, E, k, I, IS, normalize):
     emulator_or_skip()
-    args, _ = make_moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k)
+    args, _ = moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k)
     got, want = check(args)
     # The reference (stock's CPU ops) stays within the same contract.
     assert moe_decode_agree(want, want, *args) is None
@@ -70,7 +69,7 @@ def test_fp16_kernels_meet_the_contract_in_the_emulator(D, E, k, I, IS, normaliz
     # fp16 where they round to bf16 for bf16 calls; the contract's bound is
     # 2^-10 of each element's magnitudes (bf16's 2^-7, 8 times finer).
     emulator_or_skip()
-    args, _ = make_moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k, dtype=mx.float16)
+    args, _ = moe_decode_inputs(D, E, k, I, IS, normalize=normalize, seed=D + E + k, dtype=mx.float16)
     got, want = check(args)
     assert got.dtype == want.dtype == mx.float16
     # Against the same math in fp32 (no rounding but the inputs'): a handful
@@ -92,7 +91,7 @@ def test_routing_outputs_follow_the_router_with_ties():
     emulator_or_skip()
     # Runs of equal logits across the 3rd place: the higher expert index first.
     logits = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 2.0, 2.0, -1.0] * 3)
-    args, _ = make_moe_decode_inputs(192, 24, 3, 64, 128, seed=5, logits=logits)
+    args, _ = moe_decode_inputs(192, 24, 3, 64, 128, seed=5, logits=logits)
     act, inds, scores = moe_decode_gate_up_kernel.emulate(*args[:2], *args[3:])
     order, weights, _ = router_topk_ground_truth(args[1].reshape(1, 24), 3, True)
     assert inds.tolist() == order[0].tolist() == [19, 17, 11]
@@ -104,7 +103,7 @@ def test_a_nan_logits_row_reads_in_range_and_gives_nan():
     emulator_or_skip()
     logits = np.full(24, -np.inf)
     logits[5] = np.nan
-    args, _ = make_moe_decode_inputs(64, 24, 8, 64, 64, seed=6, logits=logits)
+    args, _ = moe_decode_inputs(64, 24, 8, 64, 64, seed=6, logits=logits)
     got = moe_decode_kernel.emulate(*args)  # the emulator raises on an out-of-range read
     assert mx.isnan(got).all().item()
     precise, _ = moe_decode_precise(*args)
@@ -112,7 +111,7 @@ def test_a_nan_logits_row_reads_in_range_and_gives_nan():
 
 
 def test_agree_rejects_a_wrong_output():
-    args, _ = make_moe_decode_inputs(64, 8, 2, 64, 64, seed=7)
+    args, _ = moe_decode_inputs(64, 8, 2, 64, 64, seed=7)
     precise, _ = moe_decode_precise(*args)
     assert moe_decode_agree(precise, precise, *args) is None
     off = (precise.astype(mx.float32) + 0.5).astype(mx.bfloat16)
@@ -122,7 +121,7 @@ def test_agree_rejects_a_wrong_output():
 
 
 def test_supports_refuses_what_the_kernels_do_not_take():
-    args, _ = make_moe_decode_inputs(64, 8, 2, 64, 64, seed=8)
+    args, _ = moe_decode_inputs(64, 8, 2, 64, 64, seed=8)
     assert moe_decode_supports(*args) is None
 
     def with_(i, value):
@@ -231,7 +230,7 @@ def test_the_launches_take_the_gemv_outputs_as_they_are():
     a view node per input into every decode token's graph."""
     from mlx_lily.kernels.moe.decode import _launch_down, _launch_gate_up
 
-    (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = make_moe_decode_inputs(
+    (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = moe_decode_inputs(
         128, 24, 3, 64, 128, seed=5)
     assert h.shape == (1, 1, 128) and logits.shape == (1, 1, 24) and shared_logit.shape == (1, 1, 1)
     gate_up = _launch_gate_up(h, logits, norm_weight, eps, k, normalize, glu, shared)

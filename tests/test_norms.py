@@ -13,8 +13,8 @@ from mlx_lily.kernels.gated_delta.norm import (
     gated_rms_norm_kernel,
     gated_rms_norm_reference,
     gated_rms_norm_supports,
-    make_call,
 )
+from mlx_lily.kernels.gated_delta.testing import gated_rms_norm_call
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -27,7 +27,7 @@ from test_toolchain import emulator_or_skip, nvcc_ptx
 ])
 def test_matches_stock_s_sequence_in_the_emulator(shape, weight_dtype):
     emulator_or_skip()
-    args, _ = make_call(shape, weight_dtype, seed=sum(shape))
+    args, _ = gated_rms_norm_call(shape, weight_dtype, seed=sum(shape))
     assert gated_rms_norm_supports(*args) is None
     got = gated_rms_norm_kernel.emulate(*args)
     want = gated_rms_norm_reference(*args)
@@ -47,7 +47,7 @@ def test_fp16_matches_stock_s_sequence_in_the_emulator(shape, weight_dtype):
     # shrinks by 8 (2^-9 |want| + 2^-13 max|want|), and it is checked here
     # against the fp16 reference and against the same math in fp32.
     emulator_or_skip()
-    args, _ = make_call(shape, weight_dtype, seed=sum(shape), dtype=mx.float16)
+    args, _ = gated_rms_norm_call(shape, weight_dtype, seed=sum(shape), dtype=mx.float16)
     assert gated_rms_norm_supports(*args) is None
     got = gated_rms_norm_kernel.emulate(*args)
     want = gated_rms_norm_reference(*args)
@@ -63,7 +63,7 @@ def test_fp16_matches_stock_s_sequence_in_the_emulator(shape, weight_dtype):
 
 
 def test_the_judge_catches_a_wrong_weight_and_a_missing_gate():
-    x, z, w, eps = make_call((1, 4, 2, 32), seed=2)[0]
+    x, z, w, eps = gated_rms_norm_call((1, 4, 2, 32), seed=2)[0]
     want = gated_rms_norm_reference(x, z, w, eps)
     assert gated_rms_norm_agree(want, want) is None
     assert gated_rms_norm_agree(gated_rms_norm_reference(x, z, w * 1.1, eps), want) is not None
@@ -71,10 +71,10 @@ def test_the_judge_catches_a_wrong_weight_and_a_missing_gate():
 
 
 def test_refuses_what_it_does_not_take():
-    x, z, w, eps = make_call((1, 2, 2, 32))[0]
+    x, z, w, eps = gated_rms_norm_call((1, 2, 2, 32))[0]
     assert "bfloat16" in gated_rms_norm_supports(x.astype(mx.float32), z, w, eps)
     assert "z" in gated_rms_norm_supports(x.astype(mx.float16), z, w, eps)
-    x48, z48, w48, _ = make_call((1, 2, 2, 48))[0]
+    x48, z48, w48, _ = gated_rms_norm_call((1, 2, 2, 48))[0]
     assert "Dv=48" in gated_rms_norm_supports(x48, z48, w48, eps)
     assert "weight" in gated_rms_norm_supports(x, z, w[:16], eps)
     assert "same shape" in gated_rms_norm_supports(x, z[:, :1], w, eps)
@@ -82,15 +82,15 @@ def test_refuses_what_it_does_not_take():
 
 def test_compiles_for_cuda_without_local_memory(tmp_path):
     units = {f"norm_{dv}_{str(dt).split('.')[-1]}": gated_rms_norm_kernel.cuda_translation_unit(
-        *make_call((1, 8, 32, dv), dt)[0]) for dv, dt in ((128, mx.bfloat16), (64, mx.float32))}
+        *gated_rms_norm_call((1, 8, 32, dv), dt)[0]) for dv, dt in ((128, mx.bfloat16), (64, mx.float32))}
     units.update({f"norm_{dv}_fp16_{str(dt).split('.')[-1]}": gated_rms_norm_kernel.cuda_translation_unit(
-        *make_call((1, 8, 32, dv), dt, dtype=mx.float16)[0]) for dv, dt in ((128, mx.float16), (64, mx.bfloat16))})
+        *gated_rms_norm_call((1, 8, 32, dv), dt, dtype=mx.float16)[0]) for dv, dt in ((128, mx.float16), (64, mx.bfloat16))})
     for text in nvcc_ptx(tmp_path, units).values():
         assert "ld.local" not in text and "st.local" not in text
 
 
 def test_the_judge_takes_the_cpu_s_reference_when_given_the_call():
-    args, _ = make_call((1, 3, 2, 32), seed=4)
+    args, _ = gated_rms_norm_call((1, 3, 2, 32), seed=4)
     want = gated_rms_norm_reference(*args)
     assert gated_rms_norm_agree(want, want * 1.5) is not None
     assert gated_rms_norm_agree(want, want * 1.5, *args) is None

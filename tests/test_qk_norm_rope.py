@@ -26,12 +26,12 @@ from mlx_lm.models.rope_utils import (
 from mlx_lily import kernels as K
 from mlx_lily.kernels.attention.qk_norm_rope import (
     element_bounds,
-    make_inputs,
     qk_norm_rope_agree,
     qk_norm_rope_kernel,
     qk_norm_rope_reference,
     qk_norm_rope_supports,
 )
+from mlx_lily.kernels.attention.testing import qk_norm_rope_inputs
 
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
@@ -64,7 +64,7 @@ def check(args):
 @pytest.mark.parametrize("B, L, Hq, Hkv, D, dims, offset, traditional", CASES)
 def test_matches_the_reference_on_the_layer_s_q_view(B, L, Hq, Hkv, D, dims, offset, traditional):
     emulator_or_skip()
-    args, _ = make_inputs(B, L, Hq, Hkv, D, dims, offset=offset, traditional=traditional,
+    args, _ = qk_norm_rope_inputs(B, L, Hq, Hkv, D, dims, offset=offset, traditional=traditional,
                           seed=D + dims + L)
     # q is the layer's: half of each head's row of the projection, a strided
     # view the kernel reads in place; the same values made contiguous give
@@ -77,10 +77,10 @@ def test_matches_the_reference_on_the_layer_s_q_view(B, L, Hq, Hkv, D, dims, off
 def test_per_row_array_offsets_as_a_batch_cache_gives_them():
     emulator_or_skip()
     # BatchKVCache: one offset per row, a left-padded row's negative.
-    args, _ = make_inputs(2, 3, 3, 1, 64, 16, offset=mx.array([40000, -2]), seed=1)
+    args, _ = qk_norm_rope_inputs(2, 3, 3, 1, 64, 16, offset=mx.array([40000, -2]), seed=1)
     got, want = check(args)
     # Row 1 is rotated by its own positions, not row 0's.
-    args0, _ = make_inputs(2, 3, 3, 1, 64, 16, offset=mx.array([40000, 40000]), seed=1)
+    args0, _ = qk_norm_rope_inputs(2, 3, 3, 1, 64, 16, offset=mx.array([40000, 40000]), seed=1)
     other = qk_norm_rope_kernel.emulate(*args0)
     assert not mx.allclose(other[0][1], got[0][1]).item()
     assert mx.array_equal(other[0][0], got[0][0]).item()
@@ -89,9 +89,9 @@ def test_per_row_array_offsets_as_a_batch_cache_gives_them():
 @pytest.mark.parametrize("offset", [mx.array(17), mx.array([17]), mx.array([17], dtype=mx.int64), np.int64(17)])
 def test_offset_as_a_scalar_array_or_numpy_int(offset):
     emulator_or_skip()
-    args, _ = make_inputs(1, 2, 3, 1, 32, 16, offset=offset, seed=2)
+    args, _ = qk_norm_rope_inputs(1, 2, 3, 1, 32, 16, offset=offset, seed=2)
     got, _ = check(args)
-    plain = qk_norm_rope_kernel.emulate(*make_inputs(1, 2, 3, 1, 32, 16, offset=17, seed=2)[0])
+    plain = qk_norm_rope_kernel.emulate(*qk_norm_rope_inputs(1, 2, 3, 1, 32, 16, offset=17, seed=2)[0])
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, plain))
 
 
@@ -102,7 +102,7 @@ def test_offset_as_a_scalar_array_or_numpy_int(offset):
 def test_other_dtypes_and_rms_norm_s_promotion(dtype, weight_dtype):
     emulator_or_skip()
     # bf16 activations with fp32 weights: rms_norm (and so the op) answers in fp32.
-    args, _ = make_inputs(1, 2, 3, 1, 64, 32, offset=1234, dtype=dtype, weight_dtype=weight_dtype,
+    args, _ = qk_norm_rope_inputs(1, 2, 3, 1, 64, 32, offset=1234, dtype=dtype, weight_dtype=weight_dtype,
                           traditional=weight_dtype == mx.float32, seed=3)
     got, _ = check(args)
     assert got[0].dtype == mx.result_type(dtype, weight_dtype)
@@ -110,7 +110,7 @@ def test_other_dtypes_and_rms_norm_s_promotion(dtype, weight_dtype):
 
 def test_plain_q_transposed_k_and_a_linearly_scaled_rope():
     emulator_or_skip()
-    args, _ = make_inputs(2, 3, 3, 3, 64, 16, offset=5, gated=False, seed=4)
+    args, _ = qk_norm_rope_inputs(2, 3, 3, 3, 64, 16, offset=5, gated=False, seed=4)
     q, k, qw, kw, eps, _, offset = args
     # k as a [B, H, L, D] array seen as [B, L, H, D]: strides on every axis.
     k = mx.array(np.ascontiguousarray(np.array(k.astype(mx.float32)).transpose(0, 2, 1, 3)))
@@ -122,7 +122,7 @@ def test_plain_q_transposed_k_and_a_linearly_scaled_rope():
 
 
 def test_the_op_runs_the_kernel_and_falls_back_for_other_ropes(emulator_backend):
-    args, _ = make_inputs(1, 2, 3, 1, 64, 16, offset=3, seed=5)
+    args, _ = qk_norm_rope_inputs(1, 2, 3, 1, 64, 16, offset=3, seed=5)
     got = K.qk_norm_rope(*args)
     assert K.qk_norm_rope.last_path == "kernel", K.qk_norm_rope.last_reason
     assert qk_norm_rope_agree(got, qk_norm_rope_reference(*args), *args) is None
@@ -133,7 +133,7 @@ def test_the_op_runs_the_kernel_and_falls_back_for_other_ropes(emulator_backend)
 
 
 def test_supports_takes_the_model_s_rope_and_refuses_the_rest():
-    args, _ = make_inputs(1, 1, 16, 2, 256, 64, offset=3, base=1e7)
+    args, _ = qk_norm_rope_inputs(1, 1, 16, 2, 256, 64, offset=3, base=1e7)
     q, k, qw, kw, eps, rope, offset = args
     assert qk_norm_rope_supports(*args) is None
     # What Qwen3.5/3.6's config makes of its rope: a plain nn.RoPE on 64 of 256.
@@ -157,8 +157,8 @@ def test_supports_takes_the_model_s_rope_and_refuses_the_rest():
         why = qk_norm_rope_supports(q, k, qw, kw, eps, other, offset)
         assert why is not None and type(other).__name__ in why
     refused = {
-        "head dim 48": make_inputs(1, 1, 3, 1, 48, 16)[0],
-        "head dim 512": make_inputs(1, 1, 1, 1, 512, 64)[0],
+        "head dim 48": qk_norm_rope_inputs(1, 1, 3, 1, 48, 16)[0],
+        "head dim 512": qk_norm_rope_inputs(1, 1, 1, 1, 512, 64)[0],
         "rope dims 15": (q, k, qw, kw, eps, nn.RoPE(15), offset),
         "rope dims 512": (q, k, qw, kw, eps, nn.RoPE(512), offset),
         "float16": (q, k.astype(mx.float16), qw, kw, eps, rope, offset),
@@ -175,7 +175,7 @@ def test_supports_takes_the_model_s_rope_and_refuses_the_rest():
 
 
 def test_agree_rejects_wrong_positions_pairs_and_norms():
-    args, _ = make_inputs(1, 3, 3, 1, 64, 16, offset=100, seed=6)
+    args, _ = qk_norm_rope_inputs(1, 3, 3, 1, 64, 16, offset=100, seed=6)
     q, k, qw, kw, eps, rope, offset = args
     want = qk_norm_rope_reference(*args)
     assert qk_norm_rope_agree(want, want, *args) is None
@@ -206,9 +206,9 @@ def test_agree_rejects_wrong_positions_pairs_and_norms():
 def test_compiles_for_cuda_without_local_memory(tmp_path):
     calls = {
         # The model's shape (16 q, 2 KV heads of 256, 64 rotated), a gated q view.
-        "real": make_inputs(1, 1, 16, 2, 256, 64, offset=5, base=1e7)[0],
+        "real": qk_norm_rope_inputs(1, 1, 16, 2, 256, 64, offset=5, base=1e7)[0],
         # Small and odd: traditional pairs, fp16 with fp32 weights, per-row offsets.
-        "odd": make_inputs(2, 3, 3, 1, 96, 22, offset=mx.array([1, 2]), traditional=True,
+        "odd": qk_norm_rope_inputs(2, 3, 3, 1, 96, 22, offset=mx.array([1, 2]), traditional=True,
                            dtype=mx.float16, weight_dtype=mx.float32)[0],
     }
     units = {f"qk_norm_rope_{name}": qk_norm_rope_kernel.cuda_translation_unit(*args) for name, args in calls.items()}

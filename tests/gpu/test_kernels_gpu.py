@@ -349,9 +349,10 @@ def test_moe_combine_at_real_shapes(backend):
 
 @pytest.mark.parametrize("T", [1, 193, 2048])
 def test_conv_qk_norm_at_real_shapes(backend, T):
-    from mlx_lily.kernels.gated_delta.conv import conv_qk_norm_agree, conv_qk_norm_kernel, make_call
+    from mlx_lily.kernels.gated_delta.conv import conv_qk_norm_agree, conv_qk_norm_kernel
+    from mlx_lily.kernels.gated_delta.testing import conv_qk_norm_call
 
-    args, _ = make_call(1, T, 16, 32, 128, 128, seed=T)  # Qwen3.6: 16 key, 32 value heads
+    args, _ = conv_qk_norm_call(1, T, 16, 32, 128, 128, seed=T)  # Qwen3.6: 16 key, 32 value heads
     got = conv_qk_norm_kernel.run_on(backend, *args)
     mx.eval(got)
     assert conv_qk_norm_agree(got, None, *args) is None  # judged against the CPU's reference
@@ -359,9 +360,10 @@ def test_conv_qk_norm_at_real_shapes(backend, T):
 
 @pytest.mark.parametrize("T", [1, 2048])
 def test_gated_rms_norm_at_real_shapes(backend, T):
-    from mlx_lily.kernels.gated_delta.norm import gated_rms_norm_agree, gated_rms_norm_kernel, make_call
+    from mlx_lily.kernels.gated_delta.norm import gated_rms_norm_agree, gated_rms_norm_kernel
+    from mlx_lily.kernels.gated_delta.testing import gated_rms_norm_call
 
-    args, _ = make_call((1, T, 32, 128), seed=T)
+    args, _ = gated_rms_norm_call((1, T, 32, 128), seed=T)
     got = gated_rms_norm_kernel.run_on(backend, *args)
     mx.eval(got)
     assert gated_rms_norm_agree(got, None, *args) is None
@@ -373,11 +375,11 @@ def test_gated_rms_norm_at_real_shapes(backend, T):
 def _fp16_calls():
     """(op name, a small fp16 call its kernel takes) for each op with fp16 kernels."""
     from mlx_lily.kernels.attention import sdpa as attention_module
-    from mlx_lily.kernels.gated_delta.conv import make_call as conv_call
-    from mlx_lily.kernels.gated_delta.decode import make_decode_inputs
-    from mlx_lily.kernels.linear.gemv import make_call as gemv_call
-    from mlx_lily.kernels.moe.decode import make_moe_decode_inputs
-    from mlx_lily.kernels.gated_delta.norm import make_call as norm_call
+    from mlx_lily.kernels.gated_delta.testing import conv_qk_norm_call as conv_call
+    from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_inputs as make_decode_inputs
+    from mlx_lily.kernels.gated_delta.testing import gated_rms_norm_call as norm_call
+    from mlx_lily.kernels.linear.testing import gemv_call
+    from mlx_lily.kernels.moe.testing import moe_decode_inputs as make_moe_decode_inputs
 
     f16 = mx.float16
     q, k, v, scale, mask = attention_module._decode_check_inputs(300, Hq=16, Hkv=2, D=256)

@@ -27,6 +27,7 @@ from bench.common import write_report
 gdd = importlib.import_module("mlx_lily.kernels.gated_delta.decode")
 gd = importlib.import_module("mlx_lily.kernels.gated_delta.recurrence")
 from mlx_lily.toolchain.registry import gpu_backend  # noqa: E402
+from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_inputs
 
 HEADS = (16, 32, 128, 128)  # Hk, Hv, Dk, Dv
 CONV_K = 4
@@ -71,7 +72,7 @@ def main() -> None:
     if backend is None:
         raise SystemExit("no GPU: this diagnostic measures the GPU kernels")
     Hk, Hv, Dk, Dv = HEADS
-    args, _ = gdd.make_decode_inputs(Hk, Hv, Dk, Dv, K=CONV_K, seed=0)
+    args, _ = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=CONV_K, seed=0)
     mx.eval(args)
     fused = lambda *a: gdd.gated_delta_decode_kernel.run_on(backend, *a)  # noqa: E731
     split = lambda *a: separate_ops(backend, *a)  # noqa: E731
@@ -89,7 +90,7 @@ def main() -> None:
     worst = {"out": 0.0, "state": 0.0}
     conv_equal = True
     for _ in range(opts.steps):
-        fresh, _ = gdd.make_decode_inputs(Hk, Hv, Dk, Dv, K=CONV_K, rng=rng)
+        fresh, _ = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=CONV_K, rng=rng)
         ref_args[:4] = ker_args[:4] = fresh[:4]
         got = fused(*ker_args)
         want = gdd.gated_delta_decode_reference(*ref_args)

@@ -39,7 +39,8 @@ from bench.diagnostics.tuning.weight_reads import (
     torch_cuda_missing,
     weight_bytes,
 )
-from mlx_lily.kernels.linear.gemv import make_call, quantized_matvec_kernel, quantized_matvec_reference
+from mlx_lily.kernels.linear.gemv import quantized_matvec_kernel, quantized_matvec_reference
+from mlx_lily.kernels.linear.testing import gemv_call
 
 def _torch_read_us(nbytes: int, copies: int) -> float:
     import torch
@@ -58,7 +59,7 @@ def _torch_read_us(nbytes: int, copies: int) -> float:
 
 def measure(name: str, spec: tuple, backend: str) -> Dict[str, float]:
     K, rows, bits, prologue, residual = spec
-    (x, weights), kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
+    (x, weights), kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
     nbytes = weight_bytes((x, weights))
     sets = rotation(weights)
     copies = len(sets)

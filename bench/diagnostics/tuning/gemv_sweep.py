@@ -33,12 +33,12 @@ from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, to
 from bench.ops import time_call, time_in_graph as ops_time_in_graph
 from mlx_lily.kernels.linear.gemv import (
     ROWS_CHOICES,
-    make_call,
     quantized_matvec_agree,
     quantized_matvec_kernel,
     quantized_matvec_reference,
 )
 from mlx_lily.toolchain.registry import gpu_backend
+from mlx_lily.kernels.linear.testing import gemv_call
 
 # 32 SIMD groups (1024 threads) exceed an H200 SM's registers at the body's
 # 113 per thread (nvcc, sm_90): the launch fails.
@@ -67,7 +67,7 @@ def copy_floor(args) -> dict:
 
 def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> dict:
     K, rows, bits, prologue, residual = spec
-    args, kwargs = make_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
+    args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
     mx.eval(args, kwargs)
     nbytes = weight_bytes(args)
     want = quantized_matvec_reference(*args, **kwargs)

@@ -223,34 +223,20 @@ def qk_norm_rope_compare(got, want) -> tuple[bool, float]:
     return max(errors) <= 2.0**-5, max(errors)
 
 
-def make_inputs(B, L, Hq, Hkv, D, dims, offset=0, traditional=False, base=1e7, scale=1.0,
-                dtype=mx.bfloat16, weight_dtype=None, gated=True, rng=None, seed=0):
-    """A call at these shapes. ``gated``: q is the layer's view, the first half
-    of each head of a [B, L, Hq, 2 D] projection (its other half the gate)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    if gated:
-        q = mx.split((2 * normal(B, L, Hq, 2 * D)).astype(dtype), 2, axis=-1)[0]
-    else:
-        q = (2 * normal(B, L, Hq, D)).astype(dtype)
-    k = (2 * normal(B, L, Hkv, D)).astype(dtype)
-    weight_dtype = dtype if weight_dtype is None else weight_dtype
-    q_weight = (1 + 0.2 * normal(D)).astype(weight_dtype)
-    k_weight = (1 + 0.2 * normal(D)).astype(weight_dtype)
-    rope = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
-    return (q, k, q_weight, k_weight, 1e-6, rope, offset), {}
-
-
 def _sample():
+    from .testing import qk_norm_rope_inputs
+
     # The layer's shapes, small: a gated q view, 3 query and 1 KV heads, a
     # quarter of the head rotated, a prefill of 3 tokens at offset 5.
-    return make_inputs(1, 3, 3, 1, 64, 16, offset=5, seed=7)
+    return qk_norm_rope_inputs(1, 3, 3, 1, 64, 16, offset=5, seed=7)
 
 
 def _fuzz(rng):
     """A random call: B 1-2, L 1-5, odd head counts, D 32-256, dims 16..D,
     offsets 0..40000 as an int or an array (one per row), q gated or plain,
     traditional or not, the dtypes of q/k and of the weights."""
+    from .testing import qk_norm_rope_inputs
+
     B = int(rng.integers(1, 3))
     L = int(rng.integers(1, 6))
     Hkv = int(rng.choice([1, 3]))
@@ -264,7 +250,7 @@ def _fuzz(rng):
     dtype = KERNEL_DTYPES[int(rng.choice([0, 0, 1, 2]))]
     weight_dtype = dtype if rng.random() < 0.7 else KERNEL_DTYPES[int(rng.integers(3))]
     base = float(rng.choice([1e4, 1e5, 1e7]))
-    return make_inputs(
+    return qk_norm_rope_inputs(
         B, L, Hq, Hkv, D, dims, offset=offset, traditional=bool(rng.random() < 0.3), base=base,
         dtype=dtype, weight_dtype=weight_dtype, gated=bool(rng.random() < 0.6), rng=rng,
     )

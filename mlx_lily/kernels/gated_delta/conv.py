@@ -41,7 +41,6 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ...toolchain.contracts import elementwise_mismatch, on_cpu
 
@@ -134,27 +133,19 @@ def conv_qk_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     return None
 
 
-def make_call(B, T, Hk, Hv, Dk, Dv, K=4, rng=None, seed=0, dtype=mx.bfloat16):
-    """A prompt chunk's prologue call at these shapes: random activations,
-    conv state and conv weights in ``dtype`` (as the model holds them)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    C = 2 * Hk * Dk + Hv * Dv
-    qkv = normal(B, T, C).astype(dtype)
-    conv_state = normal(B, K - 1, C).astype(dtype)
-    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
-    return (qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv), {}
-
-
 def _sample():
-    return make_call(2, 5, 2, 4, 32, 32, seed=3)
+    from .testing import conv_qk_norm_call
+
+    return conv_qk_norm_call(2, 5, 2, 4, 32, 32, seed=3)
 
 
 def _fuzz(rng):
     """A random chunk: batch 1-2, 1-40 tokens (fewer than the taps too), value/key
     head ratio 1-3, head dims 32-128, conv widths 2-4, bf16 or fp16."""
+    from .testing import conv_qk_norm_call
+
     Hk = int(rng.integers(1, 3))
-    return make_call(int(rng.integers(1, 3)), int(rng.integers(1, 41)), Hk, Hk * int(rng.integers(1, 4)),
+    return conv_qk_norm_call(int(rng.integers(1, 3)), int(rng.integers(1, 41)), Hk, Hk * int(rng.integers(1, 4)),
                      int(rng.choice([32, 64, 128])), int(rng.choice([32, 64, 96])),
                      K=int(rng.choice([2, 3, 4])), rng=rng,
                      dtype=ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))])

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 
 from ...toolchain.contracts import on_cpu
 
@@ -209,40 +208,24 @@ def gated_delta_decode_compare(got, want) -> tuple[bool, float]:
     return mismatch is None, max(errors)
 
 
-def make_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0, dtype=mx.bfloat16):
-    """A decode call at these shapes: random activations and conv state in
-    ``dtype``, the model's parameter dtypes (fp32 A_log, dt_bias; the norm
-    weight in ``dtype``)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    C = 2 * Hk * Dk + Hv * Dv
-    qkv = normal(1, 1, C).astype(dtype)
-    z = normal(1, 1, Hv, Dv).astype(dtype)
-    a = normal(1, 1, Hv).astype(dtype)
-    b = normal(1, 1, Hv).astype(dtype)
-    conv_state = normal(1, K - 1, C).astype(dtype)
-    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
-    A_log = mx.log(mx.array(rng.uniform(1, 16, (Hv,)).astype(np.float32)))
-    dt_bias = mx.array(rng.uniform(0.5, 1.5, (Hv,)).astype(np.float32))
-    state = 0.1 * normal(1, Hv, Dv, Dk) if with_state else None
-    norm_weight = (1 + 0.1 * normal(Dv)).astype(dtype)
-    return (qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, 1e-6, Hk), {}
-
-
 def _sample():
-    return make_decode_inputs(Hk=2, Hv=4, Dk=32, Dv=32, seed=7)
+    from .testing import gated_delta_decode_inputs
+
+    return gated_delta_decode_inputs(Hk=2, Hv=4, Dk=32, Dv=32, seed=7)
 
 
 def _fuzz(rng):
     """A random decode call: heads (value/key ratio 1-3), head dims, conv width,
     a state or none, bf16 or fp16 activations, and the gate/norm parameters' dtypes."""
+    from .testing import gated_delta_decode_inputs
+
     Hk = int(rng.integers(1, 4))
     Hv = Hk * int(rng.integers(1, 4))
     Dk = int(rng.choice([32, 64, 128]))
     Dv = int(rng.choice([8, 32, 48, 64, 128]))
     K = int(rng.choice([2, 4, 4]))
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
-    args, kwargs = make_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng, dtype=dtype)
+    args, kwargs = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng, dtype=dtype)
     args = list(args)
     pick = lambda: KERNEL_DTYPES[int(rng.integers(len(KERNEL_DTYPES)))]  # noqa: E731
     args[6], args[7], args[9] = args[6].astype(pick()), args[7].astype(pick()), args[9].astype(pick())

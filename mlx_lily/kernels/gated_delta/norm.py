@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.activations import precise_swiglu
 
 from ...toolchain.contracts import elementwise_mismatch, on_cpu
@@ -94,28 +93,22 @@ def gated_rms_norm_agree(got, want, *args, **kwargs) -> Optional[str]:
     return elementwise_mismatch(got, want, rel=2.0**-6 * scale, of_max=2.0**-10 * scale)
 
 
-def make_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0, dtype=mx.bfloat16):
-    """x, z of this shape (``dtype``), a weight near 1 (as trained norms are)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
-    x = normal(*shape).astype(dtype)
-    z = (2 * normal(*shape)).astype(dtype)
-    w = (1 + 0.1 * normal(shape[-1])).astype(weight_dtype)
-    return (x, z, w, 1e-6), {}
-
-
 def _sample():
-    return make_call((1, 3, 4, 32), seed=6)
+    from .testing import gated_rms_norm_call
+
+    return gated_rms_norm_call((1, 3, 4, 32), seed=6)
 
 
 def _fuzz(rng):
     """A random call: batch 1-2, 1-40 tokens, 1-5 heads, Dv 32-128, bf16 or fp16
     activations, a bf16, fp16 or fp32 weight."""
+    from .testing import gated_rms_norm_call
+
     shape = (int(rng.integers(1, 3)), int(rng.integers(1, 41)), int(rng.integers(1, 6)),
              int(rng.choice([32, 64, 96, 128])))
     weight = WEIGHT_DTYPES[int(rng.integers(len(WEIGHT_DTYPES)))]
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
-    return make_call(shape, weight, rng=rng, dtype=dtype)
+    return gated_rms_norm_call(shape, weight, rng=rng, dtype=dtype)
 
 
 gated_rms_norm_kernel = Kernel(

@@ -65,7 +65,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -411,53 +411,20 @@ def quantized_matvec_compare(got, want) -> tuple[bool, float]:
     return len(got) == len(want) and worst <= 2.0**-4, worst
 
 
-# -- inputs for tests, the self-check and the fuzz ------------------------------------
-
-
-def make_weights(K: int, rows: Sequence[int], bits: Sequence[int], rng=None, seed=0, dtype=mx.bfloat16):
-    """Quantized projections (w, scales, biases) [N, K] at these bits, group 64,
-    as ``nn.QuantizedLinear`` would hold them (scales and biases in ``dtype``)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    out = []
-    for n, b in zip(rows, bits):
-        dense = mx.array((rng.standard_normal((n, K)) * K**-0.5).astype(np.float32)).astype(dtype)
-        out.append(tuple(mx.quantize(dense, group_size=GROUP_SIZE, bits=b)))
-    return tuple(out)
-
-
-def make_call(K, rows, bits, prologue="none", residual=False, norm_dtype=None, rng=None, seed=0,
-              dtype=mx.bfloat16):
-    """A call at these shapes: (args, kwargs). prologue 'none', 'norm' or
-    'gate' (a strided [1, 1, G, D] view: the second half of each of G rows of
-    a [1, 1, G, 2D] tensor); activations, scales and biases in ``dtype``, the
-    norm weight in ``norm_dtype`` (default: ``dtype``)."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    norm_dtype = dtype if norm_dtype is None else norm_dtype
-    x = normal(1, 1, K).astype(dtype)
-    weights = make_weights(K, rows, bits, rng=rng, dtype=dtype)
-    kwargs = {}
-    if prologue == "norm":
-        kwargs["norm_weight"] = (1 + 0.2 * normal(K)).astype(norm_dtype)
-        kwargs["eps"] = 1e-6
-    elif prologue == "gate":
-        heads = [g for g in (1, 2, 3, 5, 8) if K % g == 0 and (K // g) % 2 == 0]
-        G = heads[int(rng.integers(len(heads)))]
-        D = K // G
-        both = (2 * normal(1, 1, G, 2 * D)).astype(dtype)
-        kwargs["gate"] = mx.split(both, 2, axis=-1)[1]
-    if residual:
-        kwargs["residual"] = normal(1, 1, rows[0]).astype(dtype)
-    return (x, weights), kwargs
+# -- the self-check's and the fuzz's calls (inputs from .testing) ---------------------------
 
 
 def _sample():
-    return make_call(128, (40, 5), (4, 8), prologue="norm", seed=11)
+    from .testing import gemv_call
+
+    return gemv_call(128, (40, 5), (4, 8), prologue="norm", seed=11)
 
 
 def _fuzz(rng):
     """A random call: 1-4 segments of 1-70 rows (not multiples of the row
     blocking), 4- and 8-bit mixed, K up to 512, each prologue, a residual."""
+    from .testing import gemv_call
+
     K = int(rng.choice([64, 128, 192, 320, 512]))
     S = int(rng.integers(1, MAX_SEGMENTS + 1))
     rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
@@ -466,7 +433,7 @@ def _fuzz(rng):
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
     norm_dtype = mx.float32 if rng.random() < 0.25 else dtype
     residual = S == 1 and rng.random() < 0.5
-    return make_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng, dtype=dtype)
+    return gemv_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng, dtype=dtype)
 
 
 def _segment_names(s: int) -> tuple:

@@ -340,40 +340,18 @@ def moe_decode_compare(got, want) -> tuple[bool, float]:
 # -- inputs ------------------------------------------------------------------------
 
 
-def quantized_moe(hidden: int, inter: int, shared_inter: int, experts: int, seed: int = 0, dtype=mx.bfloat16):
-    """(switch_mlp, shared_expert): 4-bit group-64 modules in ``dtype``, as the checkpoints have them."""
-    mx.random.seed(seed)
-    glu = SwitchGLU(hidden, inter, experts)
-    shared = Qwen3NextMLP(hidden, shared_inter)
-    for module in (glu, shared):
-        module.set_dtype(dtype)
-        nn.quantize(module, group_size=GROUP_SIZE, bits=BITS)
-    mx.eval(glu.parameters(), shared.parameters())
-    return glu, shared
-
-
-def make_moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None, dtype=mx.bfloat16):
-    """A decode call at these shapes: random h, norm weight and gate logits in ``dtype``."""
-    rng = np.random.default_rng(seed) if rng is None else rng
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
-    glu, shared = quantized_moe(D, I, IS, E, seed=int(rng.integers(1 << 30)), dtype=dtype)
-    h = (4.0 * normal(1, 1, D)).astype(dtype)
-    norm_weight = (1.0 + 0.1 * normal(D)).astype(dtype)
-    if logits is None:
-        logits = 2.0 * rng.standard_normal((1, 1, E))
-    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(1, 1, E).astype(dtype)
-    shared_gate_logit = normal(1, 1, 1).astype(dtype)
-    return (h, router_logits, shared_gate_logit, norm_weight, 1e-6, k, normalize, glu, shared), {}
-
-
 def _sample():
     """24 experts top-3, D 128, experts' I 64 and the shared expert's 128."""
-    return make_moe_decode_inputs(128, 24, 3, 64, 128, seed=11)
+    from .testing import moe_decode_inputs
+
+    return moe_decode_inputs(128, 24, 3, 64, 128, seed=11)
 
 
 def _fuzz(rng):
     """A random decode call: D, E, k, I and the shared I, renormalised or not,
     logits rows with ties, -inf and NaN among the plain ones, bf16 or fp16."""
+    from .testing import moe_decode_inputs
+
     D = int(rng.choice([64, 128, 192]))
     E = int(rng.choice([int(rng.integers(1, 33)), int(rng.integers(33, 80))]))
     k = int(rng.integers(1, min(E, 8) + 1))
@@ -388,7 +366,7 @@ def _fuzz(rng):
     elif kind == "nan":
         logits[int(rng.integers(E))] = np.nan
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
-    return make_moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
+    return moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
                                   dtype=dtype)
 
 

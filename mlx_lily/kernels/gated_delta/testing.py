@@ -1,0 +1,49 @@
+"""Inputs for the gated delta ops' self-checks, fuzz, tests and bench:
+random arrays at given shapes, as the model would pass them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def conv_qk_norm_call(B, T, Hk, Hv, Dk, Dv, K=4, rng=None, seed=0, dtype=mx.bfloat16):
+    """A prompt chunk's prologue call at these shapes: random activations,
+    conv state and conv weights in ``dtype`` (as the model holds them)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv = normal(B, T, C).astype(dtype)
+    conv_state = normal(B, K - 1, C).astype(dtype)
+    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
+    return (qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv), {}
+
+
+def gated_rms_norm_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0, dtype=mx.bfloat16):
+    """x, z of this shape (``dtype``), a weight near 1 (as trained norms are)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *s: mx.array(rng.standard_normal(s).astype(np.float32))  # noqa: E731
+    x = normal(*shape).astype(dtype)
+    z = (2 * normal(*shape)).astype(dtype)
+    w = (1 + 0.1 * normal(shape[-1])).astype(weight_dtype)
+    return (x, z, w, 1e-6), {}
+
+
+def gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0, dtype=mx.bfloat16):
+    """A decode call at these shapes: random activations and conv state in
+    ``dtype``, the model's parameter dtypes (fp32 A_log, dt_bias; the norm
+    weight in ``dtype``)."""
+    rng = np.random.default_rng(seed) if rng is None else rng
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    C = 2 * Hk * Dk + Hv * Dv
+    qkv = normal(1, 1, C).astype(dtype)
+    z = normal(1, 1, Hv, Dv).astype(dtype)
+    a = normal(1, 1, Hv).astype(dtype)
+    b = normal(1, 1, Hv).astype(dtype)
+    conv_state = normal(1, K - 1, C).astype(dtype)
+    conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
+    A_log = mx.log(mx.array(rng.uniform(1, 16, (Hv,)).astype(np.float32)))
+    dt_bias = mx.array(rng.uniform(0.5, 1.5, (Hv,)).astype(np.float32))
+    state = 0.1 * normal(1, Hv, Dv, Dk) if with_state else None
+    norm_weight = (1 + 0.1 * normal(Dv)).astype(dtype)
+    return (qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, 1e-6, Hk), {}
