@@ -178,12 +178,14 @@ def _moe_combine(d, T, ctx) -> Inputs:
 
 
 # The tile layer's proof: one square bf16 GEMM of this size, in TFLOP/s beside
-# mx.matmul's (the op is not in the model, so it has no decode phase).
+# mx.matmul's (the op is not in the model, so it has no decode phase). Small
+# shapes take 8x their hidden size: a CPU's bf16 matmul at 4096 takes ~50 s.
 GEMM_SIZE = 4096
 
 
 def _matmul_nt(d, T, ctx) -> Inputs:
-    return (_normal((GEMM_SIZE, GEMM_SIZE), 28), _normal((GEMM_SIZE, GEMM_SIZE), 29)), {}
+    n = min(GEMM_SIZE, 8 * d["hidden"])
+    return (_normal((n, n), 28), _normal((n, n), 29)), {}
 
 
 def _gemm_flops(args: tuple) -> float:
