@@ -1,3 +1,9 @@
+"""How far the random model's log-probabilities move when its input
+embeddings are nudged (one bf16 step at one row; 1e-3 everywhere): the
+scale of its sensitivity to rounding, against which differences between
+engines are read. Random weights at the real shapes; prints one line per
+nudge. The command behind bench/results/2026-11-29-nvidia-h200-462c4cc770's
+model-sensitivity.txt."""
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lily.random_checkpoints import build_model

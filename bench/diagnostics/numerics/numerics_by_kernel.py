@@ -1,3 +1,10 @@
+"""Teacher-forced numerics of lily against stock with lily's kernels on one
+at a time (none, the router's, the recurrence's, all), beside stock against
+itself (a repeat; the prompt in two chunks), then the first DeltaNet and MoE
+layers alone: which kernel moves the model's output, and by how much.
+`python3 bench/diagnostics/numerics/numerics_by_kernel.py [SHAPE]`; the
+command behind bench/results/2026-11-29-nvidia-h200-462c4cc770's
+numerics-by-kernel.txt."""
 import sys
 import mlx.core as mx, numpy as np
 from mlx_lm.models.cache import make_prompt_cache
