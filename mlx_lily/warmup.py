@@ -1,34 +1,15 @@
 """Build and check every kernel instance a server will meet, at load time.
 
-A lily kernel is built for each set of template arguments it is launched
-with (the MoE GEMM's tile rows, whether a DeltaNet call carries a state or a
-padding mask, ...) and each instance runs a first-use check against its
-op's reference (``toolchain/kernel.py``). Which instances a request needs
-follows from its prompt's length: the MoE tile rows follow the rows per
-expert (a 10-token chunk takes 16-row tiles, 1K tokens 32, 2K tokens 64),
-the DeltaNet recurrence is sequential below ``CHUNKED_FROM`` tokens and
-chunked above. Under ``mlx_lm.server`` the first request of each kind paid
-for its instances mid-request: on CUDA, where NVRTC compiles each one, a
-4K-token prompt's 10-token tail waited 94 s (bench/results, 61cf218278).
+A lily kernel is built, and checked at its first use, for each set of
+template arguments it is launched with; which instances a request needs
+follows from its prompt's length. ``prime(model)`` runs the model once over a
+few synthetic prompts chosen so that every such instance is met, rather than
+the first request of each kind paying for them mid-request. It runs by
+default under ``mlx_lm.server --backend lily`` and ``python -m mlx_lily
+serve``; ``MLX_LILY_PRIME=1`` asks for it in any program that loads through
+lily, ``MLX_LILY_PRIME=0`` turns it off.
 
-``prime(model)`` runs the model once over a few synthetic prompts chosen so
-that every such instance is met: chunks at each tile size, with and without
-an incoming state, decode steps, and a batch of two left-padded prompts
-through mlx-lm's own ``BatchGenerator`` (masks, batched caches, multi-row
-decode). Under the server the chunks and decode steps run on the caches its
-batch generator gives one request (each cache merged into a batch of one: a
-``BatchKVCache``, whose array masks take other attention paths than
-``mlx_lm.generate``'s ``KVCache``), elsewhere on ``make_prompt_cache``'s,
-plus one attention decode call for each key-block size the split takes at
-longer contexts (the server's decode attention carries an array mask, which
-the decode kernel does not take: it runs MLX's sdpa). The tokens are
-discarded. Nothing is built twice: instances met here are cached for the
-process.
-
-It runs by default under ``mlx_lm.server --backend lily`` and ``python -m
-mlx_lily serve`` (the load happens before the first request is served);
-``MLX_LILY_PRIME=1`` asks for it in any program that loads through lily,
-``MLX_LILY_PRIME=0`` turns it off.
+Which instances, the prompts, and a measurement: docs/layer-notes.md#warmup.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Source rewriting: the few Metal constructs that C++ cannot express through
-the prelude's types and macros alone.
-
-* ``device T*`` / ``constant T*`` / ``threadgroup T*`` (with any ``const``)
-  become ``lily::ptr<T>`` / ``lily::cptr<T>``, the bounds-checked pointers,
-  wherever they appear (declarations, parameters, casts);
-  ``reinterpret_cast`` to such a type becomes ``static_cast`` (the pointer
-  classes have explicit converting constructors).
-* ``threadgroup T name[A][B];`` becomes a handle to storage shared by the
-  threadgroup: ``auto name = lily::tg_alloc<T, A, B>(slot, "name");`` and
-  ``threadgroup T name;`` a reference ``T& name = lily::tg_scalar<T>(...)``.
-  Each declaration site gets its own slot.
-* Loop conditions get ``lily::rt::loop_guard() &&`` in front, so that an
-  endless loop yields now and then and times out instead of hanging.
-* ``auto*`` becomes ``auto`` (a checked pointer is not a raw pointer).
-* Half-precision literals ``1.5h`` become ``half(1.5)``.
-* ``#include <metal_stdlib>`` and friends are dropped (the prelude has them).
+the prelude's types and macros alone (address-space pointers, threadgroup
+declarations, loop guards, ``auto*``, half literals, Metal includes).
 
 Every rewrite keeps the number of lines, so ``#line`` directives keep
 compiler errors and runtime errors pointing at the lines of the body.
+
+The rewrites one by one: docs/kernel-notes.md#emulator-translate.
 """
 
 from __future__ import annotations

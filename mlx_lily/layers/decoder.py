@@ -2,46 +2,13 @@
 
 Stock's layer is ``h = x + mixer(norm(x)); out = h + moe(norm(h))``, a
 hundred-odd small launches per decode token. For one token of one sequence
-lily runs the same math as a few fused kernels, each reading its weights once:
+lily runs the same math as a few fused kernels, each reading its weights
+once, as ``mx.compile``-d steps (``MLX_LILY_COMPILE_DECODE=0`` turns
+compilation off); other calls run stock's layer flow with lily's classes.
+Prefill paces its layers (``pace_prefill``).
 
-Gated DeltaNet layer (6 launches)::
-
-    qkv, z, b, a = gemv(rms_norm(x); in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
-    y, conv, state = gated_delta_decode(...)          # conv, norms, gates, recurrence
-    h = x + gemv(y; out_proj)
-    logits, shared_logit = gemv(rms_norm(h); gate, shared_expert_gate)
-    out = moe_decode(h, logits, shared_logit, ...)    # 2 launches: gate/up, down
-
-Full-attention layer: ``gemv(rms_norm(x); q, k, v)``, ``qk_norm_rope``, the
-KV-cache write (stock's cache), ``attention``, ``h = x + gemv(out *
-sigmoid(gate); o_proj)``, then the same MoE chain.
-
-Each op keeps its reference (stock's own op sequence) and chooses per call as
-every lily op does, so a shape or quantization the kernels do not take still
-computes stock's result. One decode token of one sequence takes this path
-from ``mlx_lm.generate``'s caches and from the server's batch caches holding
-one row (``BatchKVCache``, a left-padded ``ArraysCache``), with the mask the
-model passes: a DeltaNet step whose mask is False keeps its recurrent state
-and enters the convolution as zeros, as in stock, and the attention reads the
-mask through its op. Other calls (prefill, batches of several rows, length-
-limited caches, other cache types), training, sharded layers, layers whose
-projections are not quantized linears without bias, and layers with a dense
-MLP instead of the MoE block run stock's layer flow (with lily's mixer, MoE
-and MLP classes).
-
-Python per token (when the whole stack's segmented step in ``text_model.py``
-does not take the call): the Gated DeltaNet step, and the attention layer's parts
-before and after its KV-cache write and attention (whose shapes grow with the
-context), run as ``mx.compile``-d functions of (x, states, position), so each
-token replays a traced graph instead of running the ops' Python (a new
-compiled step first runs its ops once eagerly, for their kernels' first-use
-checks). The weights are captured as constants; a compiled step is rebuilt if
-the layer's weights are replaced (``weights_version``).
-``MLX_LILY_COMPILE_DECODE=0`` turns compilation off.
-
-Prefill (``pace_prefill``): each layer of a prompt call (more than one token,
-PACE_MIN_ROWS rows or more) queues its output and waits for its input, so that
-at most two layers' work (and their buffers) are queued on the device at once.
+The fused launches per layer type, which calls take the fused path, the
+compiled steps, and prefill's pacing: docs/layer-notes.md#decoder.
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """The layer stack for one decode token: one compiled step, or compiled segments.
 
 Per layer (``decoder.py``) a decode token costs the host a compiled call or
-two, plus the layer's Python. Here the whole stack is compiled, in one of two
-forms:
+two, plus the layer's Python. Here the whole stack is compiled, either as
+**the whole step** (``mlx_lm.generate``'s caches: embedding to final norm in
+one ``mx.compile``-d call) or in **segments** cut at each full-attention
+layer's KV-cache write and attention (the server's batch caches of one row,
+and the reference path). Which of these runs a call, and what a failing one
+does, is ``decode_tiers.py``'s table and policy.
 
-* **The whole step** (``mlx_lm.generate``'s caches: plain ``KVCache``s filled
-  to one offset, no masks, and the attention's decode kernels on): the whole
-  stack, embedding to final norm, is one ``mx.compile``-d call. The KV caches
-  are held at a capacity of whole CAPACITY_STEP rows (``reserve_rows``); the
-  step scatters each new row in at the position, an array input, and bounds
-  the decode attention by it, so one trace serves every token up to the
-  capacity. A failing whole step assigns nothing, prints one notice, and the
-  model decodes in segments from then on.
-* **Segments** (the server's batch caches of one row, with the masks stock
-  builds from them; and the reference path, which stays stock's op sequence):
-  the stack is cut at each full-attention layer's KV-cache write (stock's)
-  and attention, whose shapes grow with the context. Everything between two
-  cuts (the previous attention layer's output projection and MoE, the Gated
-  DeltaNet layers, the next attention layer's projections, q/k norm and
-  RoPE) is one compiled segment; the embedding opens the first, the final
-  norm closes the last: for Qwen3.6-35B-A3B, 11 compiled calls and 10
-  attention steps per token. A failing segmented step restores the KV offsets
-  it advanced, assigns no state, prints one notice, and the model decodes
-  per layer from then on.
-
-Which of these (or the per-layer tiers, or stock) runs a call, and what a
-failing one does, is ``decode_tiers.py``'s table and policy.
-
-Both compute what the per-layer path computes (the same layer methods, in the
-same order); the segments give the same bits, the whole step differs only in
-the bounded attention's split of the keys. Every call neither takes
-(prefill, batches of several rows, pipeline parallelism, compilation off, a
-layer that is not fused) runs the stock stack of lily's layers.
+Each form's conditions, failures and results: docs/layer-notes.md#text-model.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Lily's CUDA kernels compiled once per machine, not once per process.
 
-MLX 0.32 compiles each custom CUDA kernel with NVRTC in every process. Before
-compiling it looks in its PTX cache folder (``MLX_PTX_CACHE_DIR``, by default
-``<tmp>/mlx/<version>/ptx``) for a module of that kernel's name, but it writes
-custom kernels' modules there only for its own kernels. So lily writes them:
-at an instantiation's first launch in a process, lily computes the source and
-the module name MLX will use (the kernel's name, its template suffix and
-libstdc++'s ``std::hash`` of the source), and where no module of that name is
-in the folder it compiles the source itself through NVRTC and writes the
-module. MLX then loads it instead of compiling. A second process finds every
-module there; ``precompile`` compiles many instantiations in parallel.
+MLX compiles each custom CUDA kernel with NVRTC in every process; it looks in
+its PTX cache folder first, but writes custom kernels' modules there only for
+its own kernels. So lily compiles each instantiation's module itself at its
+first launch and writes it under the name MLX will look for; a second process
+finds it there. ``precompile`` compiles many instantiations in parallel;
+``MLX_LILY_CUDA_CACHE=0`` turns this off.
 
-Lily's own compile puts a small header of MLX's kernel ABI (the ``Shape`` and
-``Strides`` parameter types) in place of MLX's device headers, which are not
-files on disk; the kernel's parameters and code are MLX's to the byte.
-
-A probe checks once per process that MLX reads what lily writes (a planted
-module whose result differs from its source's); where it does not (another
-MLX version, no NVRTC library, a folder that cannot be written) or
-``MLX_LILY_CUDA_CACHE=0``, MLX compiles as before, after one notice.
+How the module's name is computed, the ABI header, and the probe:
+docs/kernel-notes.md#cuda-cache.
 """
 
 from __future__ import annotations

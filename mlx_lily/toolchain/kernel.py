@@ -1,38 +1,14 @@
 """Lily's kernel toolchain: one kernel body, built for whatever runs it.
 
-Each lily kernel is written once, as a Metal Shading Language *body* (what
-``mx.fast.metal_kernel`` takes: the inside of the kernel function, whose
-signature MLX generates) in the portable subset that ``toolchain/lint.py``
-documents and checks. The body lives in its own file, ``mlx_lily/kernels/<family>/<name>.metal``,
-beside the Python launcher that computes each call's grid, threadgroup,
-template constants and output shapes. A :class:`Kernel` builds that body for
-the active backend (``registry.kernel_backend()``):
+Each lily kernel is written once, as a Metal Shading Language body in the
+portable subset (``toolchain/lint.py``), in its own ``.metal`` file beside
+its Python launcher. A :class:`Kernel` builds it for the active backend
+(Metal, CUDA after ``prelude_cuda.h``, or the CPU emulator) and trusts it
+only after a self-check against its op's reference; a failure turns it off
+with one notice, and the op runs the reference.
 
-* ``metal``: ``mx.fast.metal_kernel`` with the body as written;
-* ``cuda``: ``mx.fast.cuda_kernel`` with the same body, after the CUDA prelude
-  (``toolchain/prelude_cuda.h``, passed as MLX's ``header``) that defines the
-  subset's Metal names for CUDA;
-* ``emulator``: ``mlx_lily.emulator.metal_kernel``, a CPU SIMT emulator with
-  ``mx.fast.metal_kernel``'s interface and Metal's semantics, which reports
-  deadlocks and out-of-bounds accesses (tests, CI, ``doctor``).
-
-A kernel is trusted only after a one-time self-check per backend and process:
-it runs on its op's ``sample()`` inputs and must agree with the op's reference.
-A build failure or a disagreement turns the kernel off with one notice, and its
-op keeps running the reference; nothing crashes. Each other instantiation (the
-launch's template arguments and the inputs' dtypes) is checked the same way at
-its first use, on that call's own inputs (``run_checked``): a failure there
-turns off that instantiation only, with one notice, and the call returns the
-reference's result.
-
-Launch rules the toolchain applies on every backend, so that Metal, CUDA and
-the emulator run the same threads:
-
-* every grid dimension is rounded up to a whole number of threadgroups (MLX's
-  CUDA backend runs whole blocks, Metal clips the last threadgroup; rounding
-  makes both run whole ones), so bodies guard the tail themselves;
-* a body that uses SIMD-group functions must be launched with threadgroups of
-  a whole number of 32-lane SIMD groups.
+The backends, the self-checks, and the launch rules applied on every backend:
+docs/kernel-notes.md#kernel.
 """
 
 

@@ -1,27 +1,14 @@
 """Lily ops: one name, a pure-MLX reference, and optionally a custom kernel.
 
-Every piece of math in lily's layers goes through a :class:`LilyOp`. The op
-decides per call which path runs:
+Every piece of math in lily's layers goes through a :class:`LilyOp`, which
+decides per call whether its kernel or its reference (the ground truth in
+tests, and what runs on a CPU) runs. ``MLX_LILY_KERNEL_BACKEND`` picks the
+kernel backend (``auto``, ``emulator``, ``reference``, ``metal``, ``cuda``);
+``MLX_LILY_KERNELS=0`` forces the reference everywhere. Every decision is
+recorded per op for ``python -m mlx_lily doctor``.
 
-* the **kernel**, when one is registered, a kernel backend is active (see
-  :func:`kernel_backend`), the kernel built and passed its one-time self-check
-  on this machine, the op's ``supports`` predicate accepts the call's shapes
-  and dtypes, and this instantiation of the kernel (template arguments, dtypes)
-  passed its check at its first use;
-* otherwise the **reference**, a pure-MLX function that is the ground truth in
-  tests and what runs on a CPU.
-
-Kernels are written once and built for the active backend by
-``toolchain/kernel.py``: Metal on Apple GPUs, CUDA on NVIDIA GPUs, and the CPU
-SIMT emulator when asked for. ``MLX_LILY_KERNEL_BACKEND`` picks the backend:
-``auto`` (the default: the default device's GPU backend, else the reference),
-``emulator`` (run kernels in the CPU emulator, even on a CPU: tests, CI),
-``reference`` (no kernels), or ``metal`` / ``cuda`` (that backend, and the
-reference where it is not the default device's).
-
-``MLX_LILY_KERNELS=0`` forces the reference everywhere (a kill switch for
-debugging and for A/B checks). Every decision is recorded per op so that
-``python -m mlx_lily doctor`` can say which path each op takes and why.
+When the kernel runs, and what each backend setting means:
+docs/kernel-notes.md#registry.
 """
 
 from __future__ import annotations

@@ -1,50 +1,14 @@
 """Full attention's prologue: q/k RMSNorm + partial RoPE, in one launch.
 
-The reference is stock mlx-lm's op sequence (``mx.fast.rms_norm`` of q and of
-k, the transposes to [B, H, L, D], then the model's rope on each), so on the
+The reference is stock mlx-lm's op sequence (``mx.fast.rms_norm`` of q and
+of k, the transposes to [B, H, L, D], the model's rope on each), so on the
 reference path the layer stays stock's to the bit. The kernel
 (``qk_norm_rope.metal``) computes both outputs in one dispatch, one SIMD
-group per (batch, token, head) row, reading q and k through their strides (q
-is half of each head's row of the q projection's output) and writing
-[B, H, L, D] directly. It takes a plain ``nn.RoPE`` (what mlx-lm's
-``initialize_rope`` returns for Qwen3.5/3.6: no scaling, or linear scaling);
-any other rope class runs the reference.
+group per (batch, token, head) row; it takes a plain ``nn.RoPE``, and any
+other rope class runs the reference.
 
-Contract (``qk_norm_rope_agree``), per element against the reference, with
-``u`` the output dtype's unit roundoff (2^-8 for bf16, 2^-11 fp16, 2^-24 fp32):
-
-* values not rotated (from ``dims`` on): ``|got - want| <= (4 u + 2^-18)
-  |want|``, two steps of the dtype at the value's magnitude (in bf16 2^-6
-  |want|). The norm is fp32 with one rounding where rms_norm rounds
-  (x * rsqrt(mean(x^2) + eps), then the product with the weight, in the
-  output dtype); only the order of the sum of squares differs, which moves
-  the inverse rms by a few fp32 units (the 2^-18) and so a rounding by at
-  most one step, and the weight's product by one more;
-* rotated values: ``|got - want| <= (4 u + 2^-18 + 2^-12 + (8 + 6 a) 2^-24
-  |theta|) r``, with ``r = sqrt(x1^2 + x2^2)`` the pair's magnitude,
-  ``theta`` the angle and ``a = i / (dims/2) * ln(base)`` the exponent of
-  frequency ``i``. The kernel rotates in fp32 with one rounding, with MLX's
-  GPU rope kernels' frequencies and angles (``exp2(-i / (dims/2) *
-  log2(base))``, ``(scale * position) * inv_freq``), and the backend's
-  default cos and sin (on CUDA the precise ones, as MLX's kernel there).
-  Against that: the CPU's rope (the reference in tests) rounds cos, sin and
-  each product to the output dtype (with the norm's step, 4 u of r); Metal's
-  rope takes the fast cos and sin (within 2^-13 each: the 2^-12); and the
-  frequencies come from an exponential of an fp32 argument up to ln(base),
-  differently on each backend, so the angle carries (8 + 6 a) fp32 units of
-  its magnitude, which moves the pair by as many radians times r: at position
-  40K and the first frequency (1 rad per token) about 0.02 r, larger than
-  bf16's own rounding. Any wrong position, pairing, frequency or weight is
-  off by far more (tests/test_qk_norm_rope.py checks that the judge says so).
-
-Negative positions (offset + token index < 0: the left padding of a
-BatchKVCache row, which the attention mask hides) are rotated by their
-signed position, as the CPU's rope does; MLX's batched GPU rope kernels add
-the offset to an unsigned token index there, so the contract leaves those
-rotated values unchecked (the values passed through are still checked).
-
-On bf16 inputs the emulator stays within half of this bound against the CPU
-reference over the fuzz cases (offsets up to 40K).
+The launch, the contract (``qk_norm_rope_agree``) with its reasoning, and
+negative positions: docs/kernel-notes.md#qk-norm-rope.
 """
 
 from __future__ import annotations

@@ -2,26 +2,13 @@
 module, re-exported here), and GQA scaled dot-product attention.
 
 The attention op's reference is MLX's ``scaled_dot_product_attention`` (what
-stock mlx-lm calls). Its kernels (:class:`AttentionKernels`):
+stock mlx-lm calls). Its kernels (:class:`AttentionKernels`) compute fp32
+scores, softmax and accumulation with one rounding of the output; the decode
+kernel (``attention_decode.metal``) splits long contexts into key blocks that
+``attention_combine.metal`` merges.
 
-* **decode** (one query token, batch 1; ``attention_decode.metal``): packed
-  GQA, one threadgroup per KV head (all of its query heads read each K/V row
-  once), 16-byte row reads straight from the KV cache through its strides,
-  online softmax in fp32. From ``SPLIT_FROM`` keys the keys are split into
-  blocks (``decode_key_block``: 64 keys at short contexts, growing to the
-  fixed ``KEY_BLOCK`` of 256 as the context grows),
-  one threadgroup each, whose partial results a
-  second small kernel (``attention_combine.metal``) merges by their
-  log-sum-exp.
-
-The kernels' contract with the exact attention of their bf16 inputs: fp32
-scores, softmax and accumulation, one rounding of the output to bf16 (tests
-hold them to one bf16 step of the float64 result). Against the reference,
-which on some backends rounds scores and probabilities to bf16 on the way,
-``attention_agree`` allows that rounding. The decode kernels take fp16 too
-(the same math, one rounding to fp16, a step 8 times finer: the bounds shrink
-by 8); the prefill kernel's matrix tiles take bf16 only, so fp16 prompt
-calls run the reference.
+The decode kernel, its key blocks, and the contract (``attention_agree``):
+docs/kernel-notes.md#sdpa.
 """
 
 from __future__ import annotations

@@ -1,33 +1,12 @@
 """The gated delta rule in chunks: a pure-MLX reference and its tile kernels.
 
-The sequential rule (``gated_delta.py``), per value head with S [Dv, Dk]:
+Within a chunk of C tokens the new values the sequential rule writes solve a
+unit lower-triangular system (the WY / UT form), so everything but the pass
+over chunks, which carries only the state S, is independent across chunks.
+``gated_delta_chunked_reference`` computes this in fp32 with MLX ops, with
+stock's gates, y in q's dtype and the state fp32.
 
-    S_t = g_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,   y_t = S_t q_t
-
-Within a chunk of C tokens starting from S_0, with G_t the cumulative log
-decay inside the chunk (gamma_t = exp(G_t)), the new values the rule writes,
-d_t = beta_t (v_t - g_t S_{t-1} k_t), solve a unit lower-triangular system
-(the WY / UT form):
-
-    (I + L) D = diag(beta) V - diag(beta gamma) K S_0^T,
-    L[t, j] = beta_t exp(G_t - G_j) k_t . k_j   (j < t)
-
-so with A = (I + L)^-1, W = A diag(beta gamma) K and U = A diag(beta) V:
-
-    D   = U - W S_0^T                                        [C, Dv]
-    Y   = diag(gamma) Q S_0^T + (Q K^T * M) D,  M[t, j] = exp(G_t - G_j), j <= t
-    S_C = gamma_C S_0 + D^T (K * exp(G_C - G))               [Dv, Dk]
-
-Everything but the last two lines is independent across chunks; the pass over
-chunks carries only S. Decay ratios are always exp of a difference of
-cumulative logs (never a quotient of gammas, which underflow within a chunk
-when the gates are small).
-
-``gated_delta_chunked_reference`` computes this in fp32 with MLX ops (the
-triangular solve by forward substitution over the C rows, batched over all
-chunks and heads), so a CPU runs C + T / C small batched steps instead of T
-per-token ones. Its gates are stock's (``compute_g``'s exponent, sigmoid(b) in
-b's dtype), its output y is in q's dtype and its state fp32, as stock's.
+The derivation: docs/kernel-notes.md#gated-delta-chunked.
 """
 
 from __future__ import annotations

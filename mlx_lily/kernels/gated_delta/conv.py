@@ -1,36 +1,14 @@
 """Gated DeltaNet's causal depthwise convolution, SiLU, and (for prompt
-chunks) the q/k L2 norm after it: ``conv_qk_norm``.
-
-The layer's prologue between its projections and the recurrence::
+chunks) the q/k L2 norm after it::
 
     conv_qk_norm(qkv, conv_state, conv_weight, Hk, Hv, Dk, Dv) -> (q, k, v)
-
-* ``qkv`` [B, T, C] (C = 2 Hk Dk + Hv Dv: q, k, v channels, as the in
-  projection writes them), ``conv_state`` [B, K-1, C] (the previous call's
-  last K-1 input rows), ``conv_weight`` [C, K, 1].
-* q, k [B, T, Hk, Dk] L2-normalised per head, the readout scale Dk^-1/2
-  folded into q (mlx-lm's ``normalize_qk``); v [B, T, Hv, Dv].
 
 The reference is the layer's own sequence (the concatenation, ``mx.conv1d``
 + ``nn.silu``, the split and ``normalize_qk``), so on the reference path the
 layer stays stock's to the bit. The kernel (``conv_qk_norm.metal``) does it
-in one dispatch: one SIMD group per (batch, token, head), no intermediate
-conv output, no concatenated copy of the chunk. It takes bf16 or fp16
-activations and weights (one dtype), head dims that are multiples of 32 up to 256, any batch; other
-calls (and decode, which ``gated_delta_decode`` covers) run the reference.
-
-Contract (``conv_qk_norm_agree``), per output element against the reference
-evaluated on the CPU (whose ops round where the kernel rounds; see
-``gated_delta_decode`` for what MLX's CUDA ops did to such a contract):
-``|got - want| <= 2^-5 |want| + 2^-9 max|want|``, and at most 1% of the
-elements differ at all. Why: the kernel rounds where MLX's ops round (the
-convolution's fp32 sum, the sigmoid, SiLU's product, rms_norm's product and
-the scale's, each to bf16), but its fp32 sums of the taps and of the squares
-run in another order, which can tip a rounding by one step; three roundings
-in a row make at most three steps (2^-7 |want| each at worst in bf16). A
-shifted tap, a wrong head or a missing scale moves far more elements by far
-more. In fp16 each step is 8 times finer (``dtypes.py``): 2^-8 |want| + 2^-12
-max|want|.
+in one dispatch, one SIMD group per (batch, token, head). The shapes, what
+the kernel takes, and the contract (``conv_qk_norm_agree``):
+docs/kernel-notes.md#conv-qk-norm.
 """
 
 from __future__ import annotations

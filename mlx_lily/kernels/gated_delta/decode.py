@@ -1,30 +1,15 @@
 """Gated DeltaNet decode step: everything between the layer's projections and
 its output projection, for one token of one sequence, in one dispatch.
 
-The step: the conv state's update, the causal depthwise convolution + SiLU
-and the q/k L2 norm with the readout scale (``conv_qk_norm``), the gates and
-the recurrence on the fp32 state (``gated_delta``), and the gated RMSNorm
-(``gated_rms_norm``). The reference composes those ops' references exactly as
-the layer does, so on the reference path the layer stays stock's to the bit.
-The kernel (``gated_delta_decode.metal``) takes bf16 and fp16 decode calls
-(B = 1, T = 1, no padding mask; the state fp32); other calls go through the
-separate ops.
+The step: the conv state's update, ``conv_qk_norm``, the gates and the
+recurrence on the fp32 state (``gated_delta``), and ``gated_rms_norm``. The
+reference composes those ops' references as the layer does, so on the
+reference path the layer stays stock's to the bit. The kernel
+(``gated_delta_decode.metal``) takes bf16 and fp16 decode calls (B = 1, T = 1,
+no padding mask); other calls go through the separate ops.
 
-Contract (``gated_delta_decode_agree``): the conv state is copied, so it is
-the reference's exactly; the output within 3e-2 and the state within 2e-2 of
-the reference's largest value (gated_delta's bf16 bounds: the same gates,
-rounded the same way, and the same per-step math; the convolution and norms
-add one bf16 rounding each that a different fp32 summation order can move by
-one step, which the recurrence's bound covers). In fp16, gated_delta's fp16
-bounds: 4e-3 and 2.5e-3.
-
-The reference it is judged against runs on the CPU, whose MLX ops round bf16
-where the kernel (and Metal) round. MLX's CUDA element-wise ops round some
-bf16 steps differently, and through the output's RMSNorm that can move the
-whole head: in a small-alt layer on the H200 the CUDA ops' output was 0.215
-(of its largest value) from the same step in fp32, the kernel's 0.025, equal
-to the CPU reference's to the bit. Judged against the CUDA ops, the more exact
-kernel failed (``tests/data/gated_delta_decode_cuda_case.npz``).
+The contract (``gated_delta_decode_agree``), and why it is judged against the
+CPU: docs/kernel-notes.md#gated-delta-decode.
 """
 
 from __future__ import annotations

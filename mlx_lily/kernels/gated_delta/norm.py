@@ -1,27 +1,12 @@
-"""Gated RMSNorm: the norm that closes each Gated DeltaNet layer,
-``gated_rms_norm``.
+"""Gated RMSNorm: the norm that closes each Gated DeltaNet layer::
 
     gated_rms_norm(x, z, weight, eps) -> rms_norm(x, weight, eps) * silu(z)
 
-x, z [..., Dv] (the recurrence's output and the z projection, per head),
-weight [Dv]. The reference is stock's (``mx.fast.rms_norm``, then mlx-lm's
-``precise_swiglu``: silu and the product in fp32), so on the reference path
-the layer stays stock's to the bit. The kernel (``gated_rms_norm.metal``)
-does it in one dispatch, one SIMD group per row, for any number of rows (a
-prompt chunk's, or a batch's decode step); it takes bf16 or fp16 x and z (one
-dtype), a bf16, fp16 or fp32 weight, Dv a multiple of 32 up to 256. Decode steps of one sequence do
-this inside ``gated_delta_decode``.
-
-Contract (``gated_rms_norm_agree``), per element against the reference
-evaluated on the CPU:
-``|got - want| <= 2^-6 |want| + 2^-10 max|want|``, and at most 1% of the
-elements differ at all. Why: the kernel rounds where MLX's ops round, but its
-fp32 sum of squares runs in another order and its exp is the backend's, which
-can tip the norm's two roundings and the last one by one step each (2^-7 |want|
-at worst in bf16 for the last; the norm's steps reach the output scaled by
-silu(z)); a wrong weight, gate or norm moves far more elements by far more.
-In fp16 the same steps are 8 times finer (``dtypes.py``): 2^-9 |want| + 2^-13
-max|want|.
+The reference is stock's (``mx.fast.rms_norm``, then mlx-lm's
+``precise_swiglu``), so on the reference path the layer stays stock's to the
+bit. The kernel (``gated_rms_norm.metal``) does it in one dispatch, one SIMD
+group per row. What it takes, and the contract (``gated_rms_norm_agree``)
+with its reasoning: docs/kernel-notes.md#gated-rms-norm.
 """
 
 from __future__ import annotations

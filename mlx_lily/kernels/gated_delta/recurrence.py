@@ -1,36 +1,14 @@
 """Gated DeltaNet: q/k L2 normalisation and the gated delta-rule recurrence.
 
-Per value head h, with state S (Dv x Dk, fp32) and gates g = exp(-exp(A_log) *
-softplus(a + dt_bias)), beta = sigmoid(b):
+Per value head, with an fp32 state S (Dv x Dk) and gates g and beta:
+``S <- g * S; d <- (v - S k) * beta; S <- S + d k^T; y <- S q``. The
+reference is mlx-lm's own ``gated_delta_update``, so the reference path is
+stock. The sequential kernel (``gated_delta.metal``) runs the whole
+recurrence, gates included, in one dispatch; long bf16 calls run the chunked
+form on matrix tiles instead.
 
-    S   <- g * S
-    d   <- (v - S k) * beta
-    S   <- S + d k^T
-    y   <- S q
-
-The reference is mlx-lm's own `gated_delta_update` (its per-token loop on a
-CPU or CUDA, its Metal kernel on Apple GPUs), so the reference path is stock.
-
-A padding mask [B, T] (False: a padding step, from the batch generator's
-left-padded or length-limited batches) leaves the state untouched at masked
-steps, as stock does. The output at masked steps is not used by anyone and
-not part of the contract (stock's Metal kernel writes 0 there, its per-token
-loop the unmasked value; lily's kernel writes 0).
-
-Calls of CHUNKED_FROM tokens or more in bf16 run the chunked form on matrix
-tiles instead (``gated_delta_chunked.py``: three passes, bf16 tile operands,
-the state in fp32), which the op checks once per backend against the reference
-and otherwise replaces by the sequential kernel below, with one notice.
-
-The sequential kernel (``gated_delta.metal``) runs the whole recurrence, gates included,
-in one dispatch: one SIMD group per state row (or two or four rows per SIMD
-group, ``SEQUENTIAL_ROWS``), the rows in registers, looping over the call's
-tokens. Its contract with the reference, relative to the
-reference's largest value (``gated_delta_agree``): y within 3e-2 / 4e-3 / 1e-4
-and the final state within 2e-2 / 2.5e-3 / 1e-4 for bf16 / f16 / f32 gate
-inputs. The state is fp32, but beta and the gates' softplus are rounded in the
-activation dtype as stock rounds them, and a GPU's rounding of those steps can
-differ from the CPU's by one step; on the CPU the kernel is within ~1e-7.
+The gates, padding masks, the chunked form's threshold, the kernel's launch
+and its contract (``gated_delta_agree``): docs/kernel-notes.md#gated-delta-recurrence.
 """
 
 from __future__ import annotations

@@ -1,63 +1,14 @@
 """Quantized matrix-vector products for decode, with fused prologues and
-merged projections: ``quantized_matvec``.
-
-One decode token's dense projections that read the same input (DeltaNet's
-qkv/z/b/a, attention's q/k/v, the router gate with the shared-expert gate, the
-output projections, lm_head) in ONE dispatch, with the input's RMSNorm or
-attention's sigmoid output gate computed inside the kernel and the residual
-add as its epilogue::
+merged projections::
 
     quantized_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
         -> tuple of S arrays [1, 1, N_s]
 
-* ``x`` [1, 1, K] bf16 or fp16; ``weights``: S triples ``(w, scales, biases)`` as
-  ``nn.QuantizedLinear`` stores them (affine, no linear bias).
-* ``norm_weight`` [K]: the input is ``mx.fast.rms_norm(x, norm_weight, eps)``;
-  or ``gate`` [1, 1, G, D] (G * D = K, any strides, e.g. one half of each
-  head's row of a [1, 1, G, 2D] tensor): the input is ``x * mx.sigmoid(gate)``.
-* ``residual`` [1, 1, N] (one segment only): that segment is ``residual + y``.
-
-The reference is stock mlx-lm's op sequence (``mx.fast.rms_norm`` or the
-sigmoid product, ``mx.quantized_matmul`` per projection, ``residual + y``), so
-the reference path is stock's to the bit. The kernel (``gemv.metal``) writes
-one output per projection, each [1, 1, N_s]: no views for the graph to carry
-(a decode token's graph would otherwise hold a slice and a reshape per
-projection, each a node MLX replays and evaluates on the host).
-
-The kernel takes: batch and tokens 1, bf16 or fp16 x (and gate, residual,
-scales and biases in x's dtype), affine group-64 quantization at 4 or 8 bits
-(per segment), 1 to 4 segments, K a multiple of 64 up to MAX_K (8192; 4096
-with an fp32 norm weight, whose output stays fp32 as stock's does), a norm
-weight in x's dtype or fp32. Everything else
-runs the reference.
-
-Contract (``quantized_matvec_agree``), per output row, against
-``precise_reference``: the reference's own prologue output xin (stock's, to
-the bit), the matmul summed in fp32 and rounded as stock rounds it. MLX's GPU
-kernels sum in fp32, so on a GPU that is the reference itself; MLX's CPU
-kernel sums bf16 inputs in bf16 (off by several bf16 steps at K = 320), which
-no fp32 kernel could be held to. With A = sum_k |w_k xin_k| (computed in the
-check) and R the matmul's own rounded row::
-
-    |kernel - expected| <= 2^-7 |expected| + 2^-7 |R| (residual only) + 2^-10 A
-
-Why: the kernel sums in fp32 in another order, so its fp32 row differs by a
-few fp32 steps of A (K <= 8192 terms: far below 2^-10 A); the row is rounded
-to bf16 once, and two fp32 values a hair apart may round to neighbouring bf16
-values (one bf16 step: at most 2^-7 of the value); with a residual the sum
-rounds again, after a possible one-step difference of R. The prologue rounds
-each input to bf16 as stock does, but its fp32 sum of squares in another order
-(and CUDA's rsqrt) can move an element's rounding by one bf16 step (2^-7 of
-that term) in rare cases; 2^-10 A covers such flips unless they carry an
-eighth of A. In the emulator all but about one row in 3000 equal the expected
-ones to the bit. A wrong group's scale or a missing part of K moves a row by
-far more than 2^-10 A.
-
-In fp16 the matmul's output step is 2^-10 (8 times finer): the bound is
-2^-10 |expected| + 2^-10 |R| (residual only) + 2^-12 A. The 2^-12 A (not
-2^-13, bf16's term scaled) leaves room for the fp32 sums' order, which at K =
-8192 can reach a few 2^-24 K A in the worst case; a flipped prologue rounding
-moves a term by 2^-10 of itself, within 2^-12 A unless it carries a quarter of A.
+One decode token's dense projections that read the same input, in ONE
+dispatch, with the input's RMSNorm or attention's sigmoid output gate inside
+the kernel and the residual add as its epilogue. The reference is stock
+mlx-lm's op sequence, to the bit. The arguments, what the kernel takes, and
+the contract (``quantized_matvec_agree``): docs/kernel-notes.md#gemv.
 """
 
 from __future__ import annotations

@@ -1,48 +1,14 @@
 """MoE decode chain: the routed experts and the shared expert of one token in
 two launches, from the post-attention residual h to the layer's output.
 
-Stock mlx-lm (``Qwen3NextSparseMoeBlock`` in the decoder layer), for one token::
-
-    xn = rms_norm(h, norm_weight, eps)
-    gates = softmax(gate(xn), precise=True); top-k (optionally renormalised)
-    y = switch_mlp(xn, inds); y = (y * scores[..., None]).sum(-2)
-    out = h + (y + sigmoid(shared_expert_gate(xn)) * shared_expert(xn))
-
 ``moe_decode`` takes the two gates' logits from the caller (they come out of
-the same GEMV as the rest of the layer's small projections) and does the rest:
+the same GEMV as the rest of the layer's small projections) and does the
+rest: ``moe_decode_gate_up`` (router top-k, RMSNorm, gate, up and SwiGLU per
+slot) and ``moe_decode_down`` (down projections, routing weights, shared gate
+and residual). The reference is stock's op sequence, to the bit.
 
-1. ``moe_decode_gate_up`` (``moe_decode_gate_up.metal``): every threadgroup
-   recomputes the router's top-k (``router_topk.metal.h``, the router kernel's
-   own routine) and the RMSNorm, then gate, up and SwiGLU for its rows of one
-   slot (slots 0..k-1 the selected experts, slot k the shared expert) ->
-   activations ``[k + 1, I_max]``, and the selected experts and weights;
-2. ``moe_decode_down`` (``moe_decode_down.metal``): the down projections of
-   every slot, the routing weights, the shared gate and the residual -> out.
-
-Two launches for the whole block after the gates' GEMV. The reference is
-stock's op sequence (it calls the stock modules as stock does, so the
-reference path is stock's to the bit); the kernels take bf16 or fp16 calls of
-one token (activations, logits, norm weight, scales and biases in one dtype) with 4-bit affine group-64 experts and shared expert without biases, up
-to ``MAX_EXPERTS`` experts, 1 <= k <= min(E, ``MAX_K``), D a multiple of 64 up
-to ``MAX_D``, I and the shared I multiples of 64 (their down projections are
-group-64 quantized along them).
-
-Contract (``moe_decode_agree``): against ``moe_decode_precise``, stock's math
-with fp32 accumulation (what stock computes on a GPU; on a CPU stock's bf16
-quantized matmuls accumulate in bf16, which is further off): the kernel picks
-the same experts (the router kernel's order, ties included), rounds the same
-values to bf16 at the same points, and sums in fp32 in another order. A
-different summation order moves a bf16 rounding of xn, gate, up, the SwiGLU
-product or a down output by one step (2^-8 relative) now and then, and that
-step travels into the output through the down projection's weights. So each
-element may differ from the precise one by 2^-7 of the magnitudes it is made
-of: |h| + sum_j |s_j| (|W_down_j| . |act_j|) + sigmoid(g) (|W_shared_down| .
-|act_s|) + |out| (its own two roundings). NaN exactly where the precise result
-has NaN (a NaN or infinite logits row: NaN routing weights, as stock's).
-Against stock on the same machine (doctor's ``compare``), the largest
-difference relative to the output's largest value, within ``STOCK_TOLERANCE``.
-In fp16 the kernels round at the same points to fp16, whose step is 8 times
-finer (2^-11 relative): each element within 2^-10 of those magnitudes.
+Stock's math, the two kernels, what they take, and the contract
+(``moe_decode_agree``) with its reasoning: docs/kernel-notes.md#moe-decode.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Routed experts for prefill: on-GPU routing plus two grouped expert GEMMs.
 
-Stock mlx-lm's ``SwitchGLU`` sorts the (token, slot) rows by expert and runs
-``gather_qmm`` three times (gate, up, down) with a SwiGLU between. Lily's
-kernel path does the same math in three dispatches, with no host round trip:
+Stock mlx-lm's ``SwitchGLU`` runs ``gather_qmm`` three times (gate, up, down)
+with a SwiGLU between. Lily's kernel path does the same math in three
+dispatches, with no host round trip: ``moe_routing``, then gate + up with a
+SwiGLU epilogue, then down (both ``moe_gemm.metal``). Everything the kernel
+does not take runs the reference, stock's ``SwitchGLU``.
 
-1. ``moe_routing`` (``routing.py``): expert-contiguous row order and the
-   tile map, sized for the worst case;
-2. gate + up (``moe_gemm.metal``, GATED): both projections of a tile in one
-   pass over ``x``, 4-bit weights dequantized to bf16 in threadgroup memory,
-   fp32 accumulation, SwiGLU epilogue -> ``h [N * K, I]`` in expert order;
-3. down (the same body): ``h`` times the down weights -> ``y`` at each row's
-   (token, slot) place, i.e. the op's result ``[..., K, D]``.
-
-Tile rows (16, 32, 64) follow the average rows per expert (N * K / E). The
-kernel takes 4-bit affine group-64 ``QuantizedSwitchLinear`` weights (mlx-lm's
-layout: uint32 ``[E, out, in / 8]``, bf16 scales and biases ``[E, out, in /
-64]``), bf16 activations, ``D % 128 == 0`` and ``I % 64 == 0``, and calls of at
-least ``MIN_TOKENS`` tokens (prefill; decode keeps stock's ``gather_qmm``).
-Everything else runs the reference, stock's ``SwitchGLU``.
+The three dispatches, the tile rows, and what the kernel takes:
+docs/kernel-notes.md#moe-experts.
 """
 
 from __future__ import annotations

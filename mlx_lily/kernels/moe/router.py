@@ -1,20 +1,13 @@
 """MoE router: softmax over all experts, top-k, optional renormalisation.
 
-The reference is stock mlx-lm's routing, step for step (precise softmax,
-argpartition, gather, renormalise in the activation dtype), so that the
+The reference is stock mlx-lm's routing, step for step, so that the
 reference path reproduces stock logits exactly. The kernel
-(``router_topk.metal``, with the top-k routine of ``router_topk.metal.h``) computes the softmax in fp32 and ranks the experts as
-stock does: by the probability rounded to the activation dtype (stock takes
-the top k of its softmax output, which is in that dtype), so near-ties resolve
-by that rounding, and among equal rounded probabilities the higher expert
-index first (the order of MLX's CPU argpartition, which keeps the last of
-equal values). It returns them by descending rank and renormalises in the
-dtype's rounding, as stock. A row of NaN probabilities (NaN or infinite
-logits) still gets k distinct experts in range.
+(``router_topk.metal``, with the top-k routine of ``router_topk.metal.h``)
+computes the softmax in fp32 and ranks the experts as stock does. The op's
+contract: the same experts except among tied rounded probabilities, and the
+same weights within the dtype's tolerance.
 
-The op's contract, which tests and the kernel's self-check hold both paths to:
-the same experts except among tied rounded probabilities (GPU argpartitions
-may order ties otherwise), and the same weights within the dtype's tolerance.
+Ranking, ties and NaN rows: docs/kernel-notes.md#moe-router.
 """
 
 

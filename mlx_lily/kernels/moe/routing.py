@@ -1,22 +1,13 @@
 """MoE routing on the GPU: expert-contiguous row order and the tile map.
 
-The router gives each of N tokens K expert ids. The grouped expert GEMMs
-(``moe_gemm.py``) want the N * K (token, slot) rows grouped by expert, and,
-since MLX has no indirect dispatch, a grid sized for the worst case plus a map
-saying which tile of rows belongs to which expert. ``moe_routing.metal``
-computes both in one dispatch, with no round trip to the host:
+The grouped expert GEMMs (``moe_gemm.py``) want the N * K (token, slot) rows
+grouped by expert and, since MLX has no indirect dispatch, a grid sized for
+the worst case plus a map of which tile of rows belongs to which expert.
+``moe_routing.metal`` computes both (``order``, ``offsets``, ``tiles``) in one
+dispatch, with no round trip to the host; ``moe_routing_reference`` is the
+same in numpy, the ground truth in tests.
 
-* ``order [N * K]``: row ``i = token * K + slot`` of every assignment, expert
-  by expert, ascending ``i`` within an expert (stable, so deterministic);
-* ``offsets [E + 2]``: expert ``e``'s rows are ``order[offsets[e]:offsets[e + 1]]``;
-  bucket ``E`` holds out-of-range ids (a NaN router row), which the GEMMs
-  answer with zeros instead of reading past the weights;
-* ``tiles [MAX_TILES, 3]``: (expert, first, end) positions in ``order`` of each
-  tile of at most ``tile_m`` rows of one bucket; ``MAX_TILES = ceil(N * K /
-  tile_m) + E + 1`` (each bucket adds at most one partial tile); the tiles
-  past the real ones are ``(NO_BUCKET, 0, 0)``.
-
-``moe_routing_reference`` is the same in numpy: the ground truth in tests.
+The outputs' layout: docs/kernel-notes.md#moe-routing.
 """
 
 from __future__ import annotations
