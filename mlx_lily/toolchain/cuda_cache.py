@@ -19,7 +19,6 @@ import glob
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor

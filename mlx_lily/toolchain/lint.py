@@ -326,7 +326,11 @@ def lint_paths(paths: Iterable[Path]) -> list[Violation]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mlx_lily.toolchain.lint", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="*", help="kernel sources to check (default: every body and header)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv).paths
     paths = [Path(a).resolve() for a in args] if args else kernel_sources()
     violations = lint_paths(paths)
     for v in violations:
