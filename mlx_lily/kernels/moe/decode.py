@@ -28,7 +28,7 @@ from ...toolchain.kernel import Kernel, Launch, SampleCheckedKernels, SIMD_WIDTH
 from ...toolchain.registry import LilyOp, register
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 from .combine import moe_combine_reference
-from .experts import _quantized_as_kernel_takes
+from .experts import quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
 # Must match the bodies: rows per threadgroup and threads per threadgroup.
@@ -62,15 +62,7 @@ def moe_decode_reference(
 
 
 def _linear_as_kernel_takes(layer, dtype=mx.bfloat16) -> Optional[str]:
-    if not isinstance(layer, nn.QuantizedLinear):
-        return f"{type(layer).__name__} (kernel: 4-bit QuantizedLinear)"
-    if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
-        return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
-    if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
-        return "quantization without biases, or with a linear bias (kernel: affine, no bias)"
-    if layer.scales.dtype != dtype or layer.biases.dtype != dtype:
-        return f"scales {layer.scales.dtype} (kernel: {str(dtype).rsplit('.', 1)[-1]})"
-    return None
+    return quantized_as_kernel_takes(layer, dtype, nn.QuantizedLinear)
 
 
 def _dims(layer) -> tuple[int, int]:
@@ -109,7 +101,7 @@ def moe_decode_supports(
     if not isinstance(shared_expert, Qwen3NextMLP):
         return f"shared expert {type(shared_expert).__name__} (kernel: Qwen3NextMLP)"
     for owner, module in (("switch_mlp", switch_mlp), ("shared_expert", shared_expert)):
-        check = _quantized_as_kernel_takes if owner == "switch_mlp" else _linear_as_kernel_takes
+        check = quantized_as_kernel_takes if owner == "switch_mlp" else _linear_as_kernel_takes
         for name in ("gate_proj", "up_proj", "down_proj"):
             why = check(getattr(module, name), h.dtype)
             if why is not None:

@@ -40,9 +40,11 @@ def moe_experts_reference(x: mx.array, inds: mx.array, experts: SwitchGLU) -> mx
     return experts(x, inds)
 
 
-def _quantized_as_kernel_takes(layer, dtype=mx.bfloat16) -> Optional[str]:
-    if not isinstance(layer, QuantizedSwitchLinear):
-        return f"{type(layer).__name__} (kernel: 4-bit QuantizedSwitchLinear)"
+def quantized_as_kernel_takes(layer, dtype=mx.bfloat16, kind=QuantizedSwitchLinear) -> Optional[str]:
+    """None when ``layer`` is a ``kind`` the MoE kernels read (affine 4-bit
+    group 64, biases, no linear bias, scales in ``dtype``), else why not."""
+    if not isinstance(layer, kind):
+        return f"{type(layer).__name__} (kernel: 4-bit {kind.__name__})"
     if (layer.mode, layer.bits, layer.group_size) != ("affine", BITS, GROUP_SIZE):
         return f"{layer.mode} {layer.bits}-bit group {layer.group_size} (kernel: affine 4-bit group 64)"
     if layer.get("biases") is None or "bias" in layer or layer.get("global_scale") is not None:
@@ -57,7 +59,7 @@ def moe_experts_supports(x: mx.array, inds: mx.array, experts) -> Optional[str]:
     if not isinstance(experts, SwitchGLU) or type(experts.activation) is not SwiGLU:
         return f"{type(experts).__name__} (kernel: SwitchGLU with SwiGLU)"
     for name in ("gate_proj", "up_proj", "down_proj"):
-        why = _quantized_as_kernel_takes(getattr(experts, name))
+        why = quantized_as_kernel_takes(getattr(experts, name))
         if why is not None:
             return f"{name}: {why}"
     if x.dtype != mx.bfloat16:
