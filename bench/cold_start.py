@@ -82,40 +82,15 @@ def lily_counters() -> Dict[str, Any]:
     """What lily's kernels cost this process: first-use checks, instances
     launched, and the CUDA module cache's compiles."""
     from mlx_lily.toolchain import cuda_cache, tracing
-    from mlx_lily.toolchain.registry import OPS
+    from mlx_lily.toolchain.kernel import KERNELS
 
-    instances = set()
-    for kernel in _kernels(OPS):
-        instances |= {(kernel.name,) + key for key in kernel.launched}
+    instances = {(kernel.name,) + key for kernel in KERNELS.values() for key in kernel.launched}
     counters: Dict[str, Any] = {"first_use": tracing.FIRST_USE_TIME.as_dict(), "instances": len(instances)}
     cache = cuda_cache._CACHE[0] if cuda_cache._CACHE else None
     if cache is not None:
         counters["cuda_cache"] = {"compiled": cache.compiled, "found": cache.found,
                                   "compile_s": round(cache.compile_s, 3), "folder": str(cuda_cache.ptx_dir())}
     return counters
-
-
-def _kernels(ops) -> List[Any]:
-    """Every ``Kernel`` object reachable from the registered ops."""
-    from mlx_lily.toolchain.kernel import Kernel
-
-    seen, out, todo = set(), [], [op.kernel for op in ops.values() if op.kernel is not None]
-    while todo:
-        item = todo.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, Kernel):
-            out.append(item)
-            continue
-        for value in vars(item).values() if hasattr(item, "__dict__") else ():
-            if isinstance(value, Kernel) or hasattr(value, "ready_on"):
-                todo.append(value)
-            elif isinstance(value, (list, tuple)):
-                todo.extend(v for v in value if isinstance(v, Kernel) or hasattr(v, "ready_on"))
-        for value in getattr(type(item), "parts", ()) or getattr(item, "parts", ()):
-            todo.append(value)
-    return out
 
 
 def run_process(spec: Dict[str, Any], env: Dict[str, str], workdir: Path, name: str,

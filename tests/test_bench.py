@@ -343,3 +343,19 @@ def test_ab_depth_arms_are_marked(tmp_path):
     assert rows[96]["prefill_method"] == "last 32 tokens at depth 64 (lily prefilled the rest, untimed)"
     assert "| 96 |" in md and " †" in md and "Prefill at depth" in md
     assert rows[96]["engines_tokens_match"]
+
+
+def test_cold_start_times_fresh_processes_of_both_engines(tmp_path):
+    """bench --cold-start: two fresh processes per engine, each reaching its
+    first token, in the JSON the issue asks for (engines.{lily,mlx}.*)."""
+    proc = run_bench(tmp_path, "--cold-start", "--prompt", "8", "--decode", "1")
+    (path,) = [p for p in tmp_path.iterdir() if p.name.startswith("cold-") and p.suffix == ".json"]
+    doc = json.loads(path.read_text())
+    assert set(doc["engines"]) == {"lily", "mlx"}
+    for engine, result in doc["engines"].items():
+        assert 0 < result["first_process_s"] <= result["first_process_reply_s"], engine
+        assert 0 < result["second_process_s"] <= result["second_process_reply_s"], engine
+        first, second = result["processes"]
+        assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 2
+    assert "lily" in doc["engines"]["lily"]["processes"][0]  # lily's own counters
+    assert "| lily |" in proc.stdout and "| mlx |" in proc.stdout
