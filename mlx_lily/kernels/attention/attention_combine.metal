@@ -1,15 +1,21 @@
 // Decode attention, second pass of the split: merge the NB key blocks'
 // partial outputs of each query head by their log2-sum-exp2 weights.
 //
-// Launcher: mlx_lily/kernels/attention.py. One threadgroup per query head,
+// Launcher: mlx_lily/kernels/attention/sdpa.py. One threadgroup per query head,
 // one thread per dim; every thread reads the head's NB weights (the same
 // addresses: broadcast loads) and its column of the partial outputs.
 //
+// Blocks that saw no key (lse -inf: past a bounded length, or past a batch
+// row's own blocks) are skipped, not weighed by 0, so a row's result is the
+// same arithmetic on its own blocks however many the grid had; a row with
+// one block takes that block's output as it is (the one-block decode's bits).
+//
 // Template: T (the output's dtype: bfloat16 or float16), D (head dim).
-// Inputs:   part_o [Hq, NB, D] float (each block's normalised output),
-//           part_lse [Hq, NB] float (each block's log2 of its sum of exp2).
-// Outputs:  out [Hq, D] T.
-// Grid: (D, Hq, 1), threadgroup (D, 1, 1).
+// Inputs:   part_o [H, NB, D] float (each block's normalised output),
+//           part_lse [H, NB] float (each block's log2 of its sum of exp2);
+//           H = B * Hq (the batch's query heads, row-major).
+// Outputs:  out [H, D] T.
+// Grid: (D, H, 1), threadgroup (D, 1, 1).
 
 const int head = int(threadgroup_position_in_grid.y);
 const int d = int(thread_position_in_threadgroup.x);
@@ -18,15 +24,25 @@ const int n_blocks = int(part_lse_shape[1]);
 // The grid is exactly D threads wide; the guard keeps a wider launch safe.
 if (d < D) {
   float top = -INFINITY;
+  int seen = 0;
+  int only = 0;
   for (int b = 0; b < n_blocks; ++b) {
-    top = max(top, part_lse[head * n_blocks + b]);
+    const float lse = part_lse[head * n_blocks + b];
+    top = max(top, lse);
+    if (lse != -INFINITY) {
+      seen += 1;
+      only = b;
+    }
   }
   float weight_sum = 0.0f;
   float total = 0.0f;
   for (int b = 0; b < n_blocks; ++b) {
-    const float w = exp2(part_lse[head * n_blocks + b] - top);
-    weight_sum += w;
-    total = fma(w, part_o[(head * n_blocks + b) * D + d], total);
+    const float lse = part_lse[head * n_blocks + b];
+    if (lse != -INFINITY) {
+      const float w = exp2(lse - top);
+      weight_sum += w;
+      total = fma(w, part_o[(head * n_blocks + b) * D + d], total);
+    }
   }
-  out[head * D + d] = static_cast<T>(total / weight_sum);
+  out[head * D + d] = static_cast<T>(seen == 1 ? part_o[(head * n_blocks + only) * D + d] : total / weight_sum);
 }

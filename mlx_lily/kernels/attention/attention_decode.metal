@@ -2,7 +2,7 @@
 // a KV head, against keys [k_begin, k_end) of that head's cache, online
 // softmax in fp32.
 //
-// Launcher: mlx_lily/kernels/attention.py. A threadgroup serves one KV head
+// Launcher: mlx_lily/kernels/attention/sdpa.py. A threadgroup serves one KV head
 // and all G query heads on it, so each K/V row is read once for all of them.
 // A SIMD group reads whole rows: lane l holds eight dims ([col, col + 8)) of
 // one row in a 16-byte load, LANES_PER_ROW = D / 8 lanes cover a row and a
@@ -14,7 +14,18 @@
 // Without SPLIT one threadgroup covers all keys and writes the output. With
 // SPLIT threadgroup b covers keys [b * BLOCK, (b + 1) * BLOCK) and writes its
 // normalised partial output and log2-sum-exp2 (part_o, part_lse), which
-// attention_combine.metal merges.
+// attention_combine.metal merges. A block that sees no key writes lse -inf.
+//
+// BATCHED (server decode, rows of a left-padded batch cache): grid z is the
+// row; row r's keys are [start[r], end_r) of its view, end_r = length[r] with
+// ROW_ENDS, else length[0]. Everything a row computes is a function of its own
+// span only, so its bits do not depend on the batch, the other rows, the
+// view's capacity or where the span sits: its key blocks start at start[r],
+// and their size follows the span's length n alone: one block below
+// SPLIT_FROM_KEYS keys, else MIN_BLOCK doubled (up to BLOCK) until the row's
+// blocks times the KV heads fit SPLIT_TGS. Threadgroups past a row's blocks
+// see no key. A launch without SPLIT (capacity below SPLIT_FROM_KEYS) runs
+// the one-block form, whose output the combine of one block reproduces.
 //
 // K and V are read in place through their strides (a slice of a larger KV
 // cache, as mlx-lm's KVCache hands it over), 16 bytes at a time where the
@@ -23,15 +34,18 @@
 //
 // Template: T (the activations' dtype: bfloat16 or float16), D (head dim), G
 //           (query heads per KV head), NSG (SIMD groups per
-//           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT),
-//           BOUNDED (bool: the length input bounds the keys).
-// Inputs:   queries [Hq, D] T (contiguous), keys, values [1, Hkv, S, D] T
-//           (strided), scale [1] float (the softmax scale), length [1] int32
-//           (with BOUNDED: the keys are rows [0, length) of the view; left out
-//           of unbounded launches).
-// Outputs:  out [Hq, D] T (without SPLIT), part_o [Hq, NB, D] float and
-//           part_lse [Hq, NB] float (with SPLIT); the unused ones have one element.
-// Grid: (NSG * 32 * NB, Hkv, 1), threadgroup (NSG * 32, 1, 1).
+//           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT;
+//           BATCHED: the largest), BOUNDED (bool: the length input bounds the
+//           keys), BATCHED (bool), ROW_ENDS (bool), SPLIT_FROM_KEYS, MIN_BLOCK,
+//           SPLIT_TGS (BATCHED: a row's block size, above).
+// Inputs:   queries [B * Hq, D] T (contiguous), keys, values [B, Hkv, S, D] T
+//           (strided), scale [1] float (the softmax scale), length [1] or [B]
+//           int32 (with BOUNDED: the keys end at row length of the view; left
+//           out of unbounded launches), start [B] int32 (BATCHED: where each
+//           row's keys begin; left out otherwise). B is 1 unless BATCHED.
+// Outputs:  out [B * Hq, D] T (without SPLIT), part_o [B * Hq, NB, D] float and
+//           part_lse [B * Hq, NB] float (with SPLIT); the unused ones have one element.
+// Grid: (NSG * 32 * NB, Hkv, B), threadgroup (NSG * 32, 1, 1).
 
 constexpr int SIMD_WIDTH = 32;
 constexpr int CHUNK = 8;                               // T values per 16-byte load
@@ -49,12 +63,26 @@ const int tid = int(thread_index_in_threadgroup);
 const int kv_head = int(threadgroup_position_in_grid.y);
 const int block = int(threadgroup_position_in_grid.x);
 const int n_blocks = int(threadgroups_per_grid.x);
+const int kv_heads = int(threadgroups_per_grid.y);
+const int batch_row = int(threadgroup_position_in_grid.z);
 // BOUNDED: only the first length[0] rows of the view are keys (a cache of
 // fixed capacity, filled to a length known on the device); blocks past it
 // see no key.
-const int S = BOUNDED ? min(int(keys_shape[2]), int(length[0])) : int(keys_shape[2]);
-const int k_begin = SPLIT ? block * BLOCK : 0;
-const int k_end = SPLIT ? min(S, k_begin + BLOCK) : S;
+const int S = BOUNDED ? min(int(keys_shape[2]), int(length[ROW_ENDS ? batch_row : 0])) : int(keys_shape[2]);
+const int span_begin = BATCHED ? min(int(start[batch_row]), S) : 0;
+const int span = S - span_begin;
+// BATCHED: the row's block size, from its span alone (without SPLIT the grid
+// has one block, the whole span).
+int row_block = span;
+if (BATCHED && SPLIT && span >= SPLIT_FROM_KEYS) {
+  row_block = MIN_BLOCK;
+  while (row_block < BLOCK && (span + row_block - 1) / row_block * kv_heads > SPLIT_TGS) {
+    row_block *= 2;
+  }
+}
+const int block_keys = BATCHED ? row_block : BLOCK;
+const int k_begin = SPLIT ? min(S, span_begin + block * block_keys) : span_begin;
+const int k_end = SPLIT ? min(S, k_begin + block_keys) : S;
 const int sub = int(lane) / LANES_PER_ROW;             // this lane's row in a pass
 const int col = (int(lane) % LANES_PER_ROW) * CHUNK;   // this lane's first dim
 const uint4 nothing = {0u, 0u, 0u, 0u};
@@ -63,20 +91,26 @@ const int64_t k_row_stride = keys_strides[2];
 const int64_t v_row_stride = values_strides[2];
 const int64_t k_dim_stride = keys_strides[3];
 const int64_t v_dim_stride = values_strides[3];
-const device T* k_head = keys + int64_t(kv_head) * keys_strides[1] + col * k_dim_stride;
-const device T* v_head = values + int64_t(kv_head) * values_strides[1] + col * v_dim_stride;
+const device T* k_head = keys + int64_t(batch_row) * keys_strides[0] + int64_t(kv_head) * keys_strides[1] +
+                         col * k_dim_stride;
+const device T* v_head = values + int64_t(batch_row) * values_strides[0] +
+                         int64_t(kv_head) * values_strides[1] + col * v_dim_stride;
 // 16-byte row loads need dims contiguous and every row start a multiple of 8
 // elements from the (aligned) start of the view; other layouts (a transposed
 // view, say) are read element by element.
 const bool rows_aligned = k_dim_stride == 1 && v_dim_stride == 1 && k_row_stride % CHUNK == 0 &&
                           v_row_stride % CHUNK == 0 && keys_strides[1] % CHUNK == 0 &&
-                          values_strides[1] % CHUNK == 0;
+                          values_strides[1] % CHUNK == 0 && keys_strides[0] % CHUNK == 0 &&
+                          values_strides[0] % CHUNK == 0;
+
+// Query heads of this row: [first_head, first_head + G) of the B * Hq.
+const int first_head = (batch_row * kv_heads + kv_head) * G;
 
 // Queries pre-scaled into the log2 domain: softmax(s) = exp2(s * log2(e) - m).
 const float q_scale = scale[0] * M_LOG2E_F;
 float q[G][CHUNK];
 for (int g = 0; g < G; ++g) {
-  const uint4 w = lily_tile_load16(&queries[(kv_head * G + g) * D + col]);
+  const uint4 w = lily_tile_load16(&queries[(first_head + g) * D + col]);
   for (int e = 0; e < CHUNK; ++e) {
     q[g][e] = lily_tile_unpack_as<T>(w, e) * q_scale;
   }
@@ -214,7 +248,7 @@ for (int g = 0; g < G; ++g) {
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const int head = kv_head * G + g;
+  const int head = first_head + g;
   for (int d = tid; d < D; d += THREADS) {
     float total = 0.0f;
     for (int i = 0; i < NSG; ++i) {
@@ -229,7 +263,8 @@ for (int g = 0; g < G; ++g) {
     }
   }
   if (SPLIT && tid == 0) {
-    part_lse[head * n_blocks + block] = total_max + log2(total_sum);
+    // -inf, not log2(0), for a block with no key: the combine skips those.
+    part_lse[head * n_blocks + block] = total_sum > 0.0f ? total_max + log2(total_sum) : -INFINITY;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }

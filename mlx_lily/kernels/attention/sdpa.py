@@ -27,18 +27,21 @@ from ...toolchain.kernel import Kernel, KernelGroup, Launch, SIMD_WIDTH
 from ...toolchain.tracing import contiguous
 from ...toolchain.registry import LilyOp, register
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
+from .decode import MAX_BATCH, RowForm, key_span_mask, span_reason
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
 
-def attention_reference(q, k, v, scale, mask, length=None):
+def attention_reference(q, k, v, scale, mask, length=None, start=None):
     """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]. ``length`` (an
     int32 array [1], with no mask) bounds the keys to rows [0, length) of k/v:
-    a cache of fixed capacity filled that far."""
-    if length is not None:
+    a cache of fixed capacity filled that far. ``start`` (int32 [B]) makes row
+    b's keys [start[b], length) (``length`` [1], or [B]: one end per row), the
+    left-padded rows of mlx-lm's BatchKVCache."""
+    if length is not None or start is not None:
         if mask is not None:
             raise ValueError("attention: a length bound takes no mask (the bound is the mask)")
-        mask = mx.arange(k.shape[2], dtype=length.dtype) < length
+        mask = key_span_mask(k.shape[2], length, start)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -66,20 +69,30 @@ SPLIT_SIMD_GROUPS = 4
 # per query head in registers; 8 heads (the model's 16 / 2) bound that at 128.
 MAX_GROUP = 8
 DECODE_HEAD_DIMS = (32, 64, 128, 256)
+# Batched decode (a ``start`` per row): SIMD groups per threadgroup, the same
+# for the one-block and the split launch (so a row's bits never depend on
+# which one the capacity picked), and each row's blocks from its own span.
+BATCH_SIMD_GROUPS = SINGLE_PASS_SIMD_GROUPS
 
 
-def _shapes_reason(kind: str, q, k, v, mask, head_dims, dtypes_reason) -> Optional[str]:
+def batch_row_form() -> RowForm:
+    """The batched decode's key blocks per row, from the module's constants."""
+    return RowForm(SPLIT_FROM, MIN_KEY_BLOCK, KEY_BLOCK, SPLIT_THREADGROUPS)
+
+
+def _shapes_reason(kind: str, q, k, v, mask, head_dims, dtypes_reason, max_batch: int = 1) -> Optional[str]:
     """The checks the decode and prefill kernels share, in order: ranks, one
-    query token (decode), batch 1, mask, dtypes (``dtypes_reason``), head
-    dims, keys and values; None when all pass."""
+    query token (decode), batch (up to ``max_batch``), mask, dtypes
+    (``dtypes_reason``), head dims, keys and values; None when all pass."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return f"ranks {q.ndim}, {k.ndim}, {v.ndim} (kernel: [B, H, L, D])"
     B, Hq, L, D = q.shape
     _, Hkv, S, _ = k.shape
     if kind == "decode" and L != 1:
         return f"{L} query tokens (decode kernel: 1)"
-    if B != 1 or k.shape[0] != 1 or v.shape[0] != 1:
-        return f"batch {B} ({kind} kernel: 1)"
+    if B > max_batch or k.shape[0] != B or v.shape[0] != B:
+        more = f"; up to {MAX_BATCH} with a start per row" if kind == "decode" and max_batch == 1 else ""
+        return f"batch {B} ({kind} kernel: {max_batch}{more})"
     if not (mask is None or (isinstance(mask, str) and mask == "causal")):
         return f"an explicit mask ({kind} kernel: none, or causal)"
     why = dtypes_reason(q, k, v)
@@ -100,11 +113,13 @@ def _decode_dtypes_reason(q, k, v) -> Optional[str]:
     return None
 
 
-def decode_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
+def decode_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
     """None when the decode kernel takes this call, else why not."""
-    if length is not None and (mask is not None or length.dtype != mx.int32 or length.size != 1):
-        return "a length bound needs no mask and one int32 length"
-    why = _shapes_reason("decode", q, k, v, mask, DECODE_HEAD_DIMS, _decode_dtypes_reason)
+    why = span_reason(q, k, mask, length, start)
+    if why is not None:
+        return why
+    max_batch = 1 if start is None else MAX_BATCH
+    why = _shapes_reason("decode", q, k, v, mask, DECODE_HEAD_DIMS, _decode_dtypes_reason, max_batch)
     if why is not None:
         return why
     Hq, Hkv = q.shape[1], k.shape[1]
@@ -128,22 +143,38 @@ def _scale_array(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_block: int = KEY_BLOCK) -> Launch:
-    _, Hq, _, D = q.shape
+@functools.lru_cache(maxsize=64)
+def _whole_view(capacity: int) -> mx.array:
+    """The end of a start-only batched call: the view's every row."""
+    return mx.array([capacity], dtype=mx.int32)
+
+
+def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_block: int = KEY_BLOCK,
+                   start=None, row_form: Optional[RowForm] = None) -> Launch:
+    B, Hq, _, D = q.shape
     _, Hkv, S, _ = k.shape
-    groups = SPLIT_SIMD_GROUPS if split else SINGLE_PASS_SIMD_GROUPS
-    blocks = math.ceil(S / key_block) if split else 1
+    batched = start is not None
+    if batched:
+        # Each row's blocks follow its own span (row_form); the grid covers
+        # the most that any span up to the capacity takes.
+        row_form = batch_row_form() if row_form is None else row_form
+        groups, key_block = BATCH_SIMD_GROUPS, row_form.max_block
+        blocks = row_form.grid_blocks(S, Hkv) if split else 1
+        length = _whole_view(S) if length is None else length
+    else:
+        groups = SPLIT_SIMD_GROUPS if split else SINGLE_PASS_SIMD_GROUPS
+        blocks = math.ceil(S / key_block) if split else 1
     threads = groups * SIMD_WIDTH
     if split:
-        shapes = [(1,), (Hq, blocks, D), (Hq, blocks)]
+        shapes = [(1,), (B * Hq, blocks, D), (B * Hq, blocks)]
     else:
-        shapes = [(Hq, D), (1,), (1,)]
+        shapes = [(B * Hq, D), (1,), (1,)]
     return Launch(
         # The queries are tiny: made contiguous here, so the body indexes them
         # directly; K and V stay as they are (strided views of the cache).
-        inputs=[contiguous(q.reshape(Hq, D)), k, v, _scale_array(float(scale)),
-                *(() if length is None else (length,))],
-        grid=(threads * blocks, Hkv, 1),
+        inputs=[contiguous(q.reshape(B * Hq, D)), k, v, _scale_array(float(scale)),
+                *(() if length is None else (length,)), *(() if start is None else (start,))],
+        grid=(threads * blocks, Hkv, B),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
         output_dtypes=[q.dtype, mx.float32, mx.float32],
@@ -155,8 +186,13 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
             ("SPLIT", bool(split)),
             ("BLOCK", key_block if split else 0),
             ("BOUNDED", length is not None),
+            ("BATCHED", batched),
+            ("ROW_ENDS", batched and length.size > 1),
+            ("SPLIT_FROM_KEYS", row_form.split_from if batched else 0),
+            ("MIN_BLOCK", row_form.min_block if batched else 0),
+            ("SPLIT_TGS", row_form.split_threadgroups if batched else 0),
         ],
-        absent=() if length is not None else ("length",),
+        absent=(() if length is not None else ("length",)) + (() if batched else ("start",)),
     )
 
 
@@ -175,12 +211,13 @@ def _launch_combine(part_o, part_lse, dtype=mx.bfloat16) -> Launch:
 
 attention_decode_kernel = Kernel(
     name="attention_decode",
-    input_names=("queries", "keys", "values", "scale", "length"),
+    input_names=("queries", "keys", "values", "scale", "length", "start"),
     output_names=("out", "part_o", "part_lse"),
     body=Path(__file__).with_name("attention_decode.metal"),
     launch=_launch_decode,
-    # Unbounded launches pass no length; the body reads it only when BOUNDED.
-    stand_ins={"length": "auto length = scale;"},
+    # Unbounded launches pass no length, unbatched ones no start; the body
+    # reads them only when BOUNDED and BATCHED.
+    stand_ins={"length": "auto length = scale;", "start": "auto start = scale;"},
     # For lily_tile_load16 / lily_tile_unpack (16-byte row reads); no tile products.
     tiles=True,
     # The KV cache slice is read in place, through its strides.
@@ -204,16 +241,21 @@ def decode_form(keys: int, kv_heads: int) -> tuple[bool, int]:
 
 
 def run_decode(backend: str, q, k, v, scale, mask, length=None, split_from: Optional[int] = None,
-               key_block: Optional[int] = None) -> mx.array:
-    """The decode kernels on ``backend``: [1, Hq, 1, D] (the split and its
+               key_block: Optional[int] = None, start=None, row_form: Optional[RowForm] = None) -> mx.array:
+    """The decode kernels on ``backend``: [B, Hq, 1, D] (the split and its
     block size default to ``SPLIT_FROM`` and ``decode_key_block``). With a
     ``length`` the form follows the view's rows (the cache's capacity), so
-    one launch serves every length up to it."""
+    one launch serves every length up to it. With a ``start`` (B rows) the
+    launch splits from ``row_form.split_from`` rows of the view and each
+    row's blocks follow its own span (``row_form``, default ``batch_row_form``)."""
+    if start is not None:
+        row_form = batch_row_form() if row_form is None else row_form
+        split_from = row_form.split_from
     split_from = SPLIT_FROM if split_from is None else split_from
     split = k.shape[2] >= split_from
     key_block = decode_key_block(k.shape[2], k.shape[1]) if key_block is None else key_block
     out, part_o, part_lse = attention_decode_kernel.run_on(
-        backend, q, k, v, scale, mask, length, split=split, key_block=key_block
+        backend, q, k, v, scale, mask, length, split=split, key_block=key_block, start=start, row_form=row_form
     )
     if split:
         out = attention_combine_kernel.run_on(backend, part_o, part_lse, q.dtype)
@@ -239,10 +281,10 @@ def _prefill_dtypes_reason(q, k, v) -> Optional[str]:
     return None
 
 
-def prefill_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
+def prefill_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
     """None when the prefill kernel takes this call, else why not."""
-    if length is not None:
-        return "a length bound (decode only)"
+    if length is not None or start is not None:
+        return "a length bound or key start (decode only)"
     why = _shapes_reason("prefill", q, k, v, mask, PREFILL_HEAD_DIMS, _prefill_dtypes_reason)
     if why is not None:
         return why
@@ -450,21 +492,23 @@ class AttentionKernels(KernelGroup):
             return "prefill"
         return None
 
-    def run_on(self, backend: str, q, k, v, scale, mask, length=None):
-        path = self._path(q, k, v, scale, mask, length)
+    def run_on(self, backend: str, q, k, v, scale, mask, length=None, start=None):
+        path = self._path(q, k, v, scale, mask, length, start)
         failed = self._failed(backend, path)
         if path == "decode" and failed is None:
-            return run_decode(backend, q, k, v, scale, mask, length)
+            return run_decode(backend, q, k, v, scale, mask, length, start=start)
         if path == "prefill" and failed is None:
             return run_prefill(backend, q, k, v, scale, mask)
-        return attention_reference(q, k, v, scale, mask, length)
+        return attention_reference(q, k, v, scale, mask, length, start)
 
 
-def attention_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
+def attention_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
     """None when one of the attention kernels takes this call, else why not."""
-    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask, length) is None:
+    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask, length, start) is None:
         return None
-    return prefill_supports(q, k, v, scale, mask, length)
+    if q.ndim == 4 and q.shape[2] == 1 and (start is not None or q.shape[0] > 1):
+        return decode_supports(q, k, v, scale, mask, length, start)
+    return prefill_supports(q, k, v, scale, mask, length, start)
 
 
 # On CUDA, MLX's scaled_dot_product_attention runs prefill as one fused
@@ -477,7 +521,7 @@ def attention_supports(q, k, v, scale, mask, length=None) -> Optional[str]:
 CUDA_PREFILL_REFERENCE_FROM = 2**18
 
 
-def attention_prefers_reference(backend, q, k, v, scale, mask, length=None) -> Optional[str]:
+def attention_prefers_reference(backend, q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
     """Why a call the kernels take runs MLX's sdpa on this backend, or None."""
     if backend == "cuda" and q.shape[2] > 1 and q.shape[2] * k.shape[2] >= CUDA_PREFILL_REFERENCE_FROM:
         return (f"{q.shape[2]} queries x {k.shape[2]} keys on CUDA: MLX's fused sdpa is faster "

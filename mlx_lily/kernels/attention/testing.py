@@ -24,3 +24,42 @@ def qk_norm_rope_inputs(B, L, Hq, Hkv, D, dims, offset=0, traditional=False, bas
     k_weight = (1 + 0.2 * normal(D)).astype(weight_dtype)
     rope = nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
     return (q, k, q_weight, k_weight, 1e-6, rope, offset), {}
+
+
+def decode_request(n, Hq, Hkv, D, dtype=mx.bfloat16, seed=0):
+    """One request's decode step: its query [1, Hq, 1, D] and its n keys and
+    values [1, Hkv, n, D] (keys twice as spread, so scores vary)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
+    return (normal(1, Hq, 1, D).astype(dtype), (2 * normal(1, Hkv, n, D)).astype(dtype),
+            normal(1, Hkv, n, D).astype(dtype))
+
+
+def batch_decode_inputs(requests, starts, capacity, per_row_ends=False, spare=3, filler=64.0):
+    """A left-padded batch cache, as mlx-lm's BatchKVCache hands it over:
+    row b holds ``requests[b]`` (``decode_request``'s triples) at
+    [starts[b], starts[b] + n_b) of a view of ``capacity`` rows (of a buffer
+    ``spare`` rows longer); every other row holds ``filler``, large, so a
+    kernel that reads one shows it. Returns (q, k, v, scale, None) and
+    kwargs {length, start}: ``length`` [B] with ``per_row_ends``, else [1]
+    (then every row must end at the same place, as BatchKVCache's do)."""
+    B = len(requests)
+    _, Hkv, _, D = requests[0][1].shape
+    ends = [s + r[1].shape[2] for s, r in zip(starts, requests)]
+    if not per_row_ends and len(set(ends)) != 1:
+        raise ValueError(f"a shared end needs every row to end at one place, not {ends}")
+    if max(ends) > capacity or min(starts) < 0:
+        raise ValueError(f"rows {list(zip(starts, ends))} do not fit {capacity} rows")
+
+    def place(which):
+        rows = []
+        for s, e, r in zip(starts, ends, requests):
+            full = capacity + spare
+            pad = lambda m: mx.full((1, Hkv, m, D), filler, dtype=r[which].dtype)  # noqa: E731
+            rows.append(mx.concatenate([pad(s), r[which], pad(full - e)], axis=2) if full > e - s else r[which])
+        return mx.concatenate(rows, axis=0)[:, :, :capacity, :]
+
+    q = mx.concatenate([r[0] for r in requests], axis=0)
+    length = mx.array(ends if per_row_ends else ends[:1], dtype=mx.int32)
+    start = mx.array(starts, dtype=mx.int32)
+    return (q, place(1), place(2), D**-0.5, None), {"length": length, "start": start}
