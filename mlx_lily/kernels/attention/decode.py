@@ -94,3 +94,14 @@ def span_reason(q, k, mask, length, start) -> Optional[str]:
     if k.ndim == 4 and k.shape[0] != B:
         return f"batch {B} of queries on {k.shape[0]} of keys"
     return None
+
+
+def batch_check_inputs(Hq=4, Hkv=2, D=64, seed=12):
+    """The attention self-check's batched call: three rows of a left-padded
+    batch cache (spans of 2, 19 and 7 keys, per-row ends) in a view of 24
+    rows, as (q, k, v, scale, mask, {length, start})."""
+    from .testing import batch_decode_inputs, decode_request
+
+    requests = [decode_request(n, Hq, Hkv, D, seed=seed + n) for n in (2, 19, 7)]
+    args, kwargs = batch_decode_inputs(requests, [22, 3, 0], 24, per_row_ends=True)
+    return (*args, kwargs)

@@ -27,7 +27,7 @@ from ...toolchain.kernel import Kernel, KernelGroup, Launch, SIMD_WIDTH
 from ...toolchain.tracing import contiguous
 from ...toolchain.registry import LilyOp, register
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
-from .decode import MAX_BATCH, RowForm, key_span_mask, span_reason
+from .decode import MAX_BATCH, RowForm, batch_check_inputs, key_span_mask, span_reason
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
@@ -416,12 +416,21 @@ class AttentionKernels(KernelGroup):
         def split(backend, *args):
             return run_decode(backend, *args, split_from=1, key_block=8)
 
+        def batch_one_block(backend, *args):
+            return run_decode(backend, *args[:5], **args[5], row_form=RowForm(1 << 30, 4, 8, 8))
+
+        def batch_split(backend, *args):
+            return run_decode(backend, *args[:5], **args[5], row_form=RowForm(8, 4, 8, 8))
+
         # Bounded: 19 of 45 rows, so the split has blocks with no key.
+        # Batched: three left-padded rows, one of them split into blocks.
         return [
             ("decode", single, _decode_check_inputs(19)),
             ("decode", split, _decode_check_inputs(19)),
             ("decode", single, _bounded_check_inputs(19, 45)),
             ("decode", split, _bounded_check_inputs(19, 45)),
+            ("decode", batch_one_block, batch_check_inputs()),
+            ("decode", batch_split, batch_check_inputs()),
             ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
         ]
 
@@ -446,7 +455,9 @@ class AttentionKernels(KernelGroup):
             try:
                 got = run(backend, *args)
                 mx.eval(got)
-                want = attention_reference(*args)
+                # A batched check's last argument is its keywords.
+                keywords = args[-1] if isinstance(args[-1], dict) else {}
+                want = attention_reference(*args[:len(args) - bool(keywords)], **keywords)
                 why = attention_agree(got, want)
             except Exception as exc:  # compile errors surface at the first eval
                 why = f"failed to run: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
