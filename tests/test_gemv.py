@@ -189,7 +189,8 @@ def test_supports_refuses_what_the_kernel_does_not_take():
     x, weights = args
     assert quantized_matvec_supports(x, weights) is None
     assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=1), weights)
-    assert "one token" in quantized_matvec_supports(mx.concatenate([x, x], axis=0), weights)
+    assert quantized_matvec_supports(mx.concatenate([x, x], axis=0), weights) is None  # B = 2 rows
+    assert "at most 16" in quantized_matvec_supports(mx.concatenate([x] * 17, axis=0), weights)
     assert "bfloat16" in quantized_matvec_supports(x.astype(mx.float16), weights)
     w2 = gemv_weights(128, (8,), (2,))
     assert "2-bit" in quantized_matvec_supports(x, w2)

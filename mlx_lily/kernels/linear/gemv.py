@@ -2,10 +2,11 @@
 merged projections::
 
     quantized_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
-        -> tuple of S arrays [1, 1, N_s]
+        -> tuple of S arrays [B, 1, N_s]
 
-One decode token's dense projections that read the same input, in ONE
-dispatch, with the input's RMSNorm or attention's sigmoid output gate inside
+One decode token's (of each of B <= MAX_BATCH sequences) dense projections
+that read the same input, in ONE dispatch that reads each weight once for
+all B rows, with the input's RMSNorm or attention's sigmoid output gate inside
 the kernel and the residual add as its epilogue. The reference is stock
 mlx-lm's op sequence, to the bit. The arguments, what the kernel takes, and
 the contract (``quantized_matvec_agree``): docs/kernel-notes.md#gemv.
@@ -28,10 +29,21 @@ from ..dtypes import ACTIVATION_DTYPES, STEP, activation_dtype_reason
 GROUP_SIZE = 64
 KERNEL_BITS = (4, 8)
 MAX_SEGMENTS = 4
-# The prologue's output lives in threadgroup memory as XT: K bf16 values
+# Rows of x (sequences, one token each) per launch: the body keeps MAX_BATCH
+# accumulators per weight row in registers.
+MAX_BATCH = 16
+# One row's prologue output fits threadgroup memory as XT: K bf16 values
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
 MAX_K_FLOAT = 4096
+# B rows of xin are staged in threadgroup memory when B * K values of XT fit
+# this budget (one row always does: MAX_K); more rows (e.g. 16 at K = 2048)
+# would cost occupancy or exceed Metal's 32 KiB, so the body then computes
+# each xin value where it multiplies it, from x in device memory (the same
+# operations, the same bits: only the prologue's arithmetic is repeated per
+# SIMD group, while the weights, which dominate the traffic, are still read
+# once for all rows).
+STAGED_X_BYTES = 16384
 # Rows per SIMD group (the body's ROWS) and SIMD groups per threadgroup
 # (None: NSG_FOR_BLOCKS). On CUDA by the call's total rows: the merged input
 # projections (thousands of rows) take 4 rows per SIMD group; the output
@@ -83,7 +95,7 @@ def prologue_reference(x, norm_weight=None, eps=0.0, gate=None):
 
 
 def quantized_matvec_reference(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
-    """x [1, 1, K], weights: S triples (w, scales, biases) -> S arrays [1, 1, N_s].
+    """x [B, 1, K], weights: S triples (w, scales, biases) -> S arrays [B, 1, N_s].
 
     Stock's sequence: the norm (``mx.fast.rms_norm``) or the output gate
     (``x * mx.sigmoid(gate)``), ``mx.quantized_matmul`` per projection, and
@@ -110,8 +122,11 @@ def quantized_matvec_supports(
     x, weights, norm_weight=None, eps=0.0, gate=None, residual=None
 ) -> Optional[str]:
     """None when the kernel takes this call, else why not."""
-    if x.ndim != 3 or tuple(x.shape[:2]) != (1, 1):
-        return f"x {tuple(x.shape)} (kernel: [1, 1, K], one token of one sequence)"
+    if x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
+        return f"x {tuple(x.shape)} (kernel: [B, 1, K], one token of each of B sequences)"
+    B = x.shape[0]
+    if B > MAX_BATCH:
+        return f"x {tuple(x.shape)}: B={B} rows (kernel: at most {MAX_BATCH})"
     if x.dtype not in ACTIVATION_DTYPES:
         return activation_dtype_reason("x", x.dtype)
     K = x.shape[-1]
@@ -155,16 +170,16 @@ def quantized_matvec_supports(
         if gate.dtype != x.dtype:
             return f"gate dtype {gate.dtype} (kernel: x's, {x.dtype})"
         if gate.ndim == 3:
-            if tuple(gate.shape) != (1, 1, K):
-                return f"gate {tuple(gate.shape)} (kernel: [1, 1, {K}] or [1, 1, G, D], G * D = {K})"
-        elif gate.ndim != 4 or tuple(gate.shape[:2]) != (1, 1) or gate.shape[2] * gate.shape[3] != K:
-            return f"gate {tuple(gate.shape)} (kernel: [1, 1, G, D], G * D = {K})"
+            if tuple(gate.shape) != (B, 1, K):
+                return f"gate {tuple(gate.shape)} (kernel: [{B}, 1, {K}] or [{B}, 1, G, D], G * D = {K})"
+        elif gate.ndim != 4 or tuple(gate.shape[:2]) != (B, 1) or gate.shape[2] * gate.shape[3] != K:
+            return f"gate {tuple(gate.shape)} (kernel: [{B}, 1, G, D], G * D = {K})"
     if residual is not None:
         if len(weights) != 1:
             return f"a residual with {len(weights)} projections (kernel: one)"
         N = weights[0][0].shape[0]
-        if tuple(residual.shape) != (1, 1, N):
-            return f"residual {tuple(residual.shape)} (kernel: [1, 1, {N}])"
+        if tuple(residual.shape) != (B, 1, N):
+            return f"residual {tuple(residual.shape)} (kernel: [{B}, 1, {N}])"
         if residual.dtype != x.dtype:
             return f"residual dtype {residual.dtype} (kernel: x's, {x.dtype})"
     return None
@@ -218,18 +233,27 @@ def launch_choice(total_rows: int, backend: Optional[str]) -> tuple:
     return CUDA_LAUNCH_FOR_ROWS[-1][1:]
 
 
+def stages_x(batch: int, K: int, xin_dtype: mx.Dtype) -> bool:
+    """Whether the body holds all rows' xin in threadgroup memory."""
+    return batch * K * xin_dtype.size <= STAGED_X_BYTES
+
+
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
-            rows_per_simdgroup: Optional[int] = None, simdgroups: Optional[int] = None) -> Launch:
+            rows_per_simdgroup: Optional[int] = None, simdgroups: Optional[int] = None,
+            stage_x: Optional[bool] = None) -> Launch:
     """The call's launch; ``rows_per_simdgroup`` (ROWS_CHOICES) and
     ``simdgroups`` (per threadgroup, 1-32) are tuning choices that compute
     the same values (default: ``launch_choice``; given rows without
-    simdgroups, NSG_FOR_BLOCKS)."""
+    simdgroups, NSG_FOR_BLOCKS); so is ``stage_x`` (False: read x from
+    device memory even where it fits threadgroup memory; default
+    ``stages_x``). None of them depends on the batch B, so each row is
+    summed in the same order whatever B is (batch invariance)."""
     if rows_per_simdgroup is None:
         rows_per_simdgroup, chosen = launch_choice(sum(int(w.shape[0]) for w, _, _ in weights), gpu_backend())
         simdgroups = chosen if simdgroups is None else simdgroups
     if rows_per_simdgroup not in ROWS_CHOICES:
         raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")
-    K = x.shape[-1]
+    B, K = x.shape[0], x.shape[-1]
     S = len(weights)
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     bits = [int(w.shape[1]) * 32 // K for w, _, _ in weights]
@@ -242,11 +266,16 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
     XT = _input_dtype(x, norm_weight)
     OutT = XT if residual is None else mx.result_type(residual.dtype, XT)  # residual + XT
+    fits = stages_x(B, K, XT)
+    if stage_x is None:
+        stage_x = fits
+    elif stage_x and not fits:
+        raise ValueError(f"stage_x: {B} rows of K={K} {XT} exceed {STAGED_X_BYTES} bytes")
     inputs = [x]
     for s in range(S):
         inputs.extend(weights[s])
     if gate is not None and gate.ndim == 3:
-        gate = gate.reshape(1, 1, 1, K)
+        gate = gate.reshape(B, 1, 1, K)
     inputs += [
         norm_weight if norm_weight is not None else dummy_h,
         gate if gate is not None else dummy_gate,
@@ -258,7 +287,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         inputs=inputs,
         grid=(threadgroups * nsg * SIMD_WIDTH, 1, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
-        output_shapes=[(1, 1, rows[s]) for s in range(S)],
+        output_shapes=[(B, 1, rows[s]) for s in range(S)],
         output_dtypes=[OutT] * S,
         template=[
             ("XT", XT),
@@ -270,6 +299,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("ROWS", rows_per_simdgroup),
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
+            ("BATCH", B),
+            ("STAGE_X", bool(stage_x)),
         ],
         finish=tuple,
         absent=_ABSENT[S],
@@ -287,6 +318,7 @@ def _abs_sums(xin_abs, w, scales, biases, bits, group, chunk_values=2**24):
     """sum_k |w_k| |xin_k| per row in fp32, dequantizing a few rows at a time
     (at most chunk_values weights: lm_head's would take 2 GB at once)."""
     K = xin_abs.shape[-1]
+    columns = xin_abs.reshape(-1, K).T  # [K, B]
     step = max(1, chunk_values // K)
     parts = []
     for r in range(0, w.shape[0], step):
@@ -294,9 +326,9 @@ def _abs_sums(xin_abs, w, scales, biases, bits, group, chunk_values=2**24):
             w[r : r + step], scales[r : r + step].astype(mx.float32), biases[r : r + step].astype(mx.float32),
             group_size=group, bits=bits,
         )
-        parts.append(mx.abs(dense) @ xin_abs.reshape(K))
+        parts.append(mx.abs(dense) @ columns)
         mx.eval(parts[-1])
-    return mx.concatenate(parts)
+    return mx.concatenate(parts).T  # [B, N]
 
 
 def precise_reference(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
@@ -372,11 +404,13 @@ def _sample():
 
 
 def _fuzz(rng):
-    """A random call: 1-4 segments of 1-70 rows (not multiples of the row
-    blocking), 4- and 8-bit mixed, K up to 512, each prologue, a residual."""
+    """A random call: 1-3 rows of x, 1-4 segments of 1-70 rows (not
+    multiples of the row blocking), 4- and 8-bit mixed, K up to 512, each
+    prologue, a residual."""
     from .testing import gemv_call
 
     K = int(rng.choice([64, 128, 192, 320, 512]))
+    batch = int(rng.choice([1, 1, 2, 3]))
     S = int(rng.integers(1, MAX_SEGMENTS + 1))
     rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
     bits = tuple(int(rng.choice(KERNEL_BITS)) for _ in range(S))
@@ -384,7 +418,7 @@ def _fuzz(rng):
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
     norm_dtype = mx.float32 if rng.random() < 0.25 else dtype
     residual = S == 1 and rng.random() < 0.5
-    return gemv_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng, dtype=dtype)
+    return gemv_call(K, rows, bits, prologue, residual, norm_dtype, rng=rng, dtype=dtype, batch=batch)
 
 
 def _segment_names(s: int) -> tuple:

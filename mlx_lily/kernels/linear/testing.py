@@ -23,15 +23,16 @@ def gemv_weights(K: int, rows: Sequence[int], bits: Sequence[int], rng=None, see
 
 
 def gemv_call(K, rows, bits, prologue="none", residual=False, norm_dtype=None, rng=None, seed=0,
-              dtype=mx.bfloat16):
-    """A call at these shapes: (args, kwargs). prologue 'none', 'norm' or
-    'gate' (a strided [1, 1, G, D] view: the second half of each of G rows of
-    a [1, 1, G, 2D] tensor); activations, scales and biases in ``dtype``, the
-    norm weight in ``norm_dtype`` (default: ``dtype``)."""
+              dtype=mx.bfloat16, batch=1):
+    """A call at these shapes: (args, kwargs), x [batch, 1, K]. prologue
+    'none', 'norm' or 'gate' (a strided [batch, 1, G, D] view: the second
+    half of each of G rows of a [batch, 1, G, 2D] tensor); activations, scales
+    and biases in ``dtype``, the norm weight in ``norm_dtype`` (default:
+    ``dtype``)."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     norm_dtype = dtype if norm_dtype is None else norm_dtype
-    x = normal(1, 1, K).astype(dtype)
+    x = normal(batch, 1, K).astype(dtype)
     weights = gemv_weights(K, rows, bits, rng=rng, dtype=dtype)
     kwargs = {}
     if prologue == "norm":
@@ -41,8 +42,8 @@ def gemv_call(K, rows, bits, prologue="none", residual=False, norm_dtype=None, r
         heads = [g for g in (1, 2, 3, 5, 8) if K % g == 0 and (K // g) % 2 == 0]
         G = heads[int(rng.integers(len(heads)))]
         D = K // G
-        both = (2 * normal(1, 1, G, 2 * D)).astype(dtype)
+        both = (2 * normal(batch, 1, G, 2 * D)).astype(dtype)
         kwargs["gate"] = mx.split(both, 2, axis=-1)[1]
     if residual:
-        kwargs["residual"] = normal(1, 1, rows[0]).astype(dtype)
+        kwargs["residual"] = normal(batch, 1, rows[0]).astype(dtype)
     return (x, weights), kwargs
