@@ -1,12 +1,16 @@
 """Gated DeltaNet decode step: everything between the layer's projections and
-its output projection, for one token of one sequence, in one dispatch.
+its output projection, for one token of each of 1 to MAX_BATCH sequences
+(rows), in one dispatch.
 
 The step: the conv state's update, ``conv_qk_norm``, the gates and the
 recurrence on the fp32 state (``gated_delta``), and ``gated_rms_norm``. The
-reference composes those ops' references as the layer does, so on the
-reference path the layer stays stock's to the bit. The kernel
-(``gated_delta_decode.metal``) takes bf16 and fp16 decode calls (B = 1, T = 1,
-no padding mask); other calls go through the separate ops.
+reference composes those ops' references as stock's layer does, padding mask
+included, so on the reference path the layer stays stock's to the bit. The
+kernel (``gated_delta_decode.metal``) takes bf16 and fp16 decode calls (T = 1,
+B <= MAX_BATCH, an optional [B, 1] padding mask; the state fp32); other calls
+go through the separate ops. Each row is its own threadgroups doing the same
+arithmetic whatever B is, so a row's outputs and states are the same bits
+alone or in any batch, at any position, beside any rows.
 
 The contract (``gated_delta_decode_agree``), and why it is judged against the
 CPU: docs/kernel-notes.md#gated-delta-decode.
@@ -47,46 +51,64 @@ MAX_SIMDGROUPS = 16
 # Each threadgroup keeps its head's conv outputs and y in threadgroup memory:
 # (2 Dk + 2 Dv) floats, at most 4 KiB with Dv <= 256.
 MAX_DV = 256
+# Rows per call: a server's decode batch. Each row is its own threadgroups
+# (the weights they share are small), so more rows only lengthen the grid.
+MAX_BATCH = 16
 # The body indexes with 32-bit unsigned integers.
 MAX_ELEMENTS = 2**31
 
 
 def gated_delta_decode_reference(
-    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
 ):
     """qkv [B, T, C], z [B, T, Hv, Dv], a, b [B, T, Hv], conv_state [B, K-1, C]
-    (the previous call's last K-1 conv input rows), conv_weight [C, K, 1],
-    state [B, Hv, Dv, Dk] fp32 or None -> (out [B, T, Hv, Dv], next conv
-    state [B, K-1, C], next state).
+    (the previous call's last K-1 conv input rows; None: zeros, a sequence's
+    start), conv_weight [C, K, 1], state [B, Hv, Dv, Dk] fp32 or None, mask
+    [B, 1] bool or None (False: a padding step; with T = 1) -> (out [B, T,
+    Hv, Dv], next conv state [B, K-1, C], next state).
 
-    The layer's own sequence of ops (no padding mask), reference for reference.
+    Stock's layer's sequence of ops, reference for reference: a padding
+    step's qkv enters the convolution as zeros, its out is computed as for
+    any step, and its recurrent state is kept (``gated_delta_update``'s
+    mask). Its conv state is kept too, as stock keeps it for a row past its
+    length (``cache.lengths``: the K-1 rows from the row's end); without
+    lengths stock shifts a zero row in, which for left padding, the only
+    padding such a cache has, is the same zeros.
     """
     B, T, Hv, Dv = z.shape
-    n_keep = conv_state.shape[1]
     key_dim = (qkv.shape[-1] - Hv * Dv) // 2
     Dk = key_dim // num_k_heads
+    if conv_state is None:
+        conv_state = mx.zeros((B, conv_weight.shape[1] - 1, qkv.shape[-1]), dtype=qkv.dtype)
+    n_keep = conv_state.shape[1]
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     next_conv = contiguous(conv_input[:, -n_keep:, :])
+    if mask is not None:
+        next_conv = mx.where(mask[:, -1:, None], next_conv, conv_state)
     conv_out = conv1d_silu_reference(conv_input, conv_weight)
     q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
     q = q.reshape(B, T, num_k_heads, Dk)
     k = k.reshape(B, T, num_k_heads, Dk)
     v = v.reshape(B, T, Hv, Dv)
     q, k = l2norm_qk_reference(q, k, Dk**-0.5)
-    out, state = gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state, None)
+    out, state = gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state, mask)
     out = gated_rms_norm_reference(out, z, norm_weight, eps)
     return out, next_conv, state
 
 
 def gated_delta_decode_supports(
-    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
 ) -> Optional[str]:
     """None when the kernel takes this call, else why not."""
     if z.ndim != 4 or qkv.ndim != 3:
-        return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)} (kernel: [1, 1, C], [1, 1, Hv, Dv])"
+        return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)} (kernel: [B, 1, C], [B, 1, Hv, Dv])"
     B, T, Hv, Dv = z.shape
-    if (B, T) != (1, 1) or tuple(qkv.shape[:2]) != (1, 1):
-        return f"B={B}, T={T} (kernel: one token of one sequence)"
+    if T != 1 or tuple(qkv.shape[:2]) != (B, 1):
+        return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)}: T={T} (kernel: one token per row)"
+    if not 1 <= B <= MAX_BATCH:
+        return f"B={B} (kernel: 1 to {MAX_BATCH} rows)"
     Hk = int(num_k_heads)
     if Hk <= 0 or Hv == 0 or Dv == 0 or Hv % Hk:
         return f"Hv={Hv}, Hk={Hk} (kernel: Hv a positive multiple of Hk)"
@@ -99,53 +121,63 @@ def gated_delta_decode_supports(
         return f"Dk={Dk} (kernel: a multiple of {SIMD_WIDTH}, at most {MAX_DK})"
     if Dv > MAX_DV:
         return f"Dv={Dv} (kernel: at most {MAX_DV})"
-    if conv_state is None or conv_state.ndim != 3 or conv_state.shape[0] != 1 or conv_state.shape[2] != C:
-        shape = None if conv_state is None else tuple(conv_state.shape)
-        return f"conv_state {shape} (kernel: [1, K-1, {C}])"
-    K = conv_state.shape[1] + 1
+    K = conv_weight.shape[1] if conv_weight.ndim == 3 else 0
     if K < 2 or tuple(conv_weight.shape) != (C, K, 1):
-        return f"conv_weight {tuple(conv_weight.shape)} with {K - 1} conv state rows (kernel: [C, K, 1], K >= 2)"
+        return f"conv_weight {tuple(conv_weight.shape)} (kernel: [{C}, K, 1], K >= 2)"
+    if conv_state is not None and tuple(conv_state.shape) != (B, K - 1, C):
+        return f"conv_state {tuple(conv_state.shape)} (kernel: [B, K-1, C] = {(B, K - 1, C)})"
     if qkv.dtype not in ACTIVATION_DTYPES:
         return activation_dtype_reason("qkv", qkv.dtype)
     for name, x in (("z", z), ("a", a), ("b", b), ("conv_state", conv_state), ("conv_weight", conv_weight)):
-        if x.dtype != qkv.dtype:
+        if x is not None and x.dtype != qkv.dtype:
             return f"{name} dtype {x.dtype} (kernel: qkv's, {qkv.dtype})"
     for name, gate in (("a", a), ("b", b)):
-        if tuple(gate.shape) != (1, 1, Hv):
-            return f"{name} {tuple(gate.shape)} (kernel: [1, 1, {Hv}])"
+        if tuple(gate.shape) != (B, 1, Hv):
+            return f"{name} {tuple(gate.shape)} (kernel: [B, 1, Hv] = {(B, 1, Hv)})"
     for name, param, n in (("A_log", A_log, Hv), ("dt_bias", dt_bias, Hv), ("norm_weight", norm_weight, Dv)):
         if param.size != n:
             return f"{name} {tuple(param.shape)} (kernel: {n} values)"
         if param.dtype not in KERNEL_DTYPES:
             return f"{name} dtype {param.dtype} (kernel: bfloat16, float16, float32)"
     if state is not None:
-        if tuple(state.shape) != (1, Hv, Dv, Dk):
-            return f"state {tuple(state.shape)} (kernel: [1, Hv, Dv, Dk] = {(1, Hv, Dv, Dk)})"
+        if tuple(state.shape) != (B, Hv, Dv, Dk):
+            return f"state {tuple(state.shape)} (kernel: [B, Hv, Dv, Dk] = {(B, Hv, Dv, Dk)})"
         if state.dtype != mx.float32:
             return f"state dtype {state.dtype} (kernel: float32)"
-    if max(C * K, Hv * Dv * Dk) >= MAX_ELEMENTS:
+    if mask is not None and (tuple(mask.shape) != (B, 1) or mask.dtype != mx.bool_):
+        return f"mask {tuple(mask.shape)} {mask.dtype} (kernel: [B, 1] = {(B, 1)} bool)"
+    if max(C * K, B * C * (K - 1), B * Hv * Dv * Dk) >= MAX_ELEMENTS:
         return "too large for 32-bit indexing"
     return None
 
 
-def _launch(qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads) -> Launch:
-    _, _, Hv, Dv = z.shape
+def _launch(
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
+) -> Launch:
+    B, _, Hv, Dv = z.shape
     Hk = int(num_k_heads)
     C = qkv.shape[-1]
     Dk = (C - Hv * Dv) // (2 * Hk)
-    K = conv_state.shape[1] + 1
+    K = conv_weight.shape[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
+    # Nothing here depends on B but the grid's rows: one build, the same
+    # threadgroups and the same arithmetic per row for every batch size.
     nsg = max(1, min(MAX_SIMDGROUPS, Dv))
     has_state = state is not None
+    # Always a mask (all real without one): calls with and without a mask
+    # are one build, so a row's bits do not depend on whether its batch has one.
+    step_mask = mask.reshape(B) if mask is not None else mx.ones((B,), mx.bool_)
     inv_scale = Dk**-0.5
     scalars = mx.array([L2_EPS * inv_scale**2, inv_scale**2, inv_scale, eps], dtype=mx.float32)
     return Launch(
         inputs=[
             qkv, z, a, b, conv_state, conv_weight, A_log.reshape(Hv), dt_bias.reshape(Hv),
-            state if has_state else mx.zeros((1,), mx.float32), norm_weight.reshape(Dv), scalars,
+            state if has_state else mx.zeros((1,), mx.float32), norm_weight.reshape(Dv), scalars, step_mask,
         ],
-        grid=(nsg * SIMD_WIDTH * Hv, 1, 1),
+        grid=(nsg * SIMD_WIDTH * Hv, B, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
-        output_shapes=[(1, 1, Hv, Dv), tuple(conv_state.shape), (1, Hv, Dv, Dk)],
+        output_shapes=[(B, 1, Hv, Dv), (B, K - 1, C), (B, Hv, Dv, Dk)],
         output_dtypes=[qkv.dtype, conv_state.dtype, mx.float32],
         template=[
             ("InT", qkv.dtype),
@@ -194,14 +226,16 @@ def gated_delta_decode_compare(got, want) -> tuple[bool, float]:
 
 
 def _sample():
+    """Two rows, the second a padding step: the self-check sees both kinds."""
     from .testing import gated_delta_decode_inputs
 
-    return gated_delta_decode_inputs(Hk=2, Hv=4, Dk=32, Dv=32, seed=7)
+    return gated_delta_decode_inputs(Hk=2, Hv=4, Dk=32, Dv=32, seed=7, B=2, mask=[True, False])
 
 
 def _fuzz(rng):
-    """A random decode call: heads (value/key ratio 1-3), head dims, conv width,
-    a state or none, bf16 or fp16 activations, and the gate/norm parameters' dtypes."""
+    """A random decode call: 1-3 rows (with padding steps or none), heads
+    (value/key ratio 1-3), head dims, conv width, a state or none, bf16 or
+    fp16 activations, and the gate/norm parameters' dtypes."""
     from .testing import gated_delta_decode_inputs
 
     Hk = int(rng.integers(1, 4))
@@ -210,7 +244,10 @@ def _fuzz(rng):
     Dv = int(rng.choice([8, 32, 48, 64, 128]))
     K = int(rng.choice([2, 4, 4]))
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
-    args, kwargs = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng, dtype=dtype)
+    B = int(rng.integers(1, 4))
+    mask = list(rng.random(B) < 0.7) if rng.random() < 0.5 else None
+    args, kwargs = gated_delta_decode_inputs(
+        Hk, Hv, Dk, Dv, K=K, with_state=rng.random() < 0.7, rng=rng, dtype=dtype, B=B, mask=mask)
     args = list(args)
     pick = lambda: KERNEL_DTYPES[int(rng.integers(len(KERNEL_DTYPES)))]  # noqa: E731
     args[6], args[7], args[9] = args[6].astype(pick()), args[7].astype(pick()), args[9].astype(pick())
@@ -221,7 +258,7 @@ gated_delta_decode_kernel = Kernel(
     name="gated_delta_decode",
     input_names=(
         "qkv", "z", "a", "b", "conv_state", "conv_weight", "A_log", "dt_bias",
-        "state_in", "norm_weight", "scalars",
+        "state_in", "norm_weight", "scalars", "step_mask",
     ),
     output_names=("out", "conv_state_out", "state_out"),
     body=Path(__file__).with_name("gated_delta_decode.metal"),

@@ -1,5 +1,5 @@
-// Gated DeltaNet decode step (batch 1, one token) in one dispatch, from the
-// projections' outputs to the gated RMSNorm's:
+// Gated DeltaNet decode step (one token for each of B rows) in one dispatch,
+// from the projections' outputs to the gated RMSNorm's:
 //
 //   conv  = silu(causal depthwise conv1d over [conv_state; qkv])   (K rows)
 //   q, k  = L2-normalised q, k (readout scale folded into q), v = conv's v
@@ -9,8 +9,14 @@
 //
 // and the new conv state (the last K-1 rows of [conv_state; qkv]).
 //
-// Launcher: mlx_lily/kernels/gated_delta_decode.py. One threadgroup per value
-// head, NSG SIMD groups. The threadgroup first computes its channels of the
+// Padding (mask false for a row): qkv enters the convolution as zeros and out
+// is computed from the updated state, as stock's layer does; the row's conv
+// state and recurrent state are written back exactly as they were.
+//
+// Launcher: mlx_lily/kernels/gated_delta/decode.py. One threadgroup per
+// (value head, row), NSG SIMD groups; a row's threadgroups read only that
+// row's inputs and do the same arithmetic whatever B is, so a row's bits do
+// not depend on B, on its position or on the other rows. The threadgroup first computes its channels of the
 // convolution (its key head's q and k, its own v) into threadgroup memory;
 // heads sharing a key head compute q and k again rather than synchronise
 // (2 * Dk multiply-adds of K terms), and the first of them writes those
@@ -32,15 +38,16 @@
 //           Dk (a multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),
 //           CONV_K (the convolution's width, >= 2), NSG (SIMD groups),
 //           HAS_STATE (false: the recurrent state starts at zero).
-// Inputs:   qkv [1, 1, C] (C = 2 Hk Dk + Hv Dv); z [1, 1, Hv, Dv];
-//           a, b [1, 1, Hv]; conv_state [1, CONV_K - 1, C];
+// Inputs:   qkv [B, 1, C] (C = 2 Hk Dk + Hv Dv); z [B, 1, Hv, Dv];
+//           a, b [B, 1, Hv]; conv_state [B, CONV_K - 1, C];
 //           conv_weight [C, CONV_K, 1]; A_log, dt_bias [Hv];
-//           state_in [1, Hv, Dv, Dk] fp32 (one element without HAS_STATE);
+//           state_in [B, Hv, Dv, Dk] fp32 (one element without HAS_STATE);
 //           norm_weight [Dv]; scalars fp32 [4]: the L2 norm's rms eps, q's
-//           and k's readout scales, the gated norm's eps.
-// Outputs:  out [1, 1, Hv, Dv] InT; conv_state_out [1, CONV_K - 1, C] InT;
-//           state_out [1, Hv, Dv, Dk] fp32.
-// Grid:     (NSG * 32 * Hv, 1, 1), threadgroup (NSG * 32, 1, 1).
+//           and k's readout scales, the gated norm's eps; step_mask [B] bool
+//           (false: a padding step; all true when the call has no mask).
+// Outputs:  out [B, 1, Hv, Dv] InT; conv_state_out [B, CONV_K - 1, C] InT;
+//           state_out [B, Hv, Dv, Dk] fp32.
+// Grid:     (NSG * 32 * Hv, B, 1), threadgroup (NSG * 32, 1, 1).
 
 constexpr uint SIMD_WIDTH = 32;
 constexpr int KEYS_PER_LANE = Dk / 32;
@@ -58,8 +65,15 @@ uint tid = thread_index_in_threadgroup;
 uint lane = thread_index_in_simdgroup;
 uint sg = simdgroup_index_in_threadgroup;
 uint head = threadgroup_position_in_grid.x;
+uint row = threadgroup_position_in_grid.y;
 uint key_head = head / VALUE_HEADS_PER_KEY_HEAD;
 bool writes_qk_state = head % VALUE_HEADS_PER_KEY_HEAD == 0;
+bool real_step = step_mask[row];
+// This row's slices of the per-row inputs and outputs.
+uint qkv_at = row * CONV_DIM;
+uint conv_at = row * (CONV_K - 1) * CONV_DIM;
+uint head_at = row * Hv + head;
+uint row_state_at = row * Hv * Dv * Dk;
 
 // -- convolution + SiLU, and the conv state's update ---------------------------
 for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
@@ -73,15 +87,22 @@ for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
   bool writes_state = !is_qk || writes_qk_state;
   float acc = 0.0f;
   for (int j = 0; j < CONV_K - 1; ++j) {
-    float x = static_cast<float>(conv_state[j * CONV_DIM + channel]);
+    float x = static_cast<float>(conv_state[conv_at + j * CONV_DIM + channel]);
     acc += x * static_cast<float>(conv_weight[channel * CONV_K + j]);
-    if (j > 0 && writes_state) {
-      conv_state_out[(j - 1) * CONV_DIM + channel] = conv_state[j * CONV_DIM + channel];
+    if (writes_state) {
+      // A real step shifts the rows up by one; a padding step keeps them.
+      if (!real_step) {
+        conv_state_out[conv_at + j * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
+      } else if (j > 0) {
+        conv_state_out[conv_at + (j - 1) * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
+      }
     }
   }
-  acc += static_cast<float>(qkv[channel]) * static_cast<float>(conv_weight[channel * CONV_K + CONV_K - 1]);
-  if (writes_state) {
-    conv_state_out[(CONV_K - 2) * CONV_DIM + channel] = qkv[channel];
+  // A padding step's input enters the convolution as zero (stock's where).
+  float x_new = real_step ? static_cast<float>(qkv[qkv_at + channel]) : 0.0f;
+  acc += x_new * static_cast<float>(conv_weight[channel * CONV_K + CONV_K - 1]);
+  if (writes_state && real_step) {
+    conv_state_out[conv_at + (CONV_K - 2) * CONV_DIM + channel] = qkv[qkv_at + channel];
   }
   // silu(x) = x * sigmoid(x), each rounded to InT as MLX's ops round it.
   float x = static_cast<float>(static_cast<InT>(acc));
@@ -124,21 +145,21 @@ for (int i = 0; i < KEYS_PER_LANE; ++i) {
 
 // -- gates (as gated_delta.metal computes and rounds them) --------------------
 float decay_rate = metal::precise::exp(static_cast<float>(A_log[head]));
-float gate_x = static_cast<float>(static_cast<SumT>(static_cast<float>(a[head]) + static_cast<float>(dt_bias[head])));
+float gate_x = static_cast<float>(static_cast<SumT>(static_cast<float>(a[head_at]) + static_cast<float>(dt_bias[head])));
 float gate_e = static_cast<float>(static_cast<SumT>(metal::precise::exp(-metal::abs(gate_x))));
 float gate_w = 1.0f + gate_e;
 float log1p_e = gate_w == 1.0f ? gate_e : metal::precise::log(gate_w) * (gate_e / (gate_w - 1.0f));
 log1p_e = static_cast<float>(static_cast<SumT>(log1p_e));
 float softplus = static_cast<float>(static_cast<SumT>(max(gate_x, 0.0f) + log1p_e));
 float g = metal::precise::exp(-decay_rate * softplus);
-float bx = static_cast<float>(b[head]);
+float bx = static_cast<float>(b[head_at]);
 float exp_b = static_cast<float>(static_cast<BetaT>(metal::precise::exp(metal::abs(bx))));
 float beta_neg = 1.0f / (1.0f + exp_b);
 float beta = static_cast<float>(static_cast<BetaT>(bx < 0.0f ? beta_neg : 1.0f - beta_neg));
 
 // -- the recurrence, one state row per SIMD group at a time --------------------
 for (uint dv = sg; dv < Dv; dv += NSG) {
-  uint state_at = (head * Dv + dv) * Dk + lane;
+  uint state_at = row_state_at + (head * Dv + dv) * Dk + lane;
   float S[KEYS_PER_LANE];
   float kv = 0.0f;
   for (int i = 0; i < KEYS_PER_LANE; ++i) {
@@ -155,7 +176,15 @@ for (uint dv = sg; dv < Dv; dv += NSG) {
   for (int i = 0; i < KEYS_PER_LANE; ++i) {
     S[i] = S[i] + k_lane[i] * delta;
     y += S[i] * q_lane[i];
-    state_out[state_at + i * SIMD_WIDTH] = S[i];
+    // A padding step keeps the state (y still reads the updated one, as stock's).
+    float next = S[i];
+    if (!real_step) {
+      next = 0.0f;
+      if (HAS_STATE) {
+        next = state_in[state_at + i * SIMD_WIDTH];
+      }
+    }
+    state_out[state_at + i * SIMD_WIDTH] = next;
   }
   y = simd_sum(y);
   if (lane == 0) {
@@ -173,7 +202,7 @@ float y_inv_rms = metal::precise::rsqrt(simd_sum(y_squares) / float(Dv) + norm_e
 for (uint i = tid; i < Dv; i += THREADS) {
   float normed = static_cast<float>(static_cast<NormT>(y_head[i] * y_inv_rms));
   normed = static_cast<float>(static_cast<NormT>(normed * static_cast<float>(norm_weight[i])));
-  float zf = static_cast<float>(z[head * Dv + i]);
+  float zf = static_cast<float>(z[head_at * Dv + i]);
   float silu_z = zf / (1.0f + metal::precise::exp(-zf));
-  out[head * Dv + i] = static_cast<InT>(normed * silu_z);
+  out[head_at * Dv + i] = static_cast<InT>(normed * silu_z);
 }

@@ -29,21 +29,53 @@ def gated_rms_norm_call(shape, weight_dtype=mx.bfloat16, rng=None, seed=0, dtype
     return (x, z, w, 1e-6), {}
 
 
-def gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0, dtype=mx.bfloat16):
-    """A decode call at these shapes: random activations and conv state in
-    ``dtype``, the model's parameter dtypes (fp32 A_log, dt_bias; the norm
-    weight in ``dtype``)."""
+def gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=4, with_state=True, rng=None, seed=0, dtype=mx.bfloat16,
+                              B=1, mask=None):
+    """A decode call at these shapes, ``B`` rows: random activations and conv
+    state in ``dtype``, the model's parameter dtypes (fp32 A_log, dt_bias; the
+    norm weight in ``dtype``). ``mask`` (B bools, False: a padding step)
+    becomes the call's ``mask`` keyword, [B, 1]."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     C = 2 * Hk * Dk + Hv * Dv
-    qkv = normal(1, 1, C).astype(dtype)
-    z = normal(1, 1, Hv, Dv).astype(dtype)
-    a = normal(1, 1, Hv).astype(dtype)
-    b = normal(1, 1, Hv).astype(dtype)
-    conv_state = normal(1, K - 1, C).astype(dtype)
+    qkv = normal(B, 1, C).astype(dtype)
+    z = normal(B, 1, Hv, Dv).astype(dtype)
+    a = normal(B, 1, Hv).astype(dtype)
+    b = normal(B, 1, Hv).astype(dtype)
+    conv_state = normal(B, K - 1, C).astype(dtype)
     conv_weight = (0.5 * normal(C, K, 1)).astype(dtype)
     A_log = mx.log(mx.array(rng.uniform(1, 16, (Hv,)).astype(np.float32)))
     dt_bias = mx.array(rng.uniform(0.5, 1.5, (Hv,)).astype(np.float32))
-    state = 0.1 * normal(1, Hv, Dv, Dk) if with_state else None
+    state = 0.1 * normal(B, Hv, Dv, Dk) if with_state else None
     norm_weight = (1 + 0.1 * normal(Dv)).astype(dtype)
-    return (qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, 1e-6, Hk), {}
+    kwargs = {} if mask is None else {"mask": mx.array(np.asarray(mask, dtype=bool).reshape(B, 1))}
+    return (qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, 1e-6, Hk), kwargs
+
+
+# The decode call's per-row arguments (qkv, z, a, b, conv_state, state), by position.
+DECODE_ROW_ARGS = (0, 1, 2, 3, 4, 8)
+
+
+def gated_delta_decode_rows(Hk, Hv, Dk, Dv, n, with_state=True, seed=0, dtype=mx.bfloat16):
+    """n one-row decode calls sharing one layer's weights (seed's), each with
+    its own activations, conv state and state: rows to assemble batches from."""
+    shared, _ = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, with_state=with_state, seed=seed, dtype=dtype)
+    calls = []
+    for r in range(n):
+        own, _ = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, with_state=with_state, seed=seed + 1 + r, dtype=dtype)
+        args = list(shared)
+        for i in DECODE_ROW_ARGS:
+            args[i] = own[i]
+        calls.append(tuple(args))
+    return calls
+
+
+def gated_delta_decode_batch(rows, mask=None):
+    """One decode call whose rows are the given one-row calls' rows, in order;
+    ``mask`` (one bool a row, False: a padding step) its ``mask`` keyword."""
+    args = list(rows[0])
+    for i in DECODE_ROW_ARGS:
+        if args[i] is not None:
+            args[i] = mx.concatenate([r[i] for r in rows], axis=0)
+    kwargs = {} if mask is None else {"mask": mx.array(np.asarray(mask, dtype=bool).reshape(-1, 1))}
+    return tuple(args), kwargs
