@@ -133,7 +133,7 @@ def test_a_row_s_bits_do_not_depend_on_the_batch(B, per_row_ends):
     rng = np.random.default_rng(B + 7 * per_row_ends)
     mine = [decode_request(n, HQ, HKV, D, seed=1000 + n) for n in SPANS]
     want = {n: alone(r) for n, r in zip(SPANS, mine)}
-    for trial, capacity in enumerate((48, 64)):
+    for capacity in (48, 64) if B < 16 else (56,):
         # Each of the row's spans at a different position, left padding and
         # capacity, among other rows holding other requests.
         for n, request in zip(SPANS, mine):
