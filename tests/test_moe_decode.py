@@ -1,4 +1,4 @@
-"""The MoE decode chain in two launches (moe_decode).
+"""The MoE decode chain in three launches (moe_decode), one row.
 
 In the CPU emulator against the op's contract (``moe_decode_precise``: stock's
 math accumulated in fp32) at small odd shapes; the reference against stock's
@@ -26,6 +26,7 @@ from mlx_lily.kernels.moe.decode import (
     moe_decode_kernel,
     moe_decode_precise,
     moe_decode_reference,
+    moe_decode_route_kernel,
     moe_decode_supports,
 )
 from mlx_lily.kernels.moe.router import router_topk_ground_truth
@@ -92,10 +93,12 @@ def test_routing_outputs_follow_the_router_with_ties():
     # Runs of equal logits across the 3rd place: the higher expert index first.
     logits = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 2.0, 2.0, -1.0] * 3)
     args, _ = moe_decode_inputs(192, 24, 3, 64, 128, seed=5, logits=logits)
-    act, inds, scores = moe_decode_gate_up_kernel.emulate(*args[:2], *args[3:])
+    xn, inds, scores, experts, members = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
     order, weights, _ = router_topk_ground_truth(args[1].reshape(1, 24), 3, True)
-    assert inds.tolist() == order[0].tolist() == [19, 17, 11]
-    assert np.allclose(np.array(scores.astype(mx.float32)), weights[0], rtol=1e-2)
+    assert inds[0].tolist() == order[0].tolist() == [19, 17, 11]
+    # One row: the union is its picks, in its order.
+    assert experts.tolist() == [3, 19, 17, 11] and members.reshape(-1).tolist() == [1, 2, 3]
+    assert np.allclose(np.array(scores[0].astype(mx.float32)), weights[0], rtol=1e-2)
     check(args)
 
 
@@ -212,15 +215,18 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         h = mx.zeros((1, 1, D), dt)
         logits = mx.zeros((1, 1, E), dt)
         tag = f"{D}" if dt == mx.bfloat16 else f"{D}_fp16"
+        units[f"route_{tag}"] = moe_decode_route_kernel.cuda_translation_unit(
+            h, logits, mx.zeros((D,), dt), 1e-6, k, True)
+        experts, members = mx.zeros((1 + k,), mx.uint32), mx.zeros((k, 1), mx.uint32)
         units[f"gate_up_{tag}"] = moe_decode_gate_up_kernel.cuda_translation_unit(
-            h, logits, mx.zeros((D,), dt), 1e-6, k, True, glu, shared)
+            mx.zeros((1, D), dt), experts, members, glu, shared)
         units[f"down_{tag}"] = moe_decode_down_kernel.cuda_translation_unit(
-            h, mx.zeros((k + 1, max(I, IS)), dt), mx.zeros((k,), mx.uint32),
-            mx.zeros((k,), dt), mx.zeros((1, 1, 1), dt), glu, shared)
+            h, mx.zeros((1, k + 1, max(I, IS)), dt), experts, members, mx.zeros((1, k), dt),
+            mx.zeros((1, 1, 1), dt), glu, shared)
     for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
         # Top-k ranks, activations and accumulators stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name
-        if name.startswith("gate_up"):
+        if name.startswith(("route", "down")):
             assert re.search(r"\.shared", text)
 
 
@@ -228,13 +234,19 @@ def test_the_launches_take_the_gemv_outputs_as_they_are():
     """h and the router GEMV's two outputs, [1, 1, N] each, reach the kernels
     as the same arrays (the bodies read them flat): a reshape here would put
     a view node per input into every decode token's graph."""
-    from mlx_lily.kernels.moe.decode import _launch_down, _launch_gate_up
+    from mlx_lily.kernels.moe.decode import _launch_down, _launch_gate_up, _launch_route
 
     (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = moe_decode_inputs(
         128, 24, 3, 64, 128, seed=5)
     assert h.shape == (1, 1, 128) and logits.shape == (1, 1, 24) and shared_logit.shape == (1, 1, 1)
-    gate_up = _launch_gate_up(h, logits, norm_weight, eps, k, normalize, glu, shared)
-    assert gate_up.inputs[0] is h and gate_up.inputs[1] is logits
-    act, inds, scores = (mx.zeros(s, dtype=d) for s, d in zip(gate_up.output_shapes, gate_up.output_dtypes))
-    down = _launch_down(h, act, inds, scores, shared_logit, glu, shared)
-    assert down.inputs[0] is h and down.inputs[4] is shared_logit
+    route = _launch_route(h, logits, norm_weight, eps, k, normalize)
+    assert route.inputs[0] is h and route.inputs[1] is logits
+    xn, inds, scores, experts, members = (
+        mx.zeros(s, dtype=d) for s, d in zip(route.output_shapes, route.output_dtypes))
+    gate_up = _launch_gate_up(xn, experts, members, glu, shared)
+    # The weights themselves, not gathered copies (bytes counted by inputs stay honest).
+    assert gate_up.inputs[3] is glu.gate_proj.weight and gate_up.inputs[9] is shared.gate_proj.weight
+    act = mx.zeros(gate_up.output_shapes[0], dtype=gate_up.output_dtypes[0])
+    down = _launch_down(h, act, experts, members, scores, shared_logit, glu, shared)
+    assert down.inputs[0] is h and down.inputs[5] is shared_logit
+    assert down.inputs[6] is glu.down_proj.weight and down.inputs[9] is shared.down_proj.weight

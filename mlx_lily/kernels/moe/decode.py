@@ -1,13 +1,19 @@
-"""MoE decode chain: the routed experts and the shared expert of one token in
-two launches, from the post-attention residual h to the layer's output.
+"""MoE decode chain: the routed experts and the shared expert of B rows (one
+token each: server decode, speculative verification; B <= ``MAX_BATCH``) in
+three launches, from the post-attention residual h to the layer's output.
 
 ``moe_decode`` takes the two gates' logits from the caller (they come out of
 the same GEMV as the rest of the layer's small projections) and does the
-rest: ``moe_decode_gate_up`` (router top-k, RMSNorm, gate, up and SwiGLU per
-slot) and ``moe_decode_down`` (down projections, routing weights, shared gate
-and residual). The reference is stock's op sequence, to the bit.
+rest: ``moe_decode_route`` (router top-k and RMSNorm per row, and the union of
+the rows' picks), ``moe_decode_gate_up`` and ``moe_decode_down`` (gate, up,
+SwiGLU, then down, expert by expert over the union: each selected expert's
+weights, and the shared expert's, read once for every row that uses them;
+then per row the routing weights, the shared gate and the residual). Batch
+invariant: each row's result is the same bits whatever B is and whatever the
+other rows hold (the bodies' comments say why). The reference is stock's op
+sequence, to the bit.
 
-Stock's math, the two kernels, what they take, and the contract
+Stock's math, the kernels, what they take, and the contract
 (``moe_decode_agree``) with its reasoning: docs/kernel-notes.md#moe-decode.
 """
 
@@ -31,15 +37,22 @@ from .combine import moe_combine_reference
 from .experts import quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
-# Must match the bodies: rows per threadgroup and threads per threadgroup.
-GATE_UP_THREADS, GATE_UP_ROWS = 256, 16
-DOWN_THREADS, DOWN_ROWS = 128, 8
+# Must match the bodies: threads, and rows per threadgroup (gate/up: hidden
+# rows of one expert; down: output rows).
+ROUTE_THREADS = 256
+GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
+DOWN_THREADS, DOWN_ROWS = 256, 4
 GROUP_SIZE, BITS = 64, 4
+# Rows (one token each) a call may have: server decode and speculative
+# verification. The bodies size their threadgroup memory by it, and every B
+# runs the same build (B is read from h's shape at run time), so that a row's
+# result is the same bits whatever B is.
+MAX_BATCH = 16
 # The top-k keeps ceil(E / 32) probabilities a lane in registers (as the
 # router kernel: at most 32), and lane r holds the r-th pick.
 MAX_EXPERTS = 1024
 MAX_K = SIMD_WIDTH
-# xn lives in threadgroup memory as fp32 (D + D / 32 words): 18 KiB at 4096.
+# Each gate/up lane holds its units' weights in registers: D / 1024 units.
 MAX_D = 4096
 # The bodies index with 32-bit unsigned integers.
 MAX_ELEMENTS = 2**31
@@ -53,7 +66,7 @@ STOCK_TOLERANCE = 6e-2
 def moe_decode_reference(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ):
-    """h [1, 1, D] -> h + moe(rms_norm(h)) [1, 1, D], stock's ops in stock's order."""
+    """h [B, 1, D] -> h + moe(rms_norm(h)) [B, 1, D], stock's ops in stock's order."""
     xn = mx.fast.rms_norm(h, norm_weight, eps)
     inds, scores = router_topk_reference(router_logits, top_k, norm_topk_prob)
     y = switch_mlp(xn, inds)
@@ -74,14 +87,16 @@ def moe_decode_supports(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ) -> Optional[str]:
     """None when the kernels take this call, else why not."""
-    if h.ndim != 3 or h.shape[:2] != (1, 1):
-        return f"h {tuple(h.shape)} (kernel: one token of one sequence, [1, 1, D])"
-    D = h.shape[-1]
-    if router_logits.ndim != 3 or router_logits.shape[:2] != (1, 1):
-        return f"router_logits {tuple(router_logits.shape)} (kernel: [1, 1, E])"
+    if h.ndim != 3 or h.shape[1] != 1:
+        return f"h {tuple(h.shape)} (kernel: one token per row, [B, 1, D])"
+    B, D = h.shape[0], h.shape[-1]
+    if not 1 <= B <= MAX_BATCH:
+        return f"B={B} rows (kernel: 1 to MAX_BATCH={MAX_BATCH})"
+    if router_logits.ndim != 3 or router_logits.shape[:2] != (B, 1):
+        return f"router_logits {tuple(router_logits.shape)} for h {tuple(h.shape)} (kernel: one token per row, [B, 1, E])"
     E = router_logits.shape[-1]
-    if tuple(shared_gate_logit.shape) != (1, 1, 1):
-        return f"shared_gate_logit {tuple(shared_gate_logit.shape)} (kernel: [1, 1, 1])"
+    if tuple(shared_gate_logit.shape) != (B, 1, 1):
+        return f"shared_gate_logit {tuple(shared_gate_logit.shape)} (kernel: [{B}, 1, 1])"
     if tuple(norm_weight.shape) != (D,):
         return f"norm_weight {tuple(norm_weight.shape)} (kernel: [{D}])"
     if h.dtype not in ACTIVATION_DTYPES:
@@ -135,61 +150,89 @@ def _eps_array(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
-def _shapes(h, router_logits, top_k, switch_mlp, shared_expert):
-    D, E = h.shape[-1], router_logits.shape[-1]
+def _hidden_sizes(switch_mlp, shared_expert) -> tuple[int, int, int]:
+    """(I, shared I, max of the two)."""
     I = switch_mlp.gate_proj.weight.shape[-2]
     IS = shared_expert.gate_proj.weight.shape[-2]
-    return D, E, int(top_k), I, IS, max(I, IS)
+    return I, IS, max(I, IS)
 
 
-def _launch_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert) -> Launch:
-    D, E, k, I, IS, IMAX = _shapes(h, router_logits, top_k, switch_mlp, shared_expert)
-    (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
-    (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
+# Launch geometry depends on B only through how many threadgroups there are
+# (gate/up: one entry per possible distinct expert); the threads' work for a
+# row, and the builds (no template constant is B), are the same for every B.
+
+
+def _launch_route(h, router_logits, norm_weight, eps, top_k, norm_topk_prob) -> Launch:
+    B, D, E, k = h.shape[0], h.shape[-1], router_logits.shape[-1], int(top_k)
     return Launch(
-        inputs=[h, router_logits, norm_weight, _eps_array(float(eps)),
-                gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
-        grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, k + 1, 1),
-        threadgroup=(GATE_UP_THREADS, 1, 1),
-        output_shapes=[(k + 1, IMAX), (k,), (k,)],
-        output_dtypes=[h.dtype, mx.uint32, h.dtype],
-        template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)), ("NORMALIZE", bool(norm_topk_prob)),
-                  ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX)],
+        inputs=[h, router_logits, norm_weight, _eps_array(float(eps))],
+        grid=(ROUTE_THREADS, 1, 1),
+        threadgroup=(ROUTE_THREADS, 1, 1),
+        output_shapes=[(B, D), (B, k), (B, k), (1 + B * k,), (B * k, B)],
+        output_dtypes=[h.dtype, mx.uint32, h.dtype, mx.uint32, mx.uint32],
+        template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
+                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("MAX_BATCH", MAX_BATCH)],
         finish=tuple,
     )
 
 
-def _launch_down(h, act, inds, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
-    D = h.shape[-1]
-    k = inds.shape[0]
-    _, _, (dw, ds, db) = _parts(switch_mlp)
-    _, _, (sdw, sds, sdb) = _parts(shared_expert)
-    E = dw.shape[0]
-    I, IS = dw.shape[-1] * 8, sdw.shape[-1] * 8
+def _launch_gate_up(xn, experts, members, switch_mlp, shared_expert) -> Launch:
+    B, D = xn.shape
+    k = members.shape[0] // B
+    I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
+    (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
+    (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
     return Launch(
-        inputs=[h, act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
-        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
-        threadgroup=(DOWN_THREADS, 1, 1),
-        output_shapes=[(1, 1, D)],
-        output_dtypes=[h.dtype],
-        template=[("T", h.dtype), ("E", E), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", act.shape[-1])],
+        inputs=[xn, experts, members, gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
+        grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, 1 + B * k, 1),
+        threadgroup=(GATE_UP_THREADS, 1, 1),
+        output_shapes=[(B, k + 1, IMAX)],
+        output_dtypes=[xn.dtype],
+        template=[("T", xn.dtype), ("E", gw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
+                  ("MAX_BATCH", MAX_BATCH)],
         finish=lambda outputs: outputs[0],
     )
 
 
+def _launch_down(h, act, experts, members, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
+    B, D = h.shape[0], h.shape[-1]
+    k = scores.shape[-1]
+    I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
+    _, _, (dw, ds, db) = _parts(switch_mlp)
+    _, _, (sdw, sds, sdb) = _parts(shared_expert)
+    return Launch(
+        inputs=[h, act, experts, members, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
+        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
+        threadgroup=(DOWN_THREADS, 1, 1),
+        output_shapes=[(B, 1, D)],
+        output_dtypes=[h.dtype],
+        template=[("T", h.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
+                  ("MAX_BATCH", MAX_BATCH)],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+moe_decode_route_kernel = Kernel(
+    name="moe_decode_route",
+    input_names=("h", "logits", "norm_weight", "eps"),
+    output_names=("xn", "inds", "scores", "experts", "members"),
+    body=Path(__file__).with_name("moe_decode_route.metal"),
+    header=TOPK_HEADER,
+    launch=_launch_route,
+)
+
 moe_decode_gate_up_kernel = Kernel(
     name="moe_decode_gate_up",
-    input_names=("h", "logits", "norm_weight", "eps", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+    input_names=("xn", "experts", "members", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
-    output_names=("act", "inds", "scores"),
+    output_names=("act",),
     body=Path(__file__).with_name("moe_decode_gate_up.metal"),
-    header=TOPK_HEADER,
     launch=_launch_gate_up,
 )
 
 moe_decode_down_kernel = Kernel(
     name="moe_decode_down",
-    input_names=("h", "act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
+    input_names=("h", "act", "experts", "members", "scores", "gate_logit", "down_w", "down_s", "down_b",
                  "sdown_w", "sdown_s", "sdown_b"),
     output_names=("out",),
     body=Path(__file__).with_name("moe_decode_down.metal"),
@@ -200,13 +243,13 @@ moe_decode_down_kernel = Kernel(
 def run_moe_decode(
     backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ):
-    """The kernel path on ``backend``: two launches."""
-    act, inds, scores = moe_decode_gate_up_kernel.run_on(
-        backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    """The kernel path on ``backend``: three launches (route, gate/up, down)."""
+    xn, inds, scores, experts, members = moe_decode_route_kernel.run_on(
+        backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob
     )
-    return moe_decode_down_kernel.run_on(backend, h, act, inds, scores, shared_gate_logit, switch_mlp,
-                                         shared_expert)
-
+    act = moe_decode_gate_up_kernel.run_on(backend, xn, experts, members, switch_mlp, shared_expert)
+    return moe_decode_down_kernel.run_on(backend, h, act, experts, members, scores, shared_gate_logit,
+                                         switch_mlp, shared_expert)
 
 # -- the contract ----------------------------------------------------------------
 
@@ -224,10 +267,23 @@ def _dequantized(weight, scales, biases) -> mx.array:
 def moe_decode_precise(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ):
-    """(out [1, 1, D] in h's dtype, magnitudes [D] fp32): stock's math with fp32
-    accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
-    and stock's bf16 roundings; magnitudes is what the tolerance scales with
-    (module docstring). Dequantizes the k selected experts only."""
+    """(out [B, 1, D] in h's dtype, magnitudes [B * D] fp32): stock's math with
+    fp32 accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
+    and stock's bf16 roundings, row by row; magnitudes is what the tolerance
+    scales with (module docstring). Dequantizes each row's k experts only."""
+    B = h.shape[0]
+    outs, magnitudes = [], []
+    for b in range(B):
+        out, magnitude = _precise_row(h[b:b + 1], router_logits[b:b + 1], shared_gate_logit[b:b + 1], norm_weight,
+                                      eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
+        outs.append(out)
+        magnitudes.append(magnitude)
+    return mx.concatenate(outs, axis=0), mx.concatenate(magnitudes, axis=0)
+
+
+def _precise_row(h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp,
+                 shared_expert):
+    """``moe_decode_precise`` of one row: h [1, 1, D]."""
     D = h.shape[-1]
     k = int(top_k)
 
@@ -331,8 +387,8 @@ def _fuzz(rng):
 # The two kernels as one KernelLike, self-checked together once per backend
 # against ``moe_decode_precise`` on the sample (``moe_decode_agree``).
 moe_decode_kernel = SampleCheckedKernels(
-    "moe_decode", (moe_decode_gate_up_kernel, moe_decode_down_kernel),
-    "routing + norm + gate/up + SwiGLU, down + combine", sample=_sample, run=run_moe_decode, agree=moe_decode_agree)
+    "moe_decode", (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_down_kernel),
+    "routing + norm + expert union, gate/up + SwiGLU, down + combine", sample=_sample, run=run_moe_decode, agree=moe_decode_agree)
 
 moe_decode = register(
     LilyOp(
@@ -340,7 +396,7 @@ moe_decode = register(
         moe_decode_reference,
         kernel=moe_decode_kernel,
         supports=moe_decode_supports,
-        description="MoE block of a decode token in two launches: routing + norm + gate/up, down + combine",
+        description="MoE block of 1-16 decode tokens in three launches: routing + norm, gate/up, down + combine",
         sample=_sample,
         compare=moe_decode_compare,
         fuzz=_fuzz,

@@ -24,15 +24,16 @@ def quantized_moe(hidden: int, inter: int, shared_inter: int, experts: int, seed
     return glu, shared
 
 
-def moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None, dtype=mx.bfloat16):
-    """A decode call at these shapes: random h, norm weight and gate logits in ``dtype``."""
+def moe_decode_inputs(D, E, k, I, IS, normalize=True, rng=None, seed=0, logits=None, dtype=mx.bfloat16, rows=1):
+    """A decode call of ``rows`` rows (tokens) at these shapes: random h, norm
+    weight and gate logits in ``dtype``; ``logits``: E values, or [rows, E]."""
     rng = np.random.default_rng(seed) if rng is None else rng
     normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32))  # noqa: E731
     glu, shared = quantized_moe(D, I, IS, E, seed=int(rng.integers(1 << 30)), dtype=dtype)
-    h = (4.0 * normal(1, 1, D)).astype(dtype)
+    h = (4.0 * normal(rows, 1, D)).astype(dtype)
     norm_weight = (1.0 + 0.1 * normal(D)).astype(dtype)
     if logits is None:
-        logits = 2.0 * rng.standard_normal((1, 1, E))
-    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(1, 1, E).astype(dtype)
-    shared_gate_logit = normal(1, 1, 1).astype(dtype)
+        logits = 2.0 * rng.standard_normal((rows, 1, E))
+    router_logits = mx.array(np.asarray(logits, dtype=np.float32)).reshape(rows, 1, E).astype(dtype)
+    shared_gate_logit = normal(rows, 1, 1).astype(dtype)
     return (h, router_logits, shared_gate_logit, norm_weight, 1e-6, k, normalize, glu, shared), {}

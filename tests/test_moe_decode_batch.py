@@ -1,0 +1,144 @@
+"""moe_decode over batches of 1 to MAX_BATCH rows (server decode, speculative
+verification), in the CPU emulator.
+
+The kernels against the op's contract at B rows; batch invariance: a row's
+output is the same bits alone and inside batches of 2, 5 and 16, at any
+position, beside neighbours that pick the same experts or disjoint ones; the
+union map that launch 1 builds; B = 17 falls back to the reference with its
+reason.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lily import kernels as K
+from mlx_lily.kernels.moe.decode import (
+    MAX_BATCH,
+    moe_decode_agree,
+    moe_decode_kernel,
+    moe_decode_reference,
+    moe_decode_route_kernel,
+    moe_decode_supports,
+)
+from mlx_lily.kernels.moe.testing import moe_decode_inputs
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+from test_toolchain import emulator_or_skip
+
+# Small shapes: D 128, 16 experts top-3 (so that 16 rows share experts), I 64,
+# shared I 128.
+D, E, TOP_K, I, IS = 128, 16, 3, 64, 128
+
+
+def bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_kernels_meet_the_contract_at_each_batch_size(rows):
+    emulator_or_skip()
+    args, _ = moe_decode_inputs(D, E, TOP_K, I, IS, seed=rows, rows=rows)
+    assert moe_decode_supports(*args) is None
+    got = moe_decode_kernel.emulate(*args)
+    want = moe_decode_reference(*args)
+    mx.eval(got, want)
+    assert got.shape == want.shape == (rows, 1, D)
+    mismatch = moe_decode_agree(got, want, *args)
+    assert mismatch is None, mismatch
+
+
+def _logits_picking(experts, rng) -> np.ndarray:
+    """A logits row whose top TOP_K are ``experts`` (clear margins), the rest random below."""
+    row = rng.uniform(-3.0, -1.0, E)
+    row[list(experts)] = [4.0, 3.0, 2.0][: len(experts)]
+    return row
+
+
+def test_a_row_is_the_same_bits_alone_and_in_any_batch():
+    emulator_or_skip()
+    rng = np.random.default_rng(7)
+    # The row under test picks experts 5, 9, 2. Neighbours: some pick exactly
+    # those (in another order), some overlap, some are disjoint.
+    subject = _logits_picking([5, 9, 2], rng)
+    same = [[9, 2, 5], [2, 5, 9], [5, 9, 2]]
+    overlap = [[5, 0, 1], [3, 9, 4], [2, 7, 8]]
+    disjoint = [[10, 11, 12], [13, 14, 15], [0, 1, 3], [4, 6, 7], [8, 10, 13]]
+    neighbours = [_logits_picking(p, rng) for p in same + overlap + disjoint]
+    # Batch of 16: the subject at position 11; the rest random rows.
+    while len(neighbours) < MAX_BATCH - 1:
+        neighbours.append(2.0 * rng.standard_normal(E))
+    logits = np.stack(neighbours[:11] + [subject] + neighbours[11:])
+    args, _ = moe_decode_inputs(D, E, TOP_K, I, IS, seed=3, rows=MAX_BATCH, logits=logits)
+    h, lg, sl, w, eps, k, normalize, glu, shared = args
+    subject_at = 11
+
+    def run(order):
+        """The op's kernels on the rows ``order`` of the batch, in that order."""
+        idx = mx.array(order)
+        return moe_decode_kernel.emulate(h[idx], lg[idx], sl[idx], w, eps, k, normalize, glu, shared)
+
+    alone = run([subject_at])
+    mx.eval(alone)
+    assert moe_decode_agree(alone, moe_decode_reference(h[subject_at:subject_at + 1], lg[subject_at:subject_at + 1],
+                                                        sl[subject_at:subject_at + 1], w, eps, k, normalize, glu,
+                                                        shared),
+                            h[subject_at:subject_at + 1], lg[subject_at:subject_at + 1],
+                            sl[subject_at:subject_at + 1], w, eps, k, normalize, glu, shared) is None
+    batches = {
+        "2, first, beside the same experts": [subject_at, 0],
+        "2, second, beside disjoint experts": [6, subject_at],
+        "5, middle, mixed": [3, 8, subject_at, 1, 4],
+        "5, last, disjoint only": [6, 7, 8, 9, subject_at],
+        "16 in order": list(range(MAX_BATCH)),
+        "16, first, reversed": [subject_at] + [i for i in reversed(range(MAX_BATCH)) if i != subject_at],
+    }
+    for name, order in batches.items():
+        got = run(order)
+        mx.eval(got)
+        position = order.index(subject_at)
+        assert np.array_equal(bits(got[position]), bits(alone[0])), name
+    # And the other rows of the 16 are each the same as alone too.
+    full = run(list(range(MAX_BATCH)))
+    for b in (0, 5, 15):
+        assert np.array_equal(bits(full[b]), bits(run([b])[0])), b
+
+
+def test_the_union_is_each_distinct_pick_once_in_first_occurrence_order():
+    emulator_or_skip()
+    rng = np.random.default_rng(1)
+    picks = [[5, 9, 2], [9, 2, 5], [10, 11, 12], [2, 7, 8]]
+    logits = np.stack([_logits_picking(p, rng) for p in picks])
+    args, _ = moe_decode_inputs(D, E, TOP_K, I, IS, seed=2, rows=4, logits=logits)
+    xn, inds, scores, experts, members = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
+    assert inds.tolist() == picks
+    union = [5, 9, 2, 10, 11, 12, 7, 8]
+    assert experts[0].item() == len(union) and experts[1:1 + len(union)].tolist() == union
+    members = np.array(members).reshape(len(picks) * TOP_K, len(picks))
+    for u, e in enumerate(union):
+        want = [row.index(e) + 1 if e in row else 0 for row in picks]
+        assert members[u].tolist() == want, e
+    assert not members[len(union):].any()
+    # xn is rms_norm(h) in h's dtype, row by row.
+    h, _, _, w, eps = args[:5]
+    assert mx.array_equal(xn, mx.fast.rms_norm(h, w, eps).reshape(4, D)).item()
+
+
+def test_more_rows_than_max_batch_run_the_reference(monkeypatch):
+    emulator_or_skip()
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    rows = MAX_BATCH + 1
+    args, _ = moe_decode_inputs(64, 8, 2, 64, 64, seed=4, rows=rows)
+    why = moe_decode_supports(*args)
+    assert why is not None and f"B={rows}" in why and str(MAX_BATCH) in why
+    got = K.moe_decode(*args)
+    mx.eval(got)
+    assert K.moe_decode.last_path == "reference"
+    assert str(rows) in K.moe_decode.last_reason
+    assert mx.array_equal(got, moe_decode_reference(*args)).item()
+    # Rows that disagree with h's are refused too.
+    h, lg, sl = args[:3]
+    assert "[B, 1, E]" in moe_decode_supports(h[:2], lg[:3], sl[:2], *args[3:])
+    assert "[2, 1, 1]" in moe_decode_supports(h[:2], lg[:2], sl[:3], *args[3:])
