@@ -19,6 +19,7 @@ import mlx_lily
 from mlx_lily import kernels as K
 from mlx_lily import call_trace
 from mlx_lily.kernels.gated_delta.recurrence import gated_delta_kernel
+from mlx_lily.layers.prompt_rows import ROWS_ENV
 from mlx_lily.toolchain.registry import BACKEND_ENV
 
 PROMPTS = [[5, 9, 300, 41, 7], [12, 500], [64, 65, 66]]
@@ -69,7 +70,8 @@ def test_batch_of_two_runs_lily_s_layers(models, reference_backend, recorded, ca
 def test_padded_batch_matches_stock_and_each_prompt_alone(models, reference_backend, recorded):
     # batch_generate right-pads the prompts (ArraysCache lengths, BatchKVCache
     # right padding rolled to the left afterwards), then decodes all rows
-    # together with left-padding masks.
+    # together with left-padding masks. Lily prefills the padded batch row by
+    # row, each row as if alone (layers/prompt_rows.py).
     stock, lily, tokenizer = models
     got = tokens_of(lily, tokenizer, PROMPTS)
     assert got == tokens_of(stock, tokenizer, PROMPTS)
@@ -78,14 +80,15 @@ def test_padded_batch_matches_stock_and_each_prompt_alone(models, reference_back
     assert_all_lily(records)
     seen = {(r["layer"], r["step"], r["batch"], r["mask"], r["cache"]) for r in records}
     batched = {
-        ("Gated DeltaNet", "prefill", 3, "array", "ArraysCache+left_padding+lengths"),
-        ("full attention", "prefill", 3, "array", "BatchKVCache+left_padding"),
-        ("MoE", "prefill", 3, "none", "none"),
+        ("Gated DeltaNet", "prefill", 1, "array", "ArraysCache+left_padding"),
+        ("full attention", "prefill", 1, "array", "BatchKVCache+left_padding"),
+        ("MoE", "prefill", 1, "none", "none"),
         ("Gated DeltaNet", "decode", 3, "none", "ArraysCache"),
         ("full attention", "decode", 3, "array", "BatchKVCache+left_padding"),
         ("MoE", "decode", 3, "none", "none"),
     }
     assert batched <= seen, batched - seen
+    assert not [r for r in records if r["step"] == "prefill" and r["batch"] > 1]
 
 
 def test_continuous_batching_a_request_joins_the_decode_batch(models, reference_backend, recorded):
@@ -134,6 +137,7 @@ def test_kernels_take_padded_batches(demo_checkpoint, monkeypatch, recorded):
     # padded, batched calls itself, mask and all, and each row's tokens are
     # those of its prompt alone.
     monkeypatch.setenv(BACKEND_ENV, "emulator")
+    monkeypatch.setenv(ROWS_ENV, "0")  # the padded prompts as one batch, masks and all
     # Only the per-row kernels: the MoE and attention kernels take a batched
     # prefill but not the short solo one (or the reverse), and the fused
     # decode kernels take a row decoded alone but not a batch of two; on this
@@ -177,6 +181,7 @@ def test_an_unpadded_prompt_under_the_batch_generator_drops_its_all_true_mask(mo
     assert masks and all(not masked for _, _, masked in masks)
     assert got == tokens_of(stock, tokenizer, [long], max_tokens=4)
     masks.clear()
+    monkeypatch.setenv(ROWS_ENV, "0")  # a padded batch prefilled as one (not row by row)
     tokens_of(lily, tokenizer, [long, long[:40]], max_tokens=2)  # padded: the mask stays
     assert any(masked for batch, _, masked in masks if batch == 2)
 

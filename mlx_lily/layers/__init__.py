@@ -6,6 +6,7 @@ ArraysCache); see stock_gate.py for what still runs the stock layer's code."""
 from .attention import LilyAttention
 from .decoder import LilyDecoderLayer
 from .gated_deltanet import LilyGatedDeltaNet
+from .language_model import LilyLanguageModel
 from .mlp import LilyDenseMLP
 from .moe import LilySparseMoeBlock
 from .text_model import LilyTextModel

@@ -1,7 +1,8 @@
 """Which form a decode call runs in, and what happens when a form fails.
 
-A decode token can run in four tiers, fastest first: the whole layer stack
-as one compiled step, the stack in compiled segments (both
+A decode token can run in five tiers, fastest first: the server's batch of
+1-16 rows as one compiled step (``batch_step.py``), the whole layer stack
+of one row as one compiled step, the stack in compiled segments (both
 ``text_model.py``), each layer's fused step (``decoder.py``), and stock's
 code. The model's call tries the first two, then stock's stack, whose layers
 each try their fused step, then stock's layer flow. ``MODEL_TIERS`` and
@@ -90,12 +91,18 @@ def _always(owner: Any, call: DecodeCall) -> bool:
 # The owner's methods are looked up per call (by name), so a subclass or a
 # patched method (bench/diagnostics) is what runs.
 MODEL_TIERS = (
+    Tier("compiled batched decode step", "the server's batches decode layer by layer from now on", "_lily_batch_ok",
+         takes=lambda model, c: c.masks is not None and c.masks.rows is not None
+         and model._batch_takes(c.cache, c.masks.ssm_mask, c.masks.rows),
+         run=lambda model, c: model._decode_batch(c.inputs, c.cache, c.masks.ssm_mask, c.masks.version)),
     Tier("compiled whole decode step", "the model decodes in segments from now on", "_lily_whole_ok",
-         takes=lambda model, c: c.masks is not None and model._whole_takes(c.cache, *c.masks[:2]),
-         run=lambda model, c: model._decode_whole(c.inputs, c.cache, c.masks[2])),
+         takes=lambda model, c: c.masks is not None and c.masks.one_row
+         and model._whole_takes(c.cache, c.masks.fa_mask, c.masks.ssm_mask),
+         run=lambda model, c: model._decode_whole(c.inputs, c.cache, c.masks.version)),
     Tier("compiled decode segments", "the model decodes layer by layer from now on", "_lily_segments_ok",
-         takes=lambda model, c: c.masks is not None,
-         run=lambda model, c: model._decode_segments(c.inputs, c.cache, c.touched, *c.masks)),
+         takes=lambda model, c: c.masks is not None and c.masks.one_row,
+         run=lambda model, c: model._decode_segments(c.inputs, c.cache, c.touched, c.masks.fa_mask,
+                                                      c.masks.ssm_mask, c.masks.version)),
     Tier("stock layer stack", "", None, takes=_always, run=lambda model, c: model._stock_stack(c)),
 )
 

@@ -231,10 +231,7 @@ class LilyDecoderLayer(DecoderLayer):
     def _takes_decode(self, x: mx.array, mask: Any, cache: Any) -> bool:
         if cache is None or x.shape[0] != 1 or x.shape[1] != 1:
             return False
-        ok = self.__dict__.get("_lily_decode_ok")
-        if ok is None:
-            ok = self._lily_decode_ok = self._layer_fits()
-        if not ok:
+        if not self._lily_fits():
             return False
         if self.is_linear:
             # A left-padded cache (the server's, one row) passes its padding
@@ -246,6 +243,15 @@ class LilyDecoderLayer(DecoderLayer):
             return mask is None
         return (type(cache) is BatchKVCache and isinstance(cache.offset, mx.array) and cache.offset.size == 1
                 and (mask is None or isinstance(mask, mx.array)))
+
+    def _lily_fits(self) -> bool:
+        """Whether the fused steps may run this layer: its parts fit (checked
+        once, again when its weights change) and its fused step has not
+        failed."""
+        ok = self.__dict__.get("_lily_decode_ok")
+        if ok is None:
+            ok = self._lily_decode_ok = self._layer_fits()
+        return ok
 
     def _layer_fits(self) -> bool:
         """Once per layer: the parts the fused path reads are there."""
@@ -310,18 +316,21 @@ class LilyDecoderLayer(DecoderLayer):
             x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
             norm.weight, norm.eps,
         )
-        if mask is not None:  # a padding step enters the convolution as zeros (stock)
+        B = x.shape[0]
+        if mask is not None:  # a padding step enters the convolution as zeros (stock) ...
             qkv = mx.where(mask[..., None], qkv, 0)
-        z = z.reshape(1, 1, la.num_v_heads, la.head_v_dim)
+        z = z.reshape(B, 1, la.num_v_heads, la.head_v_dim)
         if conv_state is None:
-            conv_state = mx.zeros((1, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
+            conv_state = mx.zeros((B, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
         y, conv_state, new_state = K.gated_delta_decode(
             qkv, z, a, b, conv_state, la.conv1d.weight, la.A_log, la.dt_bias, state,
             la.norm.weight, la.norm.eps, la.num_k_heads,
         )
-        # ... and leaves the recurrent state as it was (stock).
+        # ... and leaves the recurrent state as it was (stock). The op's own
+        # mask would keep the conv state too, which stock does only for
+        # length-limited caches.
         state = new_state if mask is None else mx.where(mask.reshape(-1, 1, 1, 1), new_state, state)
-        (h,) = K.quantized_matvec(y.reshape(1, 1, -1), (_triple(la.out_proj),), residual=x)
+        (h,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),), residual=x)
         return self._moe_step(h), conv_state, state
 
     def _attention_in(self, x: mx.array, position: mx.array):
@@ -333,20 +342,25 @@ class LilyDecoderLayer(DecoderLayer):
         )
         return attention_heads(sa, q, k, v, position)
 
-    def _attention_step(self, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array):
+    def _attention_step(self, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,
+                        offsets: Optional[mx.array] = None, starts: Optional[mx.array] = None):
         """The whole attention layer on a KV cache of fixed capacity (the
-        whole-stack step in ``text_model.py``): the new row written at
-        ``position`` (an array), the attention over rows [0, position]
+        whole-stack steps in ``text_model.py`` and ``batch_step.py``): the
+        new rows written at buffer index ``position`` (an array [1]), the
+        attention over indices [0, position], or per row [starts[b], position]
+        with a BatchKVCache's left padding; RoPE at ``offsets`` (each row's
+        own position, [B]) where given, else at ``position``
         -> (output, keys_cache, values_cache)."""
-        queries, keys, values, gate = self._attention_in(x, position)
+        queries, keys, values, gate = self._attention_in(x, position if offsets is None else offsets)
         keys_cache = write_row(keys_cache, keys, position)
         values_cache = write_row(values_cache, values, position)
-        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=position + 1)
+        span = {} if starts is None else {"start": starts}
+        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=position + 1, **span)
         return self._attention_out(out, gate, x), keys_cache, values_cache
 
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""
-        out = out.transpose(0, 2, 1, 3).reshape(1, 1, -1)
+        out = out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)
         (h,) = K.quantized_matvec(out, (_triple(self.self_attn.o_proj),), gate=gate, residual=x)
         return self._moe_step(h)
 

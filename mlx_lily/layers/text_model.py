@@ -25,7 +25,9 @@ from ..kernels.attention.sdpa import attention_kernels
 from ..kernels.dtypes import embedding_dtype, reference_notice
 from ..toolchain.registry import kernel_backend
 from .decode_tiers import MODEL_TIERS, DecodeCall, decode, kv_position
+from .batch_step import batch_rows, batch_step_takes, decode_batch
 from .decoder import LilyDecoderLayer, compile_enabled, compiled_step, next_position, weights_version
+from .prompt_rows import prompt_rows
 from .stock_gate import record
 
 
@@ -35,6 +37,10 @@ class LilyTextModel(Qwen3_5TextModel):
             self._dtype_notice(input_embeddings)
         masks = self._segment_masks(inputs, cache) if input_embeddings is None else None
         call = DecodeCall(inputs=inputs, cache=cache, input_embeddings=input_embeddings, masks=masks)
+        if masks is None and input_embeddings is None and inputs.ndim == 2 and inputs.shape[0] > 1:
+            rows = prompt_rows(self, inputs, cache)  # a batch's prompt, each row as if alone
+            if rows is not None:
+                return rows
         return decode(self, MODEL_TIERS, call)
 
     def _stock_stack(self, call: DecodeCall) -> mx.array:
@@ -52,28 +58,38 @@ class LilyTextModel(Qwen3_5TextModel):
 
     # -- which calls ----------------------------------------------------------------
 
-    def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[Tuple[Any, Any, int]]:
-        """(attention mask, DeltaNet mask, weights version), the masks as
-        stock builds them from the caches, when a compiled step (whole or in
-        segments) takes this call; else None. The weights are checked first: a change there also
-        has each layer check again whether its fused path fits."""
-        if cache is None or inputs.ndim != 2 or inputs.shape != (1, 1):
+    def _segment_masks(self, inputs: mx.array, cache: Any) -> Optional[DecodeMasks]:
+        """The masks as stock builds them from the caches, the weights'
+        version, and which compiled forms may take this decode token (one
+        token per row: the whole step or segments for one row, the batched
+        step for the server's batch caches); None when none can. The weights
+        are checked first: a change there also has each layer check again
+        whether its fused path fits."""
+        if cache is None or inputs.ndim != 2 or inputs.shape[1] != 1:
             return None
         if not compile_enabled():
             return None
         if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
             return None
+        if not all(type(layer) is LilyDecoderLayer for layer in self.layers):
+            return None
+        rows = batch_rows(cache)
+        if inputs.shape[0] != 1 and rows != inputs.shape[0]:
+            return None
         version = self._weights_version()
-        # None for one token without padding; the server's batch caches of
-        # one row give arrays, which the layers' fused steps take.
-        one = _ONE_TOKEN
+        # None for one token without padding; the server's batch caches give
+        # arrays, which the layers' fused steps and the batched step take.
+        one = _one_token(inputs.shape[0])
         fa_mask = create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(one, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        fits = all(
-            type(layer) is LilyDecoderLayer and layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
+        fits = inputs.shape[0] == 1 and all(
+            layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
             for layer, c in zip(self.layers, cache)
         )
-        return (fa_mask, ssm_mask, version) if fits else None
+        if not fits and rows is None:
+            return None
+        batch = rows is not None and all(layer._lily_fits() for layer in self.layers)
+        return DecodeMasks(fa_mask, ssm_mask, version, rows if batch else None, fits)
 
     # -- the segments ---------------------------------------------------------------
 
@@ -160,6 +176,14 @@ class LilyTextModel(Qwen3_5TextModel):
             return (*states, queries, keys, values, gate, h)
 
         return segment
+
+    # -- the server's batched step (batch_step.py) ----------------------------------
+
+    def _batch_takes(self, cache: Any, ssm_mask: Any, rows: int) -> bool:
+        return batch_step_takes(self, cache, ssm_mask, rows)
+
+    def _decode_batch(self, inputs: mx.array, cache: Any, ssm_mask: Any, version: int) -> mx.array:
+        return decode_batch(self, inputs, cache, ssm_mask, version)
 
     # -- the whole step -------------------------------------------------------------
 
@@ -269,9 +293,31 @@ def one_token_dtype(tokens: mx.array) -> mx.array:
 
 
 class _OneToken:
-    """Stands in for the hidden state's shape in the layers' eligibility check."""
+    """Stands in for the hidden state's shape (B rows of one token) in the
+    layers' eligibility checks and the masks stock builds."""
 
-    shape = (1, 1)
+    def __init__(self, rows: int):
+        self.shape = (rows, 1)
 
 
-_ONE_TOKEN = _OneToken()
+_ONE_TOKENS = {}
+
+
+def _one_token(rows: int = 1) -> _OneToken:
+    held = _ONE_TOKENS.get(rows)
+    if held is None:
+        held = _ONE_TOKENS[rows] = _OneToken(rows)
+    return held
+
+
+_ONE_TOKEN = _one_token(1)
+
+
+class DecodeMasks:
+    """What ``_segment_masks`` found for a decode token: the attention and
+    DeltaNet masks stock builds, the weights' version, the batch's rows where
+    the batched step may take it (else None), and whether the one-row forms
+    (whole step, segments) may."""
+
+    def __init__(self, fa_mask: Any, ssm_mask: Any, version: int, rows: Optional[int], one_row: bool):
+        self.fa_mask, self.ssm_mask, self.version, self.rows, self.one_row = fa_mask, ssm_mask, version, rows, one_row

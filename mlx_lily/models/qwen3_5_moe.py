@@ -18,16 +18,19 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3_5_moe as stock
-from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel, TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from mlx_lm.utils import infer_quant_config
 
 from ..errors import CheckpointError, ConfigError
 from ..layers import (
-    LilyAttention, LilyDecoderLayer, LilyDenseMLP, LilyGatedDeltaNet, LilySparseMoeBlock, LilyTextModel,
+    LilyAttention, LilyDecoderLayer, LilyDenseMLP, LilyGatedDeltaNet, LilyLanguageModel, LilySparseMoeBlock,
+    LilyTextModel,
 )
 
 _SPECIALIZE = {
+    # The head (lm_head on lily's GEMV for the server's decode batches).
+    TextModel: LilyLanguageModel,
     Qwen3_5TextModel: LilyTextModel,
     DecoderLayer: LilyDecoderLayer,
     GatedDeltaNet: LilyGatedDeltaNet,
@@ -131,9 +134,11 @@ def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
     stock's) in place. The weights are shared, not copied, so one model can be
     measured both ways in one process (bench/)."""
     table = _SPECIALIZE if lily else {v: k for k, v in _SPECIALIZE.items()}
-    text = getattr(getattr(model, "language_model", None), "model", None)
-    if type(text) in table:
-        text.__class__ = table[type(text)]
+    language = getattr(model, "language_model", None)
+    text = getattr(language, "model", None)
+    for module in (language, text):
+        if type(module) in table:
+            module.__class__ = table[type(module)]
     for layer in model.layers:
         if type(layer) in table:
             layer.__class__ = table[type(layer)]

@@ -1,0 +1,186 @@
+"""The server's decode step: the whole layer stack for B = 1..16 rows in one
+compiled call, on mlx-lm's batch caches.
+
+``mlx_lm.server`` decodes through ``BatchGenerator``: every attention layer
+holds a ``BatchKVCache`` (rows left-padded, each with its own position) and
+every Gated DeltaNet layer an ``ArraysCache`` of B rows. One decode token of
+the batch is then, as for ``mlx_lm.generate`` (``text_model.py``), one
+``mx.compile``-d call from the embedding to the final norm:
+
+* the KV buffers are held at a whole number of ``CAPACITY_STEP`` rows, the
+  new rows written at the batch's write index (an input, so one trace serves
+  every token up to the capacity);
+* RoPE takes each row's own position (``BatchKVCache.offset``);
+* the attention reads each row's keys from its left padding to the write
+  index in place (``start``), with no array mask;
+* the DeltaNet steps take the batch's padding mask where the caches give one.
+
+MLX traces the step once per batch size and KV capacity: a batch size met
+for the first time, or a capacity step crossed, costs a trace (seconds at
+the real shapes), after which every token of that shape replays it.
+
+Every kernel the step runs reduces each row in the same order whatever the
+batch holds, so a row's logits (and its greedy tokens) are the same bits
+alone or in any batch of up to ``MAX_BATCH`` rows: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
+
+from .._notice import notice_once
+from ..kernels.attention.sdpa import attention_kernels
+from ..kernels.dtypes import embedding_dtype
+from ..toolchain.registry import kernel_backend
+from .stock_gate import record
+
+# Rows the batched decode kernels take (each family's MAX_BATCH); a larger
+# batch decodes through lily's unfused layers (stock's op flow), correct but
+# slower, with one notice.
+MAX_BATCH = 16
+
+
+def batch_rows(cache: Any) -> Optional[int]:
+    """B when ``cache`` is the server's (its attention layers' caches are
+    BatchKVCaches), else None."""
+    for c in cache:
+        if type(c) is BatchKVCache:
+            return int(c.offset.size) if isinstance(c.offset, mx.array) else None
+    return None
+
+
+def batch_step_takes(model: Any, cache: Any, ssm_mask: Any, rows: int) -> bool:
+    """Whether the batched whole step takes this decode token: every
+    attention layer's cache a filled bf16 BatchKVCache at one write index,
+    every DeltaNet layer's an ArraysCache of ``rows`` rows holding both
+    states with no length limit, a padding mask of one step or none, at most
+    MAX_BATCH rows, and the attention's decode kernels on."""
+    if model.fa_idx is None:
+        return False
+    if embedding_dtype(model.embed_tokens) != mx.bfloat16:
+        return False
+    kv = [cache[i] for i in model._cuts()]
+    if not all(type(c) is BatchKVCache and (c.keys is None or c.keys.dtype == mx.bfloat16)
+               and isinstance(c.offset, mx.array) and c.offset.size == rows for c in kv):
+        return False
+    if len({c._idx for c in kv}) != 1 or len({c.keys is None for c in kv}) != 1:
+        return False
+    for layer, c in zip(model.layers, cache):
+        # Both states, or neither (a request whose prompt was one token).
+        if layer.is_linear and not (type(c) is ArraysCache and c.lengths is None and (
+                (c[0] is None and c[1] is None) or (c[0] is not None and c[1] is not None and c[0].shape[0] == rows))):
+            return False
+    if ssm_mask is not None and not (isinstance(ssm_mask, mx.array) and ssm_mask.dtype == mx.bool_
+                                     and tuple(ssm_mask.shape) == (rows, 1)):
+        return False
+    backend = kernel_backend()[0]
+    if backend is None or not attention_kernels.decode_on(backend):
+        return False
+    if rows > MAX_BATCH:
+        notice_once(
+            "batch-over-max",
+            f"lily: a decode batch of {rows} rows; lily's batched decode step takes 1 to {MAX_BATCH} rows, "
+            "so larger batches decode through lily's unfused layers (the same results, slower)",
+        )
+        return False
+    return True
+
+
+def reserve_batch_rows(cache: BatchKVCache, rows: int, attention: Any, dtype: mx.Dtype) -> None:
+    """Give a BatchKVCache room for ``rows`` buffer rows, its capacity a
+    whole number of CAPACITY_STEP rows; the rows up to its write index are
+    kept, the rest zeros (never read: each row's attention ends at the write
+    index). It stays a valid BatchKVCache for mlx-lm's code (extend, filter,
+    extract, update_and_fetch). An empty one (no prompt yet) gets buffers
+    shaped by ``attention``'s heads."""
+    from .text_model import whole_capacity
+
+    if cache.keys is None:
+        shape = (cache.offset.size, attention.num_key_value_heads, 0, attention.head_dim)
+        cache.keys, cache.values = mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype)
+    capacity = cache.keys.shape[2]
+    wanted = whole_capacity(max(rows, capacity))
+    if wanted == capacity:
+        return
+    filled = cache._idx
+
+    def grown(a: mx.array) -> mx.array:
+        B, H, _, D = a.shape
+        return mx.concatenate([a[..., :filled, :], mx.zeros((B, H, wanted - filled, D), dtype=a.dtype)], axis=2)
+
+    cache.keys, cache.values = grown(cache.keys), grown(cache.values)
+
+
+def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx.array], version: int) -> mx.array:
+    """One decode token of B rows through the compiled batched step; the
+    caches advance as stock's layers would advance them."""
+    from .text_model import _one_token, compiled_step, one_token_dtype
+
+    rows = inputs.shape[0]
+    one = _one_token(rows)
+    if model.ssm_idx is not None:
+        record("Gated DeltaNet", "lily batched decode step", one, ssm_mask, cache[model.ssm_idx])
+    record("full attention", "lily batched decode step", one, None, cache[model.fa_idx])
+    record("MoE", "lily batched decode step", one, None, None)
+    first = cache[model.fa_idx]
+    index = first._idx
+    dtype = embedding_dtype(model.embed_tokens)
+    for i in model._cuts():
+        reserve_batch_rows(cache[i], index + 1, model.layers[i].self_attn, dtype)
+    args = [one_token_dtype(inputs)]
+    for layer, c in zip(model.layers, cache):
+        args += (_states(layer.linear_attn, c, rows, dtype) if layer.is_linear else [c.keys, c.values])
+    args += [mx.array([index], dtype=mx.int32), first.offset.astype(mx.int32), first.left_padding.astype(mx.int32)]
+    masked = ssm_mask is not None
+    if masked:
+        args.append(ssm_mask)
+    store = model.__dict__.setdefault("_lily_segments", {})
+    step = compiled_step(store, ("batch", masked), version, lambda: batch_step_fn(model, masked))
+    outputs = step(*args)
+    del args  # the old buffers: only the new graph holds them, so MLX writes the new rows in place
+    for layer, c, (a, b) in zip(model.layers, cache, zip(outputs[0::2], outputs[1::2])):
+        if layer.is_linear:
+            c[0], c[1] = a, b
+            c.advance(1)
+        else:
+            c.keys, c.values = a, b
+            c.offset = c.offset + 1
+            c._idx += 1
+    return outputs[-1]
+
+
+def _states(la: Any, cache: ArraysCache, rows: int, dtype: mx.Dtype) -> list:
+    """A DeltaNet layer's (conv state, recurrent state); zeros, as stock
+    starts them, for a request that had no prompt step (its prompt was one
+    token), so that its first token takes this step as well."""
+    if cache[0] is not None:
+        return [cache[0], cache[1]]
+    conv = mx.zeros((rows, la.conv_kernel_size - 1, la.conv_dim), dtype=dtype)
+    state = mx.zeros((rows, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
+    return [conv, state]
+
+
+def batch_step_fn(model: Any, masked: bool) -> Callable:
+    """The stack for B rows: (tokens [B, 1], each layer's two states or
+    buffers, write index [1], positions [B], left paddings [B], [mask [B, 1]])
+    -> (each layer's new states or buffers, the final norm's output)."""
+    layers = model.layers
+    n = 2 * len(layers)
+
+    def step(tokens, *rest):
+        position, offsets, starts = rest[n:n + 3]
+        mask = rest[n + 3] if masked else None
+        h = model.embed_tokens(tokens)
+        outputs = []
+        for i, layer in enumerate(layers):
+            if layer.is_linear:
+                h, a, b = layer._linear_step(h, rest[2 * i], rest[2 * i + 1], mask)
+            else:
+                h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position, offsets, starts)
+            outputs += [a, b]
+        return (*outputs, model.norm(h))
+
+    return step
