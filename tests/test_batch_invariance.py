@@ -1,0 +1,107 @@
+"""The server's decode batches (mlx_lily/layers/batch_step.py, prompt_rows.py,
+language_model.py): a request's logits are the same bits alone or in any
+batch of up to 16 rows, wherever it sits, whoever joins or leaves.
+
+Through mlx-lm's own ``BatchGenerator`` (what ``mlx_lm.server`` runs), with
+every kernel on in the CPU emulator. The emulator cannot run kernels inside
+``mx.compile``'s trace, so the compiled steps run eagerly here (``mx.compile``
+stood in for by the function itself): the same ops in the same order.
+Compared: each decode step's log-probabilities over the whole vocabulary,
+bit for bit, not only the greedy tokens.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import BatchGenerator
+
+import mlx_lily
+from mlx_lily import call_trace
+from mlx_lily.layers import text_model as T
+from mlx_lily.layers.batch_step import MAX_BATCH
+
+# Prompts of different lengths (one token: no prompt step at all).
+PROMPTS = [[(37 * i + 11 * j) % 500 + 1 for j in range(1 + (5 * i) % 13)] for i in range(MAX_BATCH + 1)]
+BATCHED = "lily batched decode step"
+
+
+@pytest.fixture
+def lily(demo_checkpoint, emulator_backend, monkeypatch):
+    monkeypatch.setattr(T, "compile_enabled", lambda: True)
+    monkeypatch.setattr(mx, "compile", lambda fn: fn)
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    return model
+
+
+def generate(model, schedule, max_tokens):
+    """Per request: [(token, log-probabilities as fp32 numpy)] for each
+    decode step. ``schedule``: {step: [prompt indices inserted then]}."""
+    gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=32)
+    uid_of, out, step, done = {}, {}, 0, 0
+    requests = sum(len(v) for v in schedule.values())
+    try:
+        while done < requests:
+            for i in schedule.get(step, []):
+                (uid,) = gen.insert([PROMPTS[i]], max_tokens=[max_tokens[i]])
+                uid_of[uid] = i
+                out[i] = []
+            _, responses = gen.next()
+            for r in responses:
+                out[uid_of[r.uid]].append((r.token, np.array(r.logprobs.astype(mx.float32))))
+                done += r.finish_reason is not None
+            step += 1
+            assert step < 200, "the generator stopped answering"
+    finally:
+        gen.close()
+    return out
+
+
+def alone(model, index, max_tokens):
+    return generate(model, {0: [index]}, {index: max_tokens})[index]
+
+
+def assert_same(got, want, what):
+    assert len(got) == len(want), what
+    for t, ((tg, lg), (tw, lw)) in enumerate(zip(got, want)):
+        assert tg == tw and np.array_equal(lg, lw), f"{what}: step {t} differs"
+
+
+@pytest.mark.parametrize("rows", [2, 5, MAX_BATCH])
+def test_a_request_decodes_the_same_bits_alone_and_in_a_batch(lily, rows):
+    steps = 3
+    call_trace.start()
+    try:
+        together = generate(lily, {0: list(range(rows))}, {i: steps for i in range(rows)})
+        batched = {r["batch"] for r in call_trace.seen() if r["path"] == BATCHED}
+    finally:
+        call_trace.stop()
+    assert rows in batched, batched
+    # Alone: the first, a middle and the last row of the batch.
+    for i in sorted({0, rows // 2, rows - 1}):
+        assert_same(together[i], alone(lily, i, steps), f"row {i} of {rows}")
+
+
+def test_rows_joining_and_leaving_keep_their_bits(lily):
+    # Requests arrive while others decode and finish at different steps; the
+    # batch is extended and filtered under them (its KV rows re-padded).
+    schedule = {0: [3], 2: [7, 1], 4: [12]}
+    max_tokens = {3: 7, 7: 3, 1: 6, 12: 4}
+    got = generate(lily, schedule, max_tokens)
+    for i, n in max_tokens.items():
+        assert_same(got[i], alone(lily, i, n), f"request {i}")
+
+
+def test_a_batch_over_the_kernels_rows_runs_unfused_with_one_notice(lily, fresh_notices, capfd):
+    rows = MAX_BATCH + 1
+    call_trace.start()
+    try:
+        got = generate(lily, {0: list(range(rows))}, {i: 2 for i in range(rows)})
+        paths = {(r["batch"], r["path"]) for r in call_trace.seen() if r["step"] == "decode"}
+    finally:
+        call_trace.stop()
+    assert all(len(v) == 2 for v in got.values())
+    assert (rows, BATCHED) not in paths and any(b == rows for b, _ in paths)
+    err = capfd.readouterr().err
+    assert err.count(f"a decode batch of {rows} rows") == 1
