@@ -362,29 +362,32 @@ def _sample():
 
 
 def _fuzz(rng):
-    """A random decode call: D, E, k, I and the shared I, renormalised or not,
-    logits rows with ties, -inf and NaN among the plain ones, bf16 or fp16."""
+    """A random decode call: 1 to 4 rows (now and then MAX_BATCH), D, E, k, I
+    and the shared I, renormalised or not, logits rows with ties, -inf and
+    NaN among the plain ones, bf16 or fp16."""
     from .testing import moe_decode_inputs
 
+    rows = int(rng.choice([1, 1, 2, 3, 4, MAX_BATCH]))
     D = int(rng.choice([64, 128, 192]))
     E = int(rng.choice([int(rng.integers(1, 33)), int(rng.integers(33, 80))]))
     k = int(rng.integers(1, min(E, 8) + 1))
     I, IS = int(rng.choice([64, 128])), int(rng.choice([64, 128, 192]))
-    logits = 2.0 * rng.standard_normal(E)
-    kind = rng.choice(["plain", "plain", "ties", "-inf", "nan"])
-    if kind == "ties":  # whole runs of equal logits, across the k-th place
-        logits = np.round(logits)
-    elif kind == "-inf":
-        logits[rng.random(E) < 0.3] = -np.inf
-        logits[int(rng.integers(E))] = 1.0
-    elif kind == "nan":
-        logits[int(rng.integers(E))] = np.nan
+    logits = 2.0 * rng.standard_normal((rows, E))
+    for row in logits:
+        kind = rng.choice(["plain", "plain", "ties", "-inf", "nan"])
+        if kind == "ties":  # whole runs of equal logits, across the k-th place
+            row[:] = np.round(row)
+        elif kind == "-inf":
+            row[rng.random(E) < 0.3] = -np.inf
+            row[int(rng.integers(E))] = 1.0
+        elif kind == "nan":
+            row[int(rng.integers(E))] = np.nan
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
     return moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
-                                  dtype=dtype)
+                             dtype=dtype, rows=rows)
 
 
-# The two kernels as one KernelLike, self-checked together once per backend
+# The three kernels as one KernelLike, self-checked together once per backend
 # against ``moe_decode_precise`` on the sample (``moe_decode_agree``).
 moe_decode_kernel = SampleCheckedKernels(
     "moe_decode", (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_down_kernel),
