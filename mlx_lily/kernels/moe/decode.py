@@ -168,7 +168,7 @@ def _launch_route(h, router_logits, norm_weight, eps, top_k, norm_topk_prob) -> 
         inputs=[h, router_logits, norm_weight, _eps_array(float(eps))],
         grid=(ROUTE_THREADS, 1, 1),
         threadgroup=(ROUTE_THREADS, 1, 1),
-        output_shapes=[(B, D), (B, k), (B, k), (1 + B * k,), (B * k, B)],
+        output_shapes=[(B, D), (B, k), (B, k), (B * k,), (B * k, B)],
         output_dtypes=[h.dtype, mx.uint32, h.dtype, mx.uint32, mx.uint32],
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
                   ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("MAX_BATCH", MAX_BATCH)],

@@ -31,7 +31,7 @@
 //           size), IS (shared expert's), IMAX (= max(I, IS)), MAX_BATCH; I
 //           and IS multiples of 64.
 // Inputs:   h [B, 1, D] bf16; act [B, K + 1, IMAX] bf16 (launch 2); experts
-//           [1 + B * K], members [B * K, B] uint32 (launch 1); scores [B, K]
+//           [B * K], members [B * K, B] uint32 (launch 1); scores [B, K]
 //           bf16; gate_logit [B, 1, 1] bf16; down_w [E, D, I / 8] uint32,
 //           down_s, down_b [E, D, I / 64] bf16; sdown_w [D, IS / 8] uint32,
 //           sdown_s, sdown_b [D, IS / 64] bf16. B is h's first dimension.
@@ -55,15 +55,20 @@ const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint d0 = threadgroup_position_in_grid.x * ROWS_PER_TG;
 const uint B = min(uint(h_shape[0]), uint(MAX_BATCH));
-const uint entries = 1u + experts[0];
+const uint entries = 1u + B * uint(K);
 
 for (uint entry = sg; entry < entries; entry += SIMD_GROUPS) {  // uniform within a SIMD group
   const bool is_shared = entry == 0;
+  // Entries past the union's size hold NO_EXPERT (>= E): nothing to do.
+  const uint picked = is_shared ? 0u : experts[entry - 1];
+  if (!is_shared && picked >= uint(E)) {
+    continue;
+  }
   const uint hidden = is_shared ? uint(IS) : uint(I);
   const uint units = hidden / UNIT;
   const uint row_words = hidden / 8;
   const uint row_groups = hidden / 64;
-  const uint expert = is_shared ? 0u : min(experts[entry], uint(E - 1));
+  const uint expert = picked;
   const uint row_base = is_shared ? 0u : expert * uint(D);
   const device uint32_t* w = is_shared ? sdown_w : down_w;
   const device T* s = is_shared ? sdown_s : down_s;

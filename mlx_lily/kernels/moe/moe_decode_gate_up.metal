@@ -6,7 +6,7 @@
 // ROWS_PER_TG hidden rows of one expert: entry 0 the shared expert, for every
 // row of the batch; entry 1 + u the u-th distinct expert of the union that
 // launch 1 built (experts, members), for the rows that picked it; entries
-// past the union's U do nothing (the grid is sized for B * K distinct
+// past the union's size U do nothing (the grid is sized for B * K distinct
 // experts, the most there can be).
 //
 // Each SIMD group takes ROWS_PER_SG rows and first reads their gate and up
@@ -30,7 +30,7 @@
 // Template: T, E (experts), K (top k), D (hidden size, a multiple of 64), I
 //           (experts' hidden size), IS (shared expert's), IMAX (= max(I,
 //           IS)), MAX_BATCH.
-// Inputs:   xn [B, D] bf16; experts [1 + B * K], members [B * K, B] uint32
+// Inputs:   xn [B, D] bf16; experts [B * K], members [B * K, B] uint32
 //           (launch 1); gate_w, up_w [E, I, D / 8] uint32 (value j of a word
 //           in bits 4j..4j+3), gate_s, gate_b, up_s, up_b [E, I, D / 64]
 //           bf16; sgate_w, sup_w [IS, D / 8] uint32, sgate_s, sgate_b,
@@ -61,8 +61,10 @@ const uint block = threadgroup_position_in_grid.x;
 const uint entry = threadgroup_position_in_grid.y;
 const uint B = min(uint(xn_shape[0]), uint(MAX_BATCH));
 const bool is_shared = entry == 0;
-const bool active = is_shared || entry <= experts[0];
-const uint expert = (active && !is_shared) ? min(experts[entry], uint(E - 1)) : 0u;
+// Entries past the union's size hold NO_EXPERT (>= E): nothing to do.
+const uint picked = is_shared ? 0u : experts[entry - 1];
+const bool active = is_shared || picked < uint(E);
+const uint expert = active ? picked : 0u;
 const uint rows = is_shared ? uint(IS) : uint(I);
 const uint row_base = is_shared ? 0u : expert * uint(I);
 const uint r0 = block * ROWS_PER_TG + sg * ROWS_PER_SG;

@@ -24,9 +24,10 @@
 //           eps [1] fp32. B is h's first dimension (read at run time: one
 //           build for every B).
 // Outputs:  xn [B, D] bf16; inds [B, K] uint32; scores [B, K] bf16;
-//           experts [1 + B * K] uint32: experts[0] = U, the number of
-//           distinct experts, experts[1 + u] the u-th (u < U; the rest
-//           unwritten); members [B * K, B] uint32: members[u * B + b] =
+//           experts [B * K] uint32: the u-th distinct expert for u < U (the
+//           number of distinct experts), NO_EXPERT (0xFFFFFFFF) from U on
+//           (so that the array's size is the picks' count, which byte
+//           counting reads); members [B * K, B] uint32: members[u * B + b] =
 //           1 + the slot at which row b picked the u-th expert, 0 if it did not.
 // Grid:     (THREADS, 1, 1), threadgroup (THREADS, 1, 1).
 
@@ -34,6 +35,7 @@ constexpr uint SIMD_WIDTH = 32;
 constexpr uint SIMD_GROUPS = 8;
 constexpr uint THREADS = SIMD_GROUPS * SIMD_WIDTH;
 constexpr uint PICKS = uint(MAX_BATCH) * uint(K);
+constexpr uint NO_EXPERT = 0xFFFFFFFFu;
 
 threadgroup uint picks[PICKS];
 threadgroup uint first_of[PICKS];   // the first flat index holding the same expert
@@ -90,13 +92,15 @@ if (sg == 0) {  // one SIMD group numbers the first occurrences, in order
     const uint at = count + simd_prefix_exclusive_sum(is_first);
     if (is_first != 0u) {
       distinct[at] = picks[f];
-      experts[1 + at] = picks[f];
+      experts[at] = picks[f];
     }
     count += simd_sum(is_first);
   }
+  for (uint u = count + lane; u < n; u += SIMD_WIDTH) {
+    experts[u] = NO_EXPERT;
+  }
   if (lane == 0) {
     distinct_count = count;
-    experts[0] = count;
   }
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
