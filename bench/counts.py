@@ -87,8 +87,10 @@ EXPERT_MATMULS = frozenset({"GatherQMM", "GatherMM"})
 GATHERED_KERNEL_INPUTS: Dict[str, Tuple[Tuple[str, int], Sequence[int]]] = {
     "moe_gate_up": (("inputs", 1), range(3, 9)),  # the row order
     "moe_down": (("inputs", 1), range(3, 9)),
-    "moe_decode_gate_up": (("outputs", 1), range(4, 10)),  # the ids it picked
-    "moe_decode_down": (("inputs", 2), range(5, 8)),  # the ids it is given
+    # The decode chain's expert walk (the union of its rows' picks: B x top-k
+    # entries, exact for one row; bench/batch_counts.py counts the union).
+    "moe_decode_gate_up": (("inputs", 1), range(3, 9)),
+    "moe_decode_down": (("inputs", 2), range(6, 9)),
 }
 CUSTOM_KERNEL_PREFIX = "custom_kernel_"
 

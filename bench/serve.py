@@ -94,6 +94,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--server-timeout-s", type=float, default=600, help="server start limit")
     p.add_argument("--request-timeout-s", type=float, default=300, help="per-request limit")
     p.add_argument("--no-generate-check", action="store_true", help="skip the prefill vs generate check")
+    p.add_argument("--count-rows", type=int, default=8,
+                   help="the generate check also counts kernels and bytes of one decode step of this many "
+                        "streams on the server's caches (bench/batch_counts.py; 0: off; default 8)")
     p.add_argument("--generate-check-after", action="store_true",
                    help="start the generate check's process after the server stops, not beside it "
                         "(one copy of the model in memory at a time; slower)")
@@ -365,8 +368,34 @@ def generate_worker(spec_path: str, out_path: str) -> int:
         if os.getppid() != parent:  # the bench is gone: nobody wants the figure
             return 1
         time.sleep(0.05)
-    Path(out_path).write_text(json.dumps({"warmup": warmup, "measured": run()}))
+    result = {"warmup": warmup, "measured": run()}
+    if spec.get("count_rows"):
+        result["batch_counts"] = batched_step_counts(model, tokenizer, spec["prompt"], spec["count_rows"])
+    Path(out_path).write_text(json.dumps(result))
     return 0
+
+
+def batched_step_counts(model, tokenizer, prompt: str, rows: int) -> Dict[str, Any]:
+    """Kernels and bytes of one decode step of ``rows`` streams on the
+    server's batch caches (each row a prefix of the prompt of its own length,
+    merged as the server merges requests' caches), against the union they
+    must read (bench/batch_counts.py); the error, where counting failed."""
+    try:
+        import mlx.core as mx
+        from mlx_lm.generate import _merge_caches
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from bench.batch_counts import batch_decode_step_counts
+
+        ids = tokenizer.encode(prompt)
+        caches = []
+        for r in range(rows):
+            cache = make_prompt_cache(model)
+            mx.eval(model(mx.array(ids[: max(8, len(ids) * (r + 1) // rows)])[None], cache=cache))
+            caches.append(cache)
+        return batch_decode_step_counts(model, _merge_caches(caches), [ids[r] for r in range(rows)])
+    except Exception as exc:  # noqa: BLE001 - the figure is extra; the check's other figures stand
+        return {"error": f"{type(exc).__name__}: {exc}"[:400]}
 
 
 class GenerateCheck:
@@ -376,7 +405,7 @@ class GenerateCheck:
     which takes minutes), and makes its measured run only when told to, after
     the server has stopped, so that no timing shares the GPU."""
 
-    def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str):
+    def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str, count_rows: int = 0):
         self.engine = engine
         self.spec = out / f"generate-{engine}-spec.json"
         self.ready, self.go = out / f"generate-{engine}.ready", out / f"generate-{engine}.go"
@@ -385,7 +414,7 @@ class GenerateCheck:
             f.unlink(missing_ok=True)
         self.spec.write_text(json.dumps({
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine,
-            "ready": str(self.ready), "go": str(self.go),
+            "ready": str(self.ready), "go": str(self.go), "count_rows": count_rows,
         }))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -557,7 +586,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check, beside = None, not args.no_generate_check and not args.generate_check_after
         if beside:
             log(f"prefill check: mlx_lm stream_generate with {engine}, warming up beside the server")
-            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine)
+            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine, args.count_rows)
         try:
             report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline, check)
         except Exception as exc:  # recorded; the other engine still runs
@@ -568,7 +597,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["generate_check"][engine] = {"skipped": "time budget"}
                 continue
             log(f"prefill check: mlx_lm stream_generate with {engine}")
-            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine)
+            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine, args.count_rows)
         if check is not None:
             # The server has stopped: the measured run has the GPU to itself.
             ready_s = max(args.server_timeout_s if args.generate_check_after else 30.0,
@@ -652,6 +681,16 @@ def markdown(report: Dict[str, Any]) -> str:
     for name, g in (report.get("generate_check") or {}).items():
         if g.get("error") or g.get("skipped"):
             lines.append(f"Prefill check, {name}: {g.get('skipped') or 'error: ' + ' '.join(g['error'])}.")
+        c = g.get("batch_counts")
+        if c and c.get("error"):
+            lines.append(f"Batched step counts, {name}: error: {c['error']}.")
+        elif c:
+            lines.append(
+                f"One decode step of {c['rows']} streams on the server's caches, {name}: "
+                f"{c['kernels_per_decode_step']} kernels, {c['bytes_per_decode_step'] / 1e6:,.1f} MB against "
+                f"{c['bytes_rows_must_read'] / 1e6:,.1f} MB the rows must read (ratio {c['ratio_to_must_read']:.2f}; "
+                f"experts per MoE layer, the rows' union: median {statistics.median(c['experts_union_per_layer'])})."
+            )
     for name, e in report["engines"].items():
         if e.get("error"):
             lines.append(f"{name}: error: {e['error']}")

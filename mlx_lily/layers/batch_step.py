@@ -15,7 +15,9 @@ the batch is then, as for ``mlx_lm.generate`` (``text_model.py``), one
   index in place (``start``), with no array mask;
 * the DeltaNet steps take the batch's padding mask where the caches give one.
 
-MLX traces the step once per batch size and KV capacity: a batch size met
+With compilation off (``MLX_LILY_COMPILE_DECODE=0``, the CPU emulator, a
+graph traced for counting) the same step runs as plain ops. MLX traces the
+compiled step once per batch size and KV capacity: a batch size met
 for the first time, or a capacity step crossed, costs a trace (seconds at
 the real shapes), after which every token of that shape replays it.
 
@@ -117,7 +119,8 @@ def reserve_batch_rows(cache: BatchKVCache, rows: int, attention: Any, dtype: mx
 def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx.array], version: int) -> mx.array:
     """One decode token of B rows through the compiled batched step; the
     caches advance as stock's layers would advance them."""
-    from .text_model import _one_token, compiled_step, one_token_dtype
+    from .decoder import compile_enabled, compiled_step
+    from .text_model import _one_token, one_token_dtype
 
     rows = inputs.shape[0]
     one = _one_token(rows)
@@ -137,8 +140,11 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
     masked = ssm_mask is not None
     if masked:
         args.append(ssm_mask)
-    store = model.__dict__.setdefault("_lily_segments", {})
-    step = compiled_step(store, ("batch", masked), version, lambda: batch_step_fn(model, masked))
+    if compile_enabled():
+        store = model.__dict__.setdefault("_lily_segments", {})
+        step = compiled_step(store, ("batch", masked), version, lambda: batch_step_fn(model, masked))
+    else:  # MLX_LILY_COMPILE_DECODE=0, the emulator, a trace for counting: the same ops, one by one
+        step = batch_step_fn(model, masked)
     outputs = step(*args)
     del args  # the old buffers: only the new graph holds them, so MLX writes the new rows in place
     for layer, c, (a, b) in zip(model.layers, cache, zip(outputs[0::2], outputs[1::2])):

@@ -67,8 +67,6 @@ class LilyTextModel(Qwen3_5TextModel):
         whether its fused path fits."""
         if cache is None or inputs.ndim != 2 or inputs.shape[1] != 1:
             return None
-        if not compile_enabled():
-            return None
         if getattr(self, "pipeline_size", 1) != 1 or len(cache) != len(self.layers):
             return None
         if not all(type(layer) is LilyDecoderLayer for layer in self.layers):
@@ -76,13 +74,18 @@ class LilyTextModel(Qwen3_5TextModel):
         rows = batch_rows(cache)
         if inputs.shape[0] != 1 and rows != inputs.shape[0]:
             return None
+        # The one-row forms exist compiled only; the batched step also runs
+        # as plain ops (compilation off, the emulator, a trace for counting).
+        compiled = compile_enabled()
+        if not compiled and rows is None:
+            return None
         version = self._weights_version()
         # None for one token without padding; the server's batch caches give
         # arrays, which the layers' fused steps and the batched step take.
         one = _one_token(inputs.shape[0])
         fa_mask = create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(one, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        fits = inputs.shape[0] == 1 and all(
+        fits = compiled and inputs.shape[0] == 1 and all(
             layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
             for layer, c in zip(self.layers, cache)
         )
