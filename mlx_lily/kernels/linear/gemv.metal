@@ -1,5 +1,5 @@
 // Row-parallel quantized matrix-vector product for decode (one token of each
-// of BATCH sequences, 1 to 16), with the input's prologue and the residual
+// of B sequences, 1 to 16, in a build for BATCH rows, B's bucket), with the input's prologue and the residual
 // epilogue fused, for up to four projections that read the same input in one
 // dispatch:
 //
@@ -22,13 +22,21 @@
 // scale * q . xin per word plus bias * sum(xin) per step; simd_sum finishes
 // each.
 //
-// Batch invariance: row b's outputs are the same bits whatever BATCH is and
-// whatever the other rows hold. The launch geometry (ROWS, NSG) never depends
-// on BATCH, every accumulator takes the same sequence of operations in the
-// same order for every b and every BATCH, and the multiply-adds are explicit
-// fma() calls, so no compiler contracts them differently per instance. xin is
-// the same value whether staged in threadgroup memory or computed where it is
-// read (the same operations on the same inputs).
+// Batch invariance: row b's outputs are the same bits whatever B and BATCH
+// are and whatever the other rows hold. NSG (which orders the norm's sum of
+// squares) never depends on the batch; ROWS may (the launcher takes fewer for
+// large buckets, so that BATCH x ROWS accumulators stay in registers): a
+// weight row's dot product is summed by the same lanes in the same order
+// whatever ROWS is. Every accumulator takes the same sequence of operations
+// in the same order for every b and every BATCH, and the multiply-adds are
+// explicit fma() calls, so no compiler contracts them differently per
+// instance. xin is the same value whether staged in threadgroup memory or
+// computed where it is read (the same operations on the same inputs).
+//
+// Rows b >= B of the bucket (B = layout[8], a runtime value, so that one
+// build serves every B of its bucket) read nothing, add nothing and write
+// nothing: every loop over b runs to BATCH (constant indices keep the
+// accumulators in registers) and skips those rows by a uniform branch.
 //
 // Rounding: xin is rounded where MLX's ops round it (rms_norm: x * inv_rms
 // rounded to XT, times the weight rounded to XT; gate: sigmoid rounded to XT,
@@ -41,27 +49,30 @@
 //           output's dtype), K (a multiple of 64), S (segments, 1..4),
 //           BITS0..BITS3 (4 or 8; 0 past S), NSG (SIMD groups per threadgroup),
 //           ROWS (weight rows per SIMD group), PROLOGUE (0, 1, 2), RESIDUAL
-//           (bool), BATCH (rows of x, 1..16), STAGE_X (bool: xin of all rows
-//           in threadgroup memory; else each lane computes the xin values it
-//           multiplies from x in device memory, BATCH * K values of XT being
-//           more than the threadgroup budget).
-// Inputs:   x [BATCH, 1, K] bf16 or fp16 (strided); w<s> [N_s, K * BITS<s> / 32]
+//           (bool), BATCH (the bucket of B: 1, 2, 4, 8 or 16, gemv.py's
+//           BATCH_BUCKETS), STAGE_X (bool: xin of all rows in threadgroup
+//           memory; else each lane computes the xin values it multiplies from
+//           x in device memory, BATCH * K values of XT being more than the
+//           threadgroup budget).
+// Inputs:   x [B, 1, K] bf16 or fp16 (strided); w<s> [N_s, K * BITS<s> / 32]
 //           uint32 (row-contiguous; value j of a word in bits BITS*j ...),
 //           scales<s>, biases<s> [N_s, K / 64] x's dtype (row-contiguous);
-//           norm_weight [K] (strided); gate [BATCH, 1, G, D] x's dtype with
-//           G * D = K (strided); residual [BATCH, 1, N_0] x's dtype (strided);
-//           layout uint32 [8]: each segment's end in row blocks (4), rows (4);
+//           norm_weight [K] (strided); gate [B, 1, G, D] x's dtype with
+//           G * D = K (strided); residual [B, 1, N_0] x's dtype (strided);
+//           layout uint32 [9]: each segment's end in row blocks (4), rows (4),
+//           B (1);
 //           scalars fp32 [1]: eps. An unused norm_weight, gate or residual
 //           is a small dummy; the arrays of segments past S are not passed
 //           (the launcher declares them as segment 0's, never read).
-// Outputs:  out0..out3 [BATCH, 1, N_s] (one output per segment, so each
+// Outputs:  out0..out3 [B, 1, N_s] (one output per segment, so each
 //           projection is an array of its own, no view of a shared one; none
 //           past S).
 // Grid:     (threadgroups * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
 
 // Rows per SIMD group (ROWS): each lane keeps this many 16-byte loads in
 // flight per step and reuses its xin values for all of them (the launcher
-// picks 1, 2 or 4 by the call's weight rows, gemv.py's launch_choice).
+// picks 1, 2 or 4 by the call's weight rows and the bucket, gemv.py's
+// launch_choice).
 constexpr uint ROWS_PER_SIMDGROUP = ROWS;
 constexpr uint SIMD_WIDTH = 32;
 constexpr uint THREADS = NSG * SIMD_WIDTH;
@@ -87,6 +98,8 @@ const uint tid = thread_index_in_threadgroup;
 const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint gate_d = uint(gate_shape[3]);
+// layout: block ends [0..3], rows [4..7], rows of x [8].
+const uint batch_rows = layout[8];
 
 // -- prologue: each row's norm, then (STAGE_X) xin into threadgroup memory ---------
 if (PROLOGUE == 1) {
@@ -96,8 +109,10 @@ if (PROLOGUE == 1) {
   }
   for (uint k = tid; k < K; k += THREADS) {
     for (uint b = 0; b < BATCH; ++b) {
-      float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
-      squares[b] = fma(v, v, squares[b]);
+      if (b < batch_rows) {
+        float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+        squares[b] = fma(v, v, squares[b]);
+      }
     }
   }
   for (uint b = 0; b < BATCH; ++b) {
@@ -120,6 +135,9 @@ if (STAGE_X) {
   for (uint k = tid; k < K; k += THREADS) {
     const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
     for (uint b = 0; b < BATCH; ++b) {
+      if (b >= batch_rows) {
+        continue;
+      }
       // xin[b][k] (the same lines as in the unstaged read below).
       float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
       if (PROLOGUE == 1) {
@@ -143,7 +161,6 @@ if (STAGE_X) {
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
 // -- this SIMD group's rows ---------------------------------------------------------
-// layout: block ends [0..3], rows [4..7].
 const uint block = threadgroup_position_in_grid.x * NSG + sg;
 uint seg = 0;
 for (uint s = 0; s + 1 < S; ++s) {
@@ -256,12 +273,12 @@ for (uint step = 0; step <= steps; ++step) {
           }
         }
         for (uint b = 0; b < BATCH; ++b) {
-          // Row b's xin at this chunk's values.
+          // Row b's xin at this chunk's values (zeros past B: nothing read).
           float xv[8];
           for (uint i = 0; i < 8; ++i) {
             const uint k = k0 + 8 * c + i;
             xv[i] = 0.0f;
-            if (active) {
+            if (active && b < batch_rows) {
               if (STAGE_X) {
                 const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
                 xv[i] = static_cast<float>(xin[b * K + at]);
@@ -305,6 +322,9 @@ for (uint step = 0; step <= steps; ++step) {
 
 // -- finish each row: the matmul's rounding, then the residual's -------------------
 for (uint b = 0; b < BATCH; ++b) {
+  if (b >= batch_rows) {
+    continue;
+  }
   for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
     float total = simd_sum(acc[b][r]);
     const uint row = row0 + r;

@@ -32,6 +32,10 @@ MAX_SEGMENTS = 4
 # Rows of x (sequences, one token each) per launch: the body keeps MAX_BATCH
 # accumulators per weight row in registers.
 MAX_BATCH = 16
+# Builds by batch: the body's BATCH is B's bucket (the smallest >= B) and B
+# reaches it at run time (layout[8]), so a server meeting every B from 1 to 16
+# builds each call shape 5 times, not 16 (each a few seconds of NVRTC on CUDA).
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
 # One row's prologue output fits threadgroup memory as XT: K bf16 values
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
@@ -58,6 +62,14 @@ STAGED_X_BYTES = 16384
 ROWS_CHOICES = (1, 2, 4)
 DEFAULT_LAUNCH = (4, None)
 CUDA_LAUNCH_FOR_ROWS = ((4096, 4, None), (1024, 2, 8), (0, 1, 16))
+# A lane holds BATCH x ROWS fp32 accumulators; nvcc (sm_90) keeps 16 in
+# registers at the model's shapes, and from 32 (16 x 2 for the merged input
+# projections) leaves the batch loop rolled, the accumulators in local memory.
+# So large buckets take fewer rows per SIMD group: the same sums per weight
+# row (its dot product is the same lanes' in the same order whatever ROWS
+# is), only the rows' spread over SIMD groups changes. NSG stays the B = 1
+# launch's (it orders the norm's sum of squares).
+MAX_ACCUMULATORS = 16
 # The body indexes with 32-bit unsigned integers.
 MAX_WORDS = 2**31
 # Occupancy targets for the SIMD groups per threadgroup: big calls (lm_head,
@@ -200,14 +212,15 @@ def _dummies() -> tuple:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(rows: tuple, per_block: int) -> mx.array:
-    """Per segment: end in row blocks (of ``per_block`` rows), rows (4 each)."""
+def _layout(rows: tuple, per_block: int, batch: int) -> mx.array:
+    """Per segment: end in row blocks (of ``per_block`` rows), rows (4
+    each); then the rows of x, B (the body's runtime row count)."""
     ends, blocks = [], 0
     for n in rows:
         blocks += -(-n // per_block)
         ends.append(blocks)
     pad = MAX_SEGMENTS - len(rows)
-    return mx.array(ends + [blocks] * pad + list(rows) + [0] * pad, dtype=mx.uint32)
+    return mx.array(ends + [blocks] * pad + list(rows) + [0] * pad + [batch], dtype=mx.uint32)
 
 
 @functools.lru_cache(maxsize=64)
@@ -222,20 +235,30 @@ def simdgroups_for(blocks: int) -> int:
     return NSG_FOR_BLOCKS[-1][1]
 
 
-def launch_choice(total_rows: int, backend: Optional[str]) -> tuple:
+def batch_bucket(batch: int) -> int:
+    """The body's BATCH for B rows of x: the smallest of BATCH_BUCKETS >= B."""
+    for bucket in BATCH_BUCKETS:
+        if batch <= bucket:
+            return bucket
+    raise ValueError(f"B={batch} rows (kernel: at most {MAX_BATCH})")
+
+
+def launch_choice(total_rows: int, backend: Optional[str], batch: int = 1) -> tuple:
     """(rows per SIMD group, SIMD groups per threadgroup or None for
-    NSG_FOR_BLOCKS) for a call of this many rows on ``backend``."""
-    if backend != "cuda":
-        return DEFAULT_LAUNCH
-    for at_least, rows, nsg in CUDA_LAUNCH_FOR_ROWS:
-        if total_rows >= at_least:
-            return rows, nsg
-    return CUDA_LAUNCH_FOR_ROWS[-1][1:]
+    NSG_FOR_BLOCKS) for a call of this many rows on ``backend``, at B =
+    ``batch`` rows of x: the B = 1 choice, with at most MAX_ACCUMULATORS /
+    bucket rows per SIMD group."""
+    rows, nsg = DEFAULT_LAUNCH
+    if backend == "cuda":
+        rows, nsg = next(((r, n) for at_least, r, n in CUDA_LAUNCH_FOR_ROWS if total_rows >= at_least),
+                         CUDA_LAUNCH_FOR_ROWS[-1][1:])
+    return min(rows, max(1, MAX_ACCUMULATORS // batch_bucket(batch))), nsg
 
 
 def stages_x(batch: int, K: int, xin_dtype: mx.Dtype) -> bool:
-    """Whether the body holds all rows' xin in threadgroup memory."""
-    return batch * K * xin_dtype.size <= STAGED_X_BYTES
+    """Whether the body holds all rows' xin in threadgroup memory (sized
+    for the bucket's rows: the body's array is BATCH * K)."""
+    return batch_bucket(batch) * K * xin_dtype.size <= STAGED_X_BYTES
 
 
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
@@ -246,18 +269,25 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     the same values (default: ``launch_choice``; given rows without
     simdgroups, NSG_FOR_BLOCKS); so is ``stage_x`` (False: read x from
     device memory even where it fits threadgroup memory; default
-    ``stages_x``). None of them depends on the batch B, so each row is
-    summed in the same order whatever B is (batch invariance)."""
+    ``stages_x``). None of them changes a row's sums: the simdgroups
+    (which order the norm's sum of squares) never depend on B, and the
+    default rows per SIMD group only through the bucket's registers
+    (MAX_ACCUMULATORS), so each row is the same bits whatever B is (batch
+    invariance)."""
+    B, K = x.shape[0], x.shape[-1]
+    bucket = batch_bucket(B)
+    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
+    blocks_of = lambda per_block: sum(-(-n // per_block) for n in rows)  # noqa: E731
     if rows_per_simdgroup is None:
-        rows_per_simdgroup, chosen = launch_choice(sum(int(w.shape[0]) for w, _, _ in weights), gpu_backend())
-        simdgroups = chosen if simdgroups is None else simdgroups
+        single_rows, chosen = launch_choice(sum(rows), gpu_backend())
+        rows_per_simdgroup, _ = launch_choice(sum(rows), gpu_backend(), B)
+        if simdgroups is None:
+            simdgroups = simdgroups_for(blocks_of(single_rows)) if chosen is None else chosen
     if rows_per_simdgroup not in ROWS_CHOICES:
         raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")
-    B, K = x.shape[0], x.shape[-1]
     S = len(weights)
-    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     bits = [int(w.shape[1]) * 32 // K for w, _, _ in weights]
-    blocks = sum(-(-n // rows_per_simdgroup) for n in rows)
+    blocks = blocks_of(rows_per_simdgroup)
     nsg = simdgroups_for(blocks) if simdgroups is None else int(simdgroups)
     if not 1 <= nsg <= 32:
         raise ValueError(f"simdgroups {nsg}: 1 to 32")
@@ -270,7 +300,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     if stage_x is None:
         stage_x = fits
     elif stage_x and not fits:
-        raise ValueError(f"stage_x: {B} rows of K={K} {XT} exceed {STAGED_X_BYTES} bytes")
+        raise ValueError(f"stage_x: {bucket} rows (B={B}'s bucket) of K={K} {XT} exceed {STAGED_X_BYTES} bytes")
     inputs = [x]
     for s in range(S):
         inputs.extend(weights[s])
@@ -280,7 +310,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         norm_weight if norm_weight is not None else dummy_h,
         gate if gate is not None else dummy_gate,
         residual if residual is not None else dummy_res,
-        _layout(rows, rows_per_simdgroup),
+        _layout(rows, rows_per_simdgroup, B),
         _scalars(float(eps)),
     ]
     return Launch(
@@ -299,7 +329,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("ROWS", rows_per_simdgroup),
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
-            ("BATCH", B),
+            ("BATCH", bucket),
             ("STAGE_X", bool(stage_x)),
         ],
         finish=tuple,
