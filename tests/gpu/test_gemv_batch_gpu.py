@@ -1,7 +1,8 @@
 """quantized_matvec for B rows of x on the GPU (Metal or CUDA), at the model's
-shapes: the kernel against the reference's contract for B = 1, 2, 5 and 16,
-and batch invariance bit for bit (a row alone equals the same row inside
-batches of 2, 5 and 16, at any position, whatever the other rows hold).
+shapes: the kernel against the reference's contract for B = 1, 2, 3, 5, 9 and
+16 (every bucket, some with rows past B), and batch invariance bit for bit (a
+row alone equals the same row inside batches of 2, 3, 5, 9 and 16, at any
+position, whatever the other rows hold).
 
 Run on a GPU machine with ``python3 -m pytest tests/gpu -m gpu -q``; without a
 GPU every test here skips. Each call asserts that the kernel path was taken
@@ -20,7 +21,7 @@ from mlx_lily.kernels.linear.testing import gemv_weights
 
 pytestmark = pytest.mark.gpu
 
-BATCHES = [1, 2, 5, 16]
+BATCHES = [1, 2, 3, 5, 9, 16]
 HIDDEN = 2048
 # Qwen3.5/3.6 MoE's decode calls (tests/test_gemv.py's CUDA compile test):
 # (K, rows per segment, bits per segment, prologue, residual). DeltaNet's
@@ -109,7 +110,9 @@ def test_a_row_has_the_same_bits_alone_and_anywhere_in_any_batch(backend, name):
     batches = [
         [("x", 0), ("o", 1)],
         [("o", 2), ("x", 6)],
+        [("x", 15), ("o", 2), ("x", 0)],
         [("o", 3), ("x", 15), ("o", 4), ("x", 0), ("o", 5)],
+        [("o", i) for i in range(4)] + [("x", 0), ("o", 5), ("x", 6), ("o", 7), ("x", 15)],
         [("o", i) for i in range(7)] + [("x", 15)] + [("o", i) for i in range(8, 14)] + [("x", 0), ("x", 6)],
         [("x", j) for j in range(16)],
     ]
