@@ -34,9 +34,11 @@
 // computed where it is read (the same operations on the same inputs).
 //
 // Rows b >= B of the bucket (B = layout[8], a runtime value, so that one
-// build serves every B of its bucket) read nothing, add nothing and write
-// nothing: every loop over b runs to BATCH (constant indices keep the
-// accumulators in registers) and skips those rows by a uniform branch.
+// build serves every B of its bucket) read nothing and write nothing: every
+// loop over b runs to BATCH (constant indices keep the accumulators in
+// registers); those rows' xin is zero in the dot products (skipping their
+// multiply-adds there leaves nvcc's batch loop rolled), and the norm, the
+// staging and the stores skip them by a uniform branch.
 //
 // Rounding: xin is rounded where MLX's ops round it (rms_norm: x * inv_rms
 // rounded to XT, times the weight rounded to XT; gate: sigmoid rounded to XT,
