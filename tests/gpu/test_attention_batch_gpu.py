@@ -67,7 +67,8 @@ def test_batched_decode_at_real_shapes(backend, B, per_row_ends):
 
 def alone(backend, one):
     n = one[1].shape[2]
-    return A.run_decode(backend, *batch_decode_inputs([one], [0], n))
+    args, kwargs = batch_decode_inputs([one], [0], n)
+    return A.run_decode(backend, *args, **kwargs)
 
 
 @pytest.mark.parametrize("n", SPANS)
