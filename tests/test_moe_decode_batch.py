@@ -4,11 +4,15 @@ verification), in the CPU emulator.
 The kernels against the op's contract at B rows; batch invariance: a row's
 output is the same bits alone and inside batches of 2, 5 and 16, at any
 position, beside neighbours that pick the same experts or disjoint ones; the
-union map that launch 1 builds; B = 17 falls back to the reference with its
-reason.
+routing launch's outputs; each row's output the same bits as the kernels of
+9b603079f6 (three launches, a single-threadgroup union) gave on the same
+inputs (tests/data/moe_decode_*.npy, written by this module's ``__main__``
+with those kernels); B = 17 falls back to the reference with its reason.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -143,3 +147,48 @@ def test_more_rows_than_max_batch_run_the_reference(monkeypatch):
     h, lg, sl = args[:3]
     assert "[B, 1, E]" in moe_decode_supports(h[:2], lg[:3], sl[:2], *args[3:])
     assert "[2, 1, 1]" in moe_decode_supports(h[:2], lg[:2], sl[:3], *args[3:])
+
+
+# -- the same bits as the three-launch kernels ---------------------------------------
+
+DATA = Path(__file__).parent / "data"
+# name -> (D, E, k, I, IS, renormalise, dtype, rows, seed): random calls at B = 1,
+# 3 and 16, bf16 and fp16, the experts' or the shared expert's I the larger.
+FIXTURES = {
+    "b1": (128, 16, 3, 64, 128, True, mx.bfloat16, 1, 101),
+    "b3": (192, 40, 8, 128, 64, False, mx.float16, 3, 103),
+    "b16": (128, 16, 3, 64, 128, True, mx.bfloat16, 16, 116),
+    "b16_k8": (64, 40, 8, 64, 192, False, mx.float16, 16, 117),
+}
+
+
+def fixture_call(name):
+    D, E_, k, I_, IS_, normalize, dtype, rows, seed = FIXTURES[name]
+    rng = np.random.default_rng(seed)
+    logits = 2.0 * rng.standard_normal((rows, E_))
+    if rows > 1:  # a row of tied logits across the k-th place, one with -inf
+        logits[1] = np.round(logits[1])
+        logits[-1][rng.random(E_) < 0.3] = -np.inf
+        logits[-1][0] = 1.0
+    args, _ = moe_decode_inputs(D, E_, k, I_, IS_, normalize=normalize, rng=rng, logits=logits, dtype=dtype,
+                                rows=rows)
+    return args
+
+
+@pytest.mark.parametrize("name", list(FIXTURES))
+def test_each_row_is_the_same_bits_as_the_three_launch_kernels_gave(name):
+    emulator_or_skip()
+    args = fixture_call(name)
+    got = moe_decode_kernel.emulate(*args)
+    mx.eval(got)
+    want = np.load(DATA / f"moe_decode_{name}.npy")
+    assert np.array_equal(bits(got), want), name
+    assert moe_decode_agree(got, got, *args) is None
+
+
+if __name__ == "__main__":  # writes the fixtures, with the kernels of the checkout it runs in
+    for fixture in FIXTURES:
+        out = moe_decode_kernel.emulate(*fixture_call(fixture))
+        mx.eval(out)
+        np.save(DATA / f"moe_decode_{fixture}.npy", bits(out))
+        print(fixture, bits(out).shape)
