@@ -32,7 +32,7 @@ from bench.counts import CUSTOM_KERNEL_PREFIX, _tree_bytes, count_nodes, trace, 
 
 # Lily's batched decode kernels whose weight or KV reads follow the rows' picks
 # or spans: name -> positions of those inputs.
-UNION_KERNELS = {"moe_decode_gate_up": range(3, 9), "moe_decode_down": range(6, 9)}
+UNION_KERNELS = {"moe_decode_gate_up": range(2, 8), "moe_decode_down": range(4, 7)}
 SPAN_KERNELS = {"attention_decode": (1, 2)}
 
 

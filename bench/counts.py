@@ -89,8 +89,8 @@ GATHERED_KERNEL_INPUTS: Dict[str, Tuple[Tuple[str, int], Sequence[int]]] = {
     "moe_down": (("inputs", 1), range(3, 9)),
     # The decode chain's expert walk (the union of its rows' picks: B x top-k
     # entries, exact for one row; bench/batch_counts.py counts the union).
-    "moe_decode_gate_up": (("inputs", 1), range(3, 9)),
-    "moe_decode_down": (("inputs", 2), range(6, 9)),
+    "moe_decode_gate_up": (("inputs", 1), range(2, 8)),
+    "moe_decode_down": (("inputs", 1), range(4, 7)),
 }
 CUSTOM_KERNEL_PREFIX = "custom_kernel_"
 

@@ -73,7 +73,7 @@ def _custom_kernel_node_counts(name, inputs, output_shapes, output_dtypes):
 
 
 def test_moe_decode_kernels_read_only_the_experts_they_pick():
-    # One row: its k picks are the union the kernels walk (B x k entries).
+    # One row: its k picks are the experts the kernels walk (B x k entries).
     from mlx_lily.kernels.moe.decode import moe_decode_down_kernel, moe_decode_gate_up_kernel
 
     E, I, D, k = 16, 64, 128, 4
@@ -81,18 +81,18 @@ def test_moe_decode_kernels_read_only_the_experts_they_pick():
     weights = [experts(D // 8, mx.uint32), experts(D // 64, mx.bfloat16), experts(D // 64, mx.bfloat16)] * 2
     shared = [mx.zeros((I, D // 8), mx.uint32), mx.zeros((I, D // 64), mx.bfloat16),
               mx.zeros((I, D // 64), mx.bfloat16)] * 2
-    walk = [mx.zeros((k,), mx.uint32), mx.zeros((k, 1), mx.uint32)]  # experts, members
-    gate_up_in = [mx.zeros((1, D), mx.bfloat16), *walk, *weights, *shared]
+    inds = mx.zeros((1, k), mx.uint32)  # the row's picks: the experts the kernels walk
+    gate_up_in = [mx.zeros((1, D), mx.bfloat16), inds, *weights, *shared]
     down_w = [mx.zeros((E, D, I // 8), mx.uint32), mx.zeros((E, D, I // 64), mx.bfloat16),
               mx.zeros((E, D, I // 64), mx.bfloat16)]
     shared_down = [mx.zeros((D, I // 8), mx.uint32), mx.zeros((D, I // 64), mx.bfloat16),
                    mx.zeros((D, I // 64), mx.bfloat16)]
-    down_in = [mx.zeros((1, 1, D), mx.bfloat16), mx.zeros((1, k + 1, I), mx.bfloat16), *walk,
-               mx.zeros((1, k), mx.bfloat16), mx.zeros((1, 1, 1), mx.bfloat16), *down_w, *shared_down]
+    down_in = [mx.zeros((1, k + 1, I), mx.bfloat16), inds, mx.zeros((1, k), mx.bfloat16),
+               mx.zeros((1, 1, 1), mx.bfloat16), *down_w, *shared_down]
     _evaluated(*gate_up_in, *down_in)
     cases = [
         (moe_decode_gate_up_kernel, gate_up_in, [(1, k + 1, I)], [mx.bfloat16], weights),
-        (moe_decode_down_kernel, down_in, [(1, 1, D)], [mx.bfloat16], down_w),
+        (moe_decode_down_kernel, down_in, [(1, k + 1, D)], [mx.bfloat16], down_w),
     ]
     for kernel, inputs, shapes, dtypes, gathered in cases:
         ours = _custom_kernel_node_counts(kernel.backend_name("metal"), inputs, shapes, dtypes)

@@ -1,4 +1,4 @@
-"""The MoE decode chain in three launches (moe_decode), one row.
+"""The MoE decode chain in four launches (moe_decode), one row.
 
 In the CPU emulator against the op's contract (``moe_decode_precise``: stock's
 math accumulated in fp32) at small odd shapes; the reference against stock's
@@ -21,6 +21,7 @@ from mlx_lm.models.switch_layers import SwitchGLU
 from mlx_lily import kernels as K
 from mlx_lily.kernels.moe.decode import (
     moe_decode_agree,
+    moe_decode_combine_kernel,
     moe_decode_down_kernel,
     moe_decode_gate_up_kernel,
     moe_decode_kernel,
@@ -93,11 +94,9 @@ def test_routing_outputs_follow_the_router_with_ties():
     # Runs of equal logits across the 3rd place: the higher expert index first.
     logits = np.array([1.0, 3.0, 2.0, 3.0, 0.0, 2.0, 2.0, -1.0] * 3)
     args, _ = moe_decode_inputs(192, 24, 3, 64, 128, seed=5, logits=logits)
-    xn, inds, scores, experts, members = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
+    xn, inds, scores = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
     order, weights, _ = router_topk_ground_truth(args[1].reshape(1, 24), 3, True)
     assert inds[0].tolist() == order[0].tolist() == [19, 17, 11]
-    # One row: the union is its picks, in its order.
-    assert experts.tolist() == [19, 17, 11] and members.reshape(-1).tolist() == [1, 2, 3]
     assert np.allclose(np.array(scores[0].astype(mx.float32)), weights[0], rtol=1e-2)
     check(args)
 
@@ -217,36 +216,40 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         tag = f"{D}" if dt == mx.bfloat16 else f"{D}_fp16"
         units[f"route_{tag}"] = moe_decode_route_kernel.cuda_translation_unit(
             h, logits, mx.zeros((D,), dt), 1e-6, k, True)
-        experts, members = mx.zeros((k,), mx.uint32), mx.zeros((k, 1), mx.uint32)
+        inds = mx.zeros((1, k), mx.uint32)
         units[f"gate_up_{tag}"] = moe_decode_gate_up_kernel.cuda_translation_unit(
-            mx.zeros((1, D), dt), experts, members, glu, shared)
+            mx.zeros((1, D), dt), inds, glu, shared)
         units[f"down_{tag}"] = moe_decode_down_kernel.cuda_translation_unit(
-            h, mx.zeros((1, k + 1, max(I, IS)), dt), experts, members, mx.zeros((1, k), dt),
-            mx.zeros((1, 1, 1), dt), glu, shared)
+            mx.zeros((1, k + 1, max(I, IS)), dt), inds, mx.zeros((1, k), dt), mx.zeros((1, 1, 1), dt), glu, shared)
+        units[f"combine_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
+            h, mx.zeros((1, k + 1, D), dt))
     for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
         # Top-k ranks, activations and accumulators stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name
-        if name.startswith(("route", "down")):
-            assert re.search(r"\.shared", text)
+        # No threadgroup memory: no launch waits on another part of its grid.
+        assert not re.search(r"\.shared", text), name
 
 
 def test_the_launches_take_the_gemv_outputs_as_they_are():
     """h and the router GEMV's two outputs, [1, 1, N] each, reach the kernels
     as the same arrays (the bodies read them flat): a reshape here would put
     a view node per input into every decode token's graph."""
-    from mlx_lily.kernels.moe.decode import _launch_down, _launch_gate_up, _launch_route
+    from mlx_lily.kernels.moe.decode import _launch_combine, _launch_down, _launch_gate_up, _launch_route
 
     (h, logits, shared_logit, norm_weight, eps, k, normalize, glu, shared), _ = moe_decode_inputs(
         128, 24, 3, 64, 128, seed=5)
     assert h.shape == (1, 1, 128) and logits.shape == (1, 1, 24) and shared_logit.shape == (1, 1, 1)
     route = _launch_route(h, logits, norm_weight, eps, k, normalize)
     assert route.inputs[0] is h and route.inputs[1] is logits
-    xn, inds, scores, experts, members = (
-        mx.zeros(s, dtype=d) for s, d in zip(route.output_shapes, route.output_dtypes))
-    gate_up = _launch_gate_up(xn, experts, members, glu, shared)
+    xn, inds, scores = (mx.zeros(s, dtype=d) for s, d in zip(route.output_shapes, route.output_dtypes))
+    gate_up = _launch_gate_up(xn, inds, glu, shared)
     # The weights themselves, not gathered copies (bytes counted by inputs stay honest).
-    assert gate_up.inputs[3] is glu.gate_proj.weight and gate_up.inputs[9] is shared.gate_proj.weight
+    assert gate_up.inputs[1] is inds
+    assert gate_up.inputs[2] is glu.gate_proj.weight and gate_up.inputs[8] is shared.gate_proj.weight
     act = mx.zeros(gate_up.output_shapes[0], dtype=gate_up.output_dtypes[0])
-    down = _launch_down(h, act, experts, members, scores, shared_logit, glu, shared)
-    assert down.inputs[0] is h and down.inputs[5] is shared_logit
-    assert down.inputs[6] is glu.down_proj.weight and down.inputs[9] is shared.down_proj.weight
+    down = _launch_down(act, inds, scores, shared_logit, glu, shared)
+    assert down.inputs[1] is inds and down.inputs[3] is shared_logit
+    assert down.inputs[4] is glu.down_proj.weight and down.inputs[7] is shared.down_proj.weight
+    terms = mx.zeros(down.output_shapes[0], dtype=down.output_dtypes[0])
+    assert terms.shape == (1, k + 1, 128)
+    assert _launch_combine(h, terms).inputs[0] is h

@@ -110,25 +110,40 @@ def test_a_row_is_the_same_bits_alone_and_in_any_batch():
         assert np.array_equal(bits(full[b]), bits(run([b])[0])), b
 
 
-def test_the_union_is_each_distinct_pick_once_in_first_occurrence_order():
+def test_routing_gives_each_row_its_picks_and_norm():
     emulator_or_skip()
     rng = np.random.default_rng(1)
     picks = [[5, 9, 2], [9, 2, 5], [10, 11, 12], [2, 7, 8]]
     logits = np.stack([_logits_picking(p, rng) for p in picks])
     args, _ = moe_decode_inputs(D, E, TOP_K, I, IS, seed=2, rows=4, logits=logits)
-    xn, inds, scores, experts, members = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
+    xn, inds, scores = moe_decode_route_kernel.emulate(*args[:2], *args[3:7])
     assert inds.tolist() == picks
-    union = [5, 9, 2, 10, 11, 12, 7, 8]
-    no_expert = 0xFFFFFFFF
-    assert experts.tolist() == union + [no_expert] * (len(picks) * TOP_K - len(union))
-    members = np.array(members).reshape(len(picks) * TOP_K, len(picks))
-    for u, e in enumerate(union):
-        want = [row.index(e) + 1 if e in row else 0 for row in picks]
-        assert members[u].tolist() == want, e
-    assert not members[len(union):].any()
+    # Each row's scores are its own row's alone.
+    for b in range(4):
+        _, alone, alone_scores = moe_decode_route_kernel.emulate(args[0][b:b + 1], args[1][b:b + 1], *args[3:7])
+        assert alone.tolist() == [picks[b]]
+        assert np.array_equal(bits(alone_scores[0]), bits(scores[b]))
     # xn is rms_norm(h) in h's dtype, row by row.
     h, _, _, w, eps = args[:5]
     assert mx.array_equal(xn, mx.fast.rms_norm(h, w, eps).reshape(4, D)).item()
+
+
+def test_rows_that_share_every_expert_and_rows_that_share_none():
+    """Every entry but the first occurrences does nothing: rows that all pick
+    the same experts (in other orders) and rows that pick disjoint ones each
+    get their own terms at their own slots."""
+    emulator_or_skip()
+    rng = np.random.default_rng(4)
+    picks = [[5, 9, 2], [9, 2, 5], [2, 5, 9], [0, 1, 3], [4, 6, 7], [5, 9, 2]]
+    logits = np.stack([_logits_picking(p, rng) for p in picks])
+    args, _ = moe_decode_inputs(D, E, TOP_K, I, IS, seed=5, rows=len(picks), logits=logits)
+    got = moe_decode_kernel.emulate(*args)
+    mx.eval(got)
+    assert moe_decode_agree(got, moe_decode_reference(*args), *args) is None
+    h, lg, sl = args[:3]
+    for b in range(len(picks)):
+        alone = moe_decode_kernel.emulate(h[b:b + 1], lg[b:b + 1], sl[b:b + 1], *args[3:])
+        assert np.array_equal(bits(got[b]), bits(alone[0])), b
 
 
 def test_more_rows_than_max_batch_run_the_reference(monkeypatch):

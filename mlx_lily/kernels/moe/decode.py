@@ -1,17 +1,19 @@
 """MoE decode chain: the routed experts and the shared expert of B rows (one
 token each: server decode, speculative verification; B <= ``MAX_BATCH``) in
-three launches, from the post-attention residual h to the layer's output.
+four launches, from the post-attention residual h to the layer's output.
 
 ``moe_decode`` takes the two gates' logits from the caller (they come out of
 the same GEMV as the rest of the layer's small projections) and does the
-rest: ``moe_decode_route`` (router top-k and RMSNorm per row, and the union of
-the rows' picks), ``moe_decode_gate_up`` and ``moe_decode_down`` (gate, up,
-SwiGLU, then down, expert by expert over the union: each selected expert's
-weights, and the shared expert's, read once for every row that uses them;
-then per row the routing weights, the shared gate and the residual). Batch
-invariant: each row's result is the same bits whatever B is and whatever the
-other rows hold (the bodies' comments say why). The reference is stock's op
-sequence, to the bit.
+rest: ``moe_decode_route`` (router top-k and RMSNorm, a threadgroup per row),
+``moe_decode_gate_up`` and ``moe_decode_down`` (gate, up, SwiGLU, then down
+with the routing weights and the shared gate, a threadgroup per block of rows
+and entry: the shared expert, and each distinct expert of the rows' picks,
+found from the picks by its first occurrence; each selected expert's
+weights, and the shared expert's, read once for every row that uses them),
+and ``moe_decode_combine`` (per row its slots in its own order, the shared
+term and the residual). Batch invariant: each row's result is the same bits
+whatever B is and whatever the other rows hold (the bodies' comments say
+why). The reference is stock's op sequence, to the bit.
 
 Stock's math, the kernels, what they take, and the contract
 (``moe_decode_agree``) with its reasoning: docs/kernel-notes.md#moe-decode.
@@ -38,15 +40,16 @@ from .experts import quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
 # Must match the bodies: threads, and rows per threadgroup (gate/up: hidden
-# rows of one expert; down: output rows).
-ROUTE_THREADS = 256
+# rows of one expert; down: output rows of one expert).
+ROUTE_THREADS = 2 * SIMD_WIDTH  # a row's top-k, its RMSNorm
 GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
-DOWN_THREADS, DOWN_ROWS = 256, 4
+DOWN_THREADS, DOWN_ROWS = 256, 32
+COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
-# verification. The bodies size their threadgroup memory by it, and every B
-# runs the same build (B is read from h's shape at run time), so that a row's
-# result is the same bits whatever B is.
+# verification (at most 32: gate/up and down give each row a lane). Every B
+# runs the same build (B is read from the inputs' shapes at run time), so
+# that a row's result is the same bits whatever B is.
 MAX_BATCH = 16
 # The top-k keeps ceil(E / 32) probabilities a lane in registers (as the
 # router kernel: at most 32), and lane r holds the r-th pick.
@@ -158,32 +161,34 @@ def _hidden_sizes(switch_mlp, shared_expert) -> tuple[int, int, int]:
 
 
 # Launch geometry depends on B only through how many threadgroups there are
-# (gate/up: one entry per possible distinct expert); the threads' work for a
-# row, and the builds (no template constant is B), are the same for every B.
+# (route and combine: a row each; gate/up and down: one entry per pick, of
+# which those of an expert's later occurrences do nothing); the threads' work
+# for a row, and the builds (no template constant is B), are the same for
+# every B.
 
 
 def _launch_route(h, router_logits, norm_weight, eps, top_k, norm_topk_prob) -> Launch:
     B, D, E, k = h.shape[0], h.shape[-1], router_logits.shape[-1], int(top_k)
     return Launch(
         inputs=[h, router_logits, norm_weight, _eps_array(float(eps))],
-        grid=(ROUTE_THREADS, 1, 1),
+        grid=(ROUTE_THREADS, B, 1),
         threadgroup=(ROUTE_THREADS, 1, 1),
-        output_shapes=[(B, D), (B, k), (B, k), (B * k,), (B * k, B)],
-        output_dtypes=[h.dtype, mx.uint32, h.dtype, mx.uint32, mx.uint32],
+        output_shapes=[(B, D), (B, k), (B, k)],
+        output_dtypes=[h.dtype, mx.uint32, h.dtype],
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
-                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("MAX_BATCH", MAX_BATCH)],
+                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D)],
         finish=tuple,
     )
 
 
-def _launch_gate_up(xn, experts, members, switch_mlp, shared_expert) -> Launch:
+def _launch_gate_up(xn, inds, switch_mlp, shared_expert) -> Launch:
     B, D = xn.shape
-    k = members.shape[0] // B
+    k = inds.shape[-1]
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
     return Launch(
-        inputs=[xn, experts, members, gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
+        inputs=[xn, inds, gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
         grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, 1 + B * k, 1),
         threadgroup=(GATE_UP_THREADS, 1, 1),
         output_shapes=[(B, k + 1, IMAX)],
@@ -194,20 +199,33 @@ def _launch_gate_up(xn, experts, members, switch_mlp, shared_expert) -> Launch:
     )
 
 
-def _launch_down(h, act, experts, members, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
-    B, D = h.shape[0], h.shape[-1]
-    k = scores.shape[-1]
+def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
+    B, k = inds.shape
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     _, _, (dw, ds, db) = _parts(switch_mlp)
     _, _, (sdw, sds, sdb) = _parts(shared_expert)
+    D = dw.shape[-2]
     return Launch(
-        inputs=[h, act, experts, members, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
-        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1, 1),
+        inputs=[act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
+        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1 + B * k, 1),
         threadgroup=(DOWN_THREADS, 1, 1),
+        output_shapes=[(B, k + 1, D)],
+        output_dtypes=[act.dtype],
+        template=[("T", act.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS),
+                  ("IMAX", IMAX), ("MAX_BATCH", MAX_BATCH)],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+def _launch_combine(h, terms) -> Launch:
+    B, k1, D = terms.shape
+    return Launch(
+        inputs=[h, terms],
+        grid=(math.ceil(D / COMBINE_THREADS) * COMBINE_THREADS, B, 1),
+        threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(B, 1, D)],
         output_dtypes=[h.dtype],
-        template=[("T", h.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
-                  ("MAX_BATCH", MAX_BATCH)],
+        template=[("T", h.dtype), ("K", k1 - 1), ("D", D)],
         finish=lambda outputs: outputs[0],
     )
 
@@ -215,7 +233,7 @@ def _launch_down(h, act, experts, members, scores, shared_gate_logit, switch_mlp
 moe_decode_route_kernel = Kernel(
     name="moe_decode_route",
     input_names=("h", "logits", "norm_weight", "eps"),
-    output_names=("xn", "inds", "scores", "experts", "members"),
+    output_names=("xn", "inds", "scores"),
     body=Path(__file__).with_name("moe_decode_route.metal"),
     header=TOPK_HEADER,
     launch=_launch_route,
@@ -223,7 +241,7 @@ moe_decode_route_kernel = Kernel(
 
 moe_decode_gate_up_kernel = Kernel(
     name="moe_decode_gate_up",
-    input_names=("xn", "experts", "members", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+    input_names=("xn", "inds", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
     output_names=("act",),
     body=Path(__file__).with_name("moe_decode_gate_up.metal"),
@@ -232,24 +250,32 @@ moe_decode_gate_up_kernel = Kernel(
 
 moe_decode_down_kernel = Kernel(
     name="moe_decode_down",
-    input_names=("h", "act", "experts", "members", "scores", "gate_logit", "down_w", "down_s", "down_b",
+    input_names=("act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
                  "sdown_w", "sdown_s", "sdown_b"),
-    output_names=("out",),
+    output_names=("terms",),
     body=Path(__file__).with_name("moe_decode_down.metal"),
     launch=_launch_down,
+)
+
+moe_decode_combine_kernel = Kernel(
+    name="moe_decode_combine",
+    input_names=("h", "terms"),
+    output_names=("out",),
+    body=Path(__file__).with_name("moe_decode_combine.metal"),
+    launch=_launch_combine,
 )
 
 
 def run_moe_decode(
     backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
 ):
-    """The kernel path on ``backend``: three launches (route, gate/up, down)."""
-    xn, inds, scores, experts, members = moe_decode_route_kernel.run_on(
-        backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob
-    )
-    act = moe_decode_gate_up_kernel.run_on(backend, xn, experts, members, switch_mlp, shared_expert)
-    return moe_decode_down_kernel.run_on(backend, h, act, experts, members, scores, shared_gate_logit,
-                                         switch_mlp, shared_expert)
+    """The kernel path on ``backend``: four launches (route, gate/up, down, combine)."""
+    xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, router_logits, norm_weight, eps, top_k,
+                                                      norm_topk_prob)
+    act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
+    terms = moe_decode_down_kernel.run_on(backend, act, inds, scores, shared_gate_logit, switch_mlp,
+                                          shared_expert)
+    return moe_decode_combine_kernel.run_on(backend, h, terms)
 
 # -- the contract ----------------------------------------------------------------
 
@@ -387,11 +413,13 @@ def _fuzz(rng):
                              dtype=dtype, rows=rows)
 
 
-# The three kernels as one KernelLike, self-checked together once per backend
+# The four kernels as one KernelLike, self-checked together once per backend
 # against ``moe_decode_precise`` on the sample (``moe_decode_agree``).
 moe_decode_kernel = SampleCheckedKernels(
-    "moe_decode", (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_down_kernel),
-    "routing + norm + expert union, gate/up + SwiGLU, down + combine", sample=_sample, run=run_moe_decode, agree=moe_decode_agree)
+    "moe_decode",
+    (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_down_kernel, moe_decode_combine_kernel),
+    "routing + norm, gate/up + SwiGLU, down + weights, combine", sample=_sample, run=run_moe_decode,
+    agree=moe_decode_agree)
 
 moe_decode = register(
     LilyOp(
@@ -399,7 +427,7 @@ moe_decode = register(
         moe_decode_reference,
         kernel=moe_decode_kernel,
         supports=moe_decode_supports,
-        description="MoE block of 1-16 decode tokens in three launches: routing + norm, gate/up, down + combine",
+        description="MoE block of 1-16 decode tokens in four launches: routing + norm, gate/up, down, combine",
         sample=_sample,
         compare=moe_decode_compare,
         fuzz=_fuzz,

@@ -1,13 +1,18 @@
-// MoE decode, launch 2 of 3: gate, up and SwiGLU, expert by expert: each
+// MoE decode, launch 2 of 4: gate, up and SwiGLU, expert by expert: each
 // selected expert's 4-bit rows (and the shared expert's) are read once and
 // applied to every row of the batch that picked that expert.
 //
 // Launcher: mlx_lily/kernels/moe/decode.py. Threadgroup (block, entry) takes
 // ROWS_PER_TG hidden rows of one expert: entry 0 the shared expert, for every
-// row of the batch; entry 1 + u the u-th distinct expert of the union that
-// launch 1 built (experts, members), for the rows that picked it; entries
-// past the union's size U do nothing (the grid is sized for B * K distinct
-// experts, the most there can be).
+// row of the batch; entry 1 + f the expert of pick f = b0 * K + j0 (row b0's
+// slot j0, launch 1's inds), for the rows that picked it, if f is that
+// expert's first occurrence among the picks (row by row, slot by slot);
+// entries of later occurrences do nothing. So each distinct expert is read
+// by one entry, and no launch builds a union map: each SIMD group reads the
+// B * K picks (lane l < B: row l's K picks) and finds whether the expert
+// occurs before f (a SIMD any over the rows before b0, and row b0's first
+// slot holding it) and at which slot each row picked it (the last slot
+// holding it: picks are distinct within a row).
 //
 // Each SIMD group takes ROWS_PER_SG rows and first reads their gate and up
 // weights into registers: lane l holds the units (a group of 64 4-bit
@@ -29,12 +34,12 @@
 //
 // Template: T, E (experts), K (top k), D (hidden size, a multiple of 64), I
 //           (experts' hidden size), IS (shared expert's), IMAX (= max(I,
-//           IS)), MAX_BATCH.
-// Inputs:   xn [B, D] bf16; experts [B * K], members [B * K, B] uint32
-//           (launch 1); gate_w, up_w [E, I, D / 8] uint32 (value j of a word
-//           in bits 4j..4j+3), gate_s, gate_b, up_s, up_b [E, I, D / 64]
-//           bf16; sgate_w, sup_w [IS, D / 8] uint32, sgate_s, sgate_b,
-//           sup_s, sup_b [IS, D / 64] bf16. B is xn's first dimension.
+//           IS)), MAX_BATCH (rows at most, <= 32: a lane per row).
+// Inputs:   xn [B, D] bf16; inds [B, K] uint32 (launch 1); gate_w, up_w [E,
+//           I, D / 8] uint32 (value j of a word in bits 4j..4j+3), gate_s,
+//           gate_b, up_s, up_b [E, I, D / 64] bf16; sgate_w, sup_w [IS, D /
+//           8] uint32, sgate_s, sgate_b, sup_s, sup_b [IS, D / 64] bf16. B is
+//           xn's first dimension.
 // Output:   act [B, K + 1, IMAX] bf16: (b, j) row b's activations at its slot
 //           j (j = K: the shared expert), the first I or IS of them written.
 // Grid:     (ceil(IMAX / ROWS_PER_TG) * THREADS, 1 + B * K, 1), threadgroup
@@ -61,10 +66,27 @@ const uint block = threadgroup_position_in_grid.x;
 const uint entry = threadgroup_position_in_grid.y;
 const uint B = min(uint(xn_shape[0]), uint(MAX_BATCH));
 const bool is_shared = entry == 0;
-// Entries past the union's size hold NO_EXPERT (>= E): nothing to do.
-const uint picked = is_shared ? 0u : experts[entry - 1];
-const bool active = is_shared || picked < uint(E);
-const uint expert = active ? picked : 0u;
+// Entry 1 + f: pick f, row b0's slot j0. Lane l < B: the first and the last
+// slot (1 + slot, 0 if none) at which row l picked that expert.
+const uint f = is_shared ? 0u : entry - 1u;
+const uint b0 = f / uint(K);
+const uint j0 = f % uint(K);
+const uint picked = (is_shared || b0 >= B) ? 0u : inds[f];
+uint first_slot = 0u;
+uint last_slot = 0u;
+if (!is_shared && lane < B) {
+  for (uint j = 0; j < uint(K); ++j) {
+    const bool hit = inds[lane * uint(K) + j] == picked;
+    first_slot = (first_slot == 0u && hit) ? j + 1u : first_slot;
+    last_slot = hit ? j + 1u : last_slot;
+  }
+}
+const bool earlier_row = simd_any(lane < b0 && first_slot != 0u);
+const uint first_in_row = simd_shuffle(first_slot, b0 % SIMD_WIDTH);
+// The expert's first occurrence (the same for every SIMD group of the
+// threadgroup); later occurrences' entries do nothing.
+const bool active = is_shared || (b0 < B && !earlier_row && first_in_row == j0 + 1u);
+const uint expert = active ? min(picked, uint(E - 1)) : 0u;
 const uint rows = is_shared ? uint(IS) : uint(I);
 const uint row_base = is_shared ? 0u : expert * uint(I);
 const uint r0 = block * ROWS_PER_TG + sg * ROWS_PER_SG;
@@ -111,9 +133,10 @@ for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
 }
 
 // -- each row of the batch that uses this expert ------------------------------------
-for (uint b = 0; b < B; ++b) {
+for (uint b = 0; b < (active ? B : 0u); ++b) {  // uniform: active is the threadgroup's
   // 1 + the row's slot for this expert (the shared expert: slot K), or 0.
-  const uint member = is_shared ? uint(K) + 1u : (active ? members[(entry - 1) * B + b] : 0u);
+  const uint slot_of_b = simd_shuffle(last_slot, b % SIMD_WIDTH);
+  const uint member = is_shared ? uint(K) + 1u : (active ? slot_of_b : 0u);
   if (member != 0u) {  // uniform: every thread of the group sees the same member
     float acc_gate[ROWS_PER_SG];
     float acc_up[ROWS_PER_SG];
