@@ -31,6 +31,8 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_reference,
     quantized_matvec_supports,
     stages_x,
+    tile_values,
+    valid_tile,
 )
 from mlx_lily.kernels.linear.testing import gemv_call
 
@@ -77,7 +79,7 @@ def test_the_batch_limits():
     b = quantized_matvec_kernel.launch(*many, **kwargs)
     assert a.threadgroup == b.threadgroup and a.grid[0] < b.grid[0]  # 4 and 1 rows per SIMD group
     many_template = dict(b.template)
-    assert {name for name, value in a.template if many_template[name] != value} == {"BATCH", "STAGE_X", "ROWS"}
+    assert {name for name, value in a.template if many_template[name] != value} == {"BATCH", "TILE", "ROWS"}
     assert b.output_shapes == [(16, 1, 40), (16, 1, 9)]
 
 
@@ -212,6 +214,121 @@ def test_per_row_inputs_must_have_b_rows():
         quantized_matvec_kernel.launch(big, gemv_call(1024, (4,), (4,))[0][1], stage_x=True)
 
 
+def _template(launch) -> dict:
+    return dict(launch.template)
+
+
+def _tile_of(k, K, tile):
+    """The body's tile of value k (gemv.metal's tile_of)."""
+    if tile >= K:
+        return 0
+    parts = 1 if tile >= 1024 else 2
+    block = tile * parts
+    tiles = -(-K // block) * parts
+    return min((k // block) * parts + (k % 32) // (32 // parts), tiles - 1), tiles
+
+
+def test_tiles_keep_each_lanes_order():
+    """The body's tile geometry, in Python: for every tile size and K the
+    launcher may pick (K a whole number of tiles or not), each lane's chunks
+    (8 values; units of 32 values at 4 bits, 16 at 8 bits, step by step) lie
+    in nondecreasing tiles, each chunk in exactly one tile, and a unit's
+    chunks in the step range the body walks for that tile: so tiling never
+    changes the order of any accumulator's fma."""
+    assert [tile_values(b, mx.bfloat16) for b in BATCH_BUCKETS] == [8192, 4096, 2048, 1024, 512]
+    assert [tile_values(b, mx.float32) for b in BATCH_BUCKETS] == [4096, 2048, 1024, 512, 256]
+    assert all(valid_tile(t) for t in (256, 512, 1024, 2048, 3072, 4096, 8192))
+    assert not any(valid_tile(t) for t in (0, 64, 128, 384, 768, 1536))
+    for K in (64, 576, 1024, 2048, 2112, 4096, 4160):
+        for tile in (256, 512, 1024, 2048, 4096):
+            if tile >= K:
+                continue
+            _, tiles = _tile_of(0, K, tile)
+            assert tiles * tile >= K
+            parts = 1 if tile >= 1024 else 2
+            block = tile * parts
+            for values in (32, 16):
+                span = 32 * values
+                steps = -(-K // span)
+                for lane in range(32):
+                    seen = []
+                    for s in range(steps):
+                        k0 = (s * 32 + lane) * values
+                        for c in range(values // 8):
+                            t = _tile_of(k0 + 8 * c, K, tile)[0]
+                            s_begin = (t // parts) * block // span
+                            s_end = steps if t + 1 == tiles else min(steps, -(-((t // parts + 1) * block) // span))
+                            assert s_begin <= s < s_end, (K, tile, values, lane, s, c)
+                            seen.append(t)
+                    assert seen == sorted(seen), (K, tile, values, lane)
+    # K = 2112 is not a whole number of tiles at any of these sizes.
+    assert all(2112 % tile for tile in (256, 512, 1024, 2048))
+
+
+def test_the_tile_forms():
+    """Whole K where the bucket's rows fit; else tiles of the budget's share
+    (o_proj and out_proj from 3 rows, the DeltaNet projections at 16);
+    the stage_x and tile options and their limits."""
+    one, kwargs = gemv_call(4096, (8,), (4,), "gate", residual=True, batch=2)
+    assert _template(quantized_matvec_kernel.launch(*one, **kwargs))["TILE"] == 4096
+    for batch, tile in ((4, 2048), (8, 1024), (16, 512)):
+        args, kwargs = gemv_call(4096, (8,), (4,), "gate", residual=True, batch=batch)
+        assert _template(quantized_matvec_kernel.launch(*args, **kwargs))["TILE"] == tile
+    args, kwargs = gemv_call(2048, (8,), (4,), "norm", batch=16)
+    assert _template(quantized_matvec_kernel.launch(*args, **kwargs))["TILE"] == 512
+    args, kwargs = gemv_call(2048, (8,), (4,), "norm", batch=2)
+    forms = [_template(quantized_matvec_kernel.launch(*args, **kwargs, **option))["TILE"]
+             for option in ({}, {"stage_x": True}, {"stage_x": False}, {"tile": 256}, {"tile": 1024})]
+    assert forms == [2048, 2048, 2048, 256, 1024]
+    for bad in ({"tile": 128}, {"tile": 768}, {"tile": 8192}, {"tile": 512, "stage_x": True}):
+        with pytest.raises(ValueError, match="tile"):
+            quantized_matvec_kernel.launch(*args, **kwargs, **bad)
+
+
+# K = 2112: 3 steps of a 4-bit lane, 5 of an 8-bit one; no tile size divides it.
+KT = 2112
+
+
+@pytest.mark.parametrize("norm_dtype", [None, mx.float32])
+def test_tiled_and_whole_k_staging_give_the_same_bits(norm_dtype):
+    """B = 2 (1 with fp32 xin; the whole of K fits): whole-K staging and tiles of 256, 512
+    (halves of 32-value runs) and 1024 values (runs), K not a whole number of
+    tiles, 4- and 8-bit segments, all the same bits; and each row equals
+    itself alone (B = 1, whole K) and inside 16 rows (tiles of 512 values, or
+    256 with the fp32 xin of an fp32 norm weight), which meet the contract."""
+    emulator_or_skip()
+    (x, weights), kwargs = gemv_call(KT, (40, 9), (4, 8), "norm", norm_dtype=norm_dtype, seed=5, batch=16)
+    pair = x[3:5] if norm_dtype is None else x[3:4]  # what fits whole: 2 rows of bf16, 1 of fp32
+    whole = quantized_matvec_kernel.emulate(pair, weights, **kwargs, stage_x=True)
+    for tile in (256, 512, 1024):
+        tiled = quantized_matvec_kernel.emulate(pair, weights, **kwargs, tile=tile)
+        assert all(same_bits(a, b) for a, b in zip(tiled, whole)), tile
+    full = quantized_matvec_kernel.emulate(x, weights, **kwargs)
+    want = quantized_matvec_reference(x, weights, **kwargs)
+    assert quantized_matvec_agree(full, want, x, weights, **kwargs) is None
+    for j in (3, 4):
+        alone = quantized_matvec_kernel.emulate(x[j : j + 1], weights, **kwargs)
+        assert all(same_bits(f[j : j + 1], a) for f, a in zip(full, alone))
+        if j - 3 < pair.shape[0]:
+            assert all(same_bits(w[j - 3 : j - 2], a) for w, a in zip(whole, alone))
+
+
+def test_gated_rows_in_several_tiles():
+    """o_proj's form: the gate prologue and the residual at 8 and 16 rows of
+    K = 4096 (4 tiles of 1024 values, 8 of 512) meet the contract, and each
+    row is the same bits as alone."""
+    emulator_or_skip()
+    (x, weights), kwargs = gemv_call(4096, (6,), (4,), "gate", residual=True, seed=8, batch=9)
+    got = quantized_matvec_kernel.emulate(x, weights, **kwargs)
+    assert quantized_matvec_agree(got, quantized_matvec_reference(x, weights, **kwargs), x, weights, **kwargs) is None
+    for j in (0, 8):
+        one = {n: v[j : j + 1] for n, v in kwargs.items() if n in ("gate", "residual")}
+        alone = quantized_matvec_kernel.emulate(x[j : j + 1], weights, **one)
+        assert all(same_bits(g[j : j + 1], a) for g, a in zip(got, alone))
+        tiled = quantized_matvec_kernel.emulate(x[j : j + 1], weights, **one, tile=512)
+        assert all(same_bits(t, a) for t, a in zip(tiled, alone))
+
+
 def _zeros_weights(Kd, rows, bits):
     return tuple(
         (mx.zeros((n, Kd * b // 32), mx.uint32), mx.zeros((n, Kd // 64), mx.bfloat16),
@@ -220,18 +337,11 @@ def _zeros_weights(Kd, rows, bits):
     )
 
 
-# o_proj computes its gated xin where it reads it (a bucket of 8 or 16 rows
-# of K = 4096 is more than the threadgroup budget); that per-row work is too
-# large for nvcc to unroll the batch loop at any rows per SIMD group, so its
-# accumulators stay in local memory: slower, the same values.
-GATED_IN_LOCAL_MEMORY = {"o_proj_b8", "o_proj_b16"}
-
-
 def test_every_bucket_of_the_models_calls_compiles_for_cuda(tmp_path):
     """Every bucket of the model's calls, with CUDA's launch choices for it:
-    each compiles, loads whole 16-byte weight words, and (but o_proj at 8
-    and 16, GATED_IN_LOCAL_MEMORY) keeps its BATCH x ROWS accumulators in
-    registers (no local memory in the PTX)."""
+    each compiles, loads whole 16-byte weight words, and keeps its BATCH x
+    ROWS accumulators in registers (no local memory in the PTX), o_proj's
+    gated input at 8 and 16 rows included (staged in K tiles)."""
     norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
     calls = {  # name: (K, weights, prologue and residual for B rows)
         "deltanet": (2048, _zeros_weights(2048, (8192, 4096, 32, 32), (4, 4, 4, 4)), lambda b: norm),
@@ -254,5 +364,5 @@ def test_every_bucket_of_the_models_calls_compiles_for_cuda(tmp_path):
                 x, weights, **per_row(bucket), **choice)
     for name, text in nvcc_ptx(tmp_path, units).items():
         in_local = "ld.local" in text or "st.local" in text
-        assert in_local == (name in GATED_IN_LOCAL_MEMORY), name
+        assert not in_local, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name

@@ -10,17 +10,32 @@
 //   out_0[b] = residual[b] + out_0[b]  (RESIDUAL, one segment only)
 //
 // Launcher: mlx_lily/kernels/linear/gemv.py. Each threadgroup first computes
-// each row's norm (its sum of squares once per threadgroup) and, with STAGE_X,
-// xin of all BATCH rows into threadgroup memory, rounded to XT as MLX's ops
-// round it. Each SIMD group then takes one block of ROWS_PER_SIMDGROUP
-// consecutive weight rows of one segment (segments are padded to whole blocks,
-// so a block never straddles two of them) and its lanes split K: per step a
-// lane loads 16 bytes of each weight row (32 values at 4 bits, 16 at 8 bits,
-// always inside one quantization group), so a SIMD group reads 512 contiguous
-// bytes of a weight row per load instruction. A lane dequantizes each word once
-// and applies it to all BATCH rows of x: BATCH x ROWS fp32 accumulators, each
-// scale * q . xin per word plus bias * sum(xin) per step; simd_sum finishes
+// each row's norm (its sum of squares once per threadgroup). Each SIMD group
+// takes one block of ROWS_PER_SIMDGROUP consecutive weight rows of one
+// segment (segments are padded to whole blocks, so a block never straddles
+// two of them) and its lanes split K: per step a lane loads 16 bytes of each
+// weight row (its unit: 32 values at 4 bits, 16 at 8 bits, always inside one
+// quantization group), so a SIMD group reads 512 contiguous bytes of a weight
+// row per load instruction. A lane dequantizes each word once and applies it
+// to all BATCH rows of x: BATCH x ROWS fp32 accumulators, each scale * q .
+// xin per chunk of 8 values plus bias * sum(xin) per unit; simd_sum finishes
 // each.
+//
+// Tiles: xin, rounded to XT as MLX's ops round it, is computed by all threads
+// of the threadgroup into threadgroup memory, TILE values of each of the
+// BATCH rows at a time; after a barrier every lane multiplies its chunks in
+// that tile, and after another the next tile is staged. TILE >= K (WHOLE:
+// B = 1, and every bucket whose BATCH x K values fit the budget) is one tile;
+// TILE a multiple of 1024 (a 4-bit step) tiles K in runs of TILE values;
+// TILE 512 or 256 (PARTS 2) makes tile 2j + p hold half p of each 32-value
+// run of block j (BLOCK = 2 TILE values), so that a 4-bit unit's chunks 0-1
+// are in one tile and 2-3 in the next, and at 512 all 32 lanes work in
+// both (at 256, fp32 xin of 16 rows, half of them). A
+// lane's units and chunks are visited in the same order in every form: units
+// by step, chunks within a unit in order, in nondecreasing tiles (within a
+// block an 8-bit lane's units keep one half, its chunks never split), so each
+// accumulator takes the same fma sequence whatever TILE is. Units past K (the
+// last step's zeros) are the last tile's.
 //
 // Batch invariance: row b's outputs are the same bits whatever B and BATCH
 // are and whatever the other rows hold. NSG (which orders the norm's sum of
@@ -30,8 +45,8 @@
 // whatever ROWS is. Every accumulator takes the same sequence of operations
 // in the same order for every b and every BATCH, and the multiply-adds are
 // explicit fma() calls, so no compiler contracts them differently per
-// instance. xin is the same value whether staged in threadgroup memory or
-// computed where it is read (the same operations on the same inputs).
+// instance. xin is the same value in every tile form (the same operations on
+// the same inputs).
 //
 // Rows b >= B of the bucket (B = layout[8], a runtime value, so that one
 // build serves every B of its bucket) read nothing and write nothing: every
@@ -52,10 +67,9 @@
 //           BITS0..BITS3 (4 or 8; 0 past S), NSG (SIMD groups per threadgroup),
 //           ROWS (weight rows per SIMD group), PROLOGUE (0, 1, 2), RESIDUAL
 //           (bool), BATCH (the bucket of B: 1, 2, 4, 8 or 16, gemv.py's
-//           BATCH_BUCKETS), STAGE_X (bool: xin of all rows in threadgroup
-//           memory; else each lane computes the xin values it multiplies from
-//           x in device memory, BATCH * K values of XT being more than the
-//           threadgroup budget).
+//           BATCH_BUCKETS), TILE (values of K staged per row at a time: K or
+//           more for the whole row, else 256, 512 or a multiple of 1024, with
+//           BATCH x TILE values of XT within the threadgroup budget).
 // Inputs:   x [B, 1, K] bf16 or fp16 (strided); w<s> [N_s, K * BITS<s> / 32]
 //           uint32 (row-contiguous; value j of a word in bits BITS*j ...),
 //           scales<s>, biases<s> [N_s, K / 64] x's dtype (row-contiguous);
@@ -87,12 +101,21 @@ constexpr uint STEPS4 = (K + SIMD_WIDTH * VALUES4 - 1) / (SIMD_WIDTH * VALUES4);
 constexpr uint STEPS8 = (K + SIMD_WIDTH * VALUES8 - 1) / (SIMD_WIDTH * VALUES8);
 constexpr uint WORDS4 = K / 8;  // uint32 words of a 4-bit row
 constexpr uint WORDS8 = K / 4;  // of an 8-bit row
-constexpr uint XIN_SIZE = STAGE_X ? BATCH * K : 1;
+// The prologue's output in threadgroup memory, TILE values of each row at a
+// time (the launcher's choice, gemv.py's tile_values; see "Tiles" above).
+constexpr bool WHOLE = TILE >= K;
+constexpr uint SPAN4 = SIMD_WIDTH * VALUES4;  // a SIMD group's step at 4 bits (two at 8)
+constexpr uint PARTS = (WHOLE || TILE >= SPAN4) ? 1u : 2u;
+constexpr uint RUN = 32 / PARTS;  // values of each 32-value run in one tile
+constexpr uint BLOCK = WHOLE ? K : TILE * PARTS;
+constexpr uint TILES = WHOLE ? 1u : (K + BLOCK - 1) / BLOCK * PARTS;
+constexpr uint ROW_VALUES = WHOLE ? K : TILE;
 
-// xin of row b, held as XT at b * K + swizzled(k): within each run of 32
-// values, pairs are rotated by (k / 64) % 16, so that the 32 lanes reading
-// "value i of their own 32 (or 16)" touch 32 different banks.
-threadgroup XT xin[XIN_SIZE];
+// xin of row b's values in the current tile, held as XT at b * ROW_VALUES +
+// swizzled(slot): within each run of 32 slots, pairs are rotated by
+// (slot / 64) % 16, so that the 32 lanes reading "value i of their own 32
+// (or 16)" touch 32 different banks.
+threadgroup XT xin[BATCH * ROW_VALUES];
 threadgroup float partial[BATCH * NSG];
 threadgroup float row_inv_rms[BATCH];
 
@@ -103,7 +126,7 @@ const uint gate_d = uint(gate_shape[3]);
 // layout: block ends [0..3], rows [4..7], rows of x [8].
 const uint batch_rows = layout[8];
 
-// -- prologue: each row's norm, then (STAGE_X) xin into threadgroup memory ---------
+// -- prologue: each row's norm ------------------------------------------------------
 if (PROLOGUE == 1) {
   float squares[BATCH];
   for (uint b = 0; b < BATCH; ++b) {
@@ -133,35 +156,6 @@ if (PROLOGUE == 1) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
-if (STAGE_X) {
-  for (uint k = tid; k < K; k += THREADS) {
-    const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
-    for (uint b = 0; b < BATCH; ++b) {
-      if (b >= batch_rows) {
-        continue;
-      }
-      // xin[b][k] (the same lines as in the unstaged read below).
-      float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
-      if (PROLOGUE == 1) {
-        float normed = static_cast<float>(static_cast<XT>(v * row_inv_rms[b]));
-        v = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
-      } else if (PROLOGUE == 2) {
-        const uint g = k / gate_d;
-        const uint d = k - g * gate_d;
-        float gx = static_cast<float>(gate[b * gate_strides[0] + g * gate_strides[2] + d * gate_strides[3]]);
-        // sigmoid as MLX computes it in the gate's dtype (XT: x's, which the
-        // gate shares; no norm here), rounded to it, then the product.
-        float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
-        float sigmoid_neg = 1.0f / (1.0f + e);
-        float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
-        v = v * sig;
-      }
-      xin[b * K + at] = static_cast<XT>(v);
-    }
-  }
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-
 // -- this SIMD group's rows ---------------------------------------------------------
 const uint block = threadgroup_position_in_grid.x * NSG + sg;
 uint seg = 0;
@@ -198,53 +192,111 @@ for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
   next_scale[r] = 0.0f;
   next_bias[r] = 0.0f;
 }
-// Pass t fetches step t's weights and multiplies step t - 1's, fetched by
-// the pass before: a lane has two steps' loads in flight.
-for (uint step = 0; step <= steps; ++step) {
-  for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
-    words[r] = next_words[r];
-    scale[r] = next_scale[r];
-    bias[r] = next_bias[r];
+// Each row's sum of xin over the lane's current unit (the bias term).
+float xsum[BATCH];
+const uint span = SIMD_WIDTH * values;  // a step: 32 lanes' values
+
+// -- tile by tile: stage xin of all rows, then each lane's chunks in the tile -------
+for (uint t = 0; t < TILES; ++t) {
+  if (t > 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every lane is done with tile t - 1
   }
-  const uint k_next = step * SIMD_WIDTH * values + lane * values;
-  for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
-    const uint row = row0 + r;
-    const uint wi = row * words_per_row + k_next / (32 / bits);
-    const uint gi = row * GROUPS_PER_ROW + k_next / GROUP_SIZE;
-    next_words[r] = no_words;
-    next_scale[r] = 0.0f;
-    next_bias[r] = 0.0f;
-    if (step < steps && k_next < K && row < seg_rows) {
-      if (seg == 0) {
-        next_words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
-        next_scale[r] = static_cast<float>(scales0[gi]);
-        next_bias[r] = static_cast<float>(biases0[gi]);
-      } else if (S > 1 && seg == 1) {
-        next_words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
-        next_scale[r] = static_cast<float>(scales1[gi]);
-        next_bias[r] = static_cast<float>(biases1[gi]);
-      } else if (S > 2 && seg == 2) {
-        next_words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
-        next_scale[r] = static_cast<float>(scales2[gi]);
-        next_bias[r] = static_cast<float>(biases2[gi]);
-      } else if (S > 3 && seg == 3) {
-        next_words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
-        next_scale[r] = static_cast<float>(scales3[gi]);
-        next_bias[r] = static_cast<float>(biases3[gi]);
+  for (uint i = tid; i < ROW_VALUES; i += THREADS) {
+    // Slot i of tile t holds value k of each row.
+    const uint k = WHOLE ? i : (t / PARTS) * BLOCK + (PARTS == 1 ? i : (i / 16) * 32 + (t % PARTS) * 16 + (i & 15u));
+    const uint at = (i & ~31u) | (((((i & 31u) >> 1) + (i >> 6)) & 15u) << 1) | (i & 1u);
+    for (uint b = 0; b < BATCH; ++b) {
+      if (b >= batch_rows || k >= K) {
+        continue;
       }
+      // xin[b][k]: x, normed (rounded as rms_norm rounds) or gated.
+      float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+      if (PROLOGUE == 1) {
+        float normed = static_cast<float>(static_cast<XT>(v * row_inv_rms[b]));
+        v = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
+      } else if (PROLOGUE == 2) {
+        const uint g = k / gate_d;
+        const uint d = k - g * gate_d;
+        float gx = static_cast<float>(gate[b * gate_strides[0] + g * gate_strides[2] + d * gate_strides[3]]);
+        // sigmoid as MLX computes it in the gate's dtype (XT: x's, which the
+        // gate shares; no norm here), rounded to it, then the product.
+        float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
+        float sigmoid_neg = 1.0f / (1.0f + e);
+        float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+        v = v * sig;
+      }
+      xin[b * ROW_VALUES + at] = static_cast<XT>(v);
     }
   }
-  if (step > 0) {
-    const uint k0 = k_next - SIMD_WIDTH * values;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // The steps with a value in tile t (the last tile: every step left, whose
+  // values past K are zeros). A lane's step s is its unit of `values` values
+  // at k0; its chunks are multiplied in the tiles that hold them, in order,
+  // and the unit's bias term after its last chunk.
+  const uint s_begin = WHOLE ? 0u : (t / PARTS) * BLOCK / span;
+  const uint s_block_end = ((t / PARTS + 1) * BLOCK + span - 1) / span;
+  const uint s_end = (t + 1 == TILES || s_block_end > steps) ? steps : s_block_end;
+  for (uint s = s_begin; s < s_end; ++s) {
+    const uint k0 = s * span + lane * values;
     const bool active = k0 < K;
-    float xsum[BATCH];
-    for (uint b = 0; b < BATCH; ++b) {
-      xsum[b] = 0.0f;
+    // The tiles of the unit's first and last chunks (tile_of; values past
+    // the last tile's: the last tile).
+    const uint k_last = k0 + values - 8;
+    uint first_tile = WHOLE ? 0u : (k0 / BLOCK) * PARTS + (k0 & 31u) / RUN;
+    uint last_tile = WHOLE ? 0u : (k_last / BLOCK) * PARTS + (k_last & 31u) / RUN;
+    first_tile = first_tile < TILES ? first_tile : TILES - 1;
+    last_tile = last_tile < TILES ? last_tile : TILES - 1;
+    if (first_tile == t) {
+      // The unit's first chunk: its weights (fetched one unit ahead) and the
+      // next unit's fetch (the first unit fetches its own first).
+      for (uint f = s == 0 ? 0u : 1u; f < 2; ++f) {
+        for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+          words[r] = next_words[r];
+          scale[r] = next_scale[r];
+          bias[r] = next_bias[r];
+        }
+        const uint fetch_step = s + f;
+        const uint k_next = fetch_step * span + lane * values;
+        for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+          const uint row = row0 + r;
+          const uint wi = row * words_per_row + k_next / (32 / bits);
+          const uint gi = row * GROUPS_PER_ROW + k_next / GROUP_SIZE;
+          next_words[r] = no_words;
+          next_scale[r] = 0.0f;
+          next_bias[r] = 0.0f;
+          if (fetch_step < steps && k_next < K && row < seg_rows) {
+            if (seg == 0) {
+              next_words[r] = *reinterpret_cast<const device uint4*>(w0 + wi);
+              next_scale[r] = static_cast<float>(scales0[gi]);
+              next_bias[r] = static_cast<float>(biases0[gi]);
+            } else if (S > 1 && seg == 1) {
+              next_words[r] = *reinterpret_cast<const device uint4*>(w1 + wi);
+              next_scale[r] = static_cast<float>(scales1[gi]);
+              next_bias[r] = static_cast<float>(biases1[gi]);
+            } else if (S > 2 && seg == 2) {
+              next_words[r] = *reinterpret_cast<const device uint4*>(w2 + wi);
+              next_scale[r] = static_cast<float>(scales2[gi]);
+              next_bias[r] = static_cast<float>(biases2[gi]);
+            } else if (S > 3 && seg == 3) {
+              next_words[r] = *reinterpret_cast<const device uint4*>(w3 + wi);
+              next_scale[r] = static_cast<float>(scales3[gi]);
+              next_bias[r] = static_cast<float>(biases3[gi]);
+            }
+          }
+        }
+      }
+      for (uint b = 0; b < BATCH; ++b) {
+        xsum[b] = 0.0f;
+      }
     }
     // A step in chunks of 8 values: word c at 4 bits (4 chunks), words 2c
     // and 2c + 1 at 8 bits (2 chunks).
     for (uint c = 0; c < 4; ++c) {
-      if (c < values / 8) {
+      const uint kc = k0 + 8 * c;
+      uint chunk_tile = WHOLE ? 0u : (kc / BLOCK) * PARTS + (kc & 31u) / RUN;
+      chunk_tile = chunk_tile < TILES ? chunk_tile : TILES - 1;
+      if (c < values / 8 && chunk_tile == t) {
         // Chunk c of each weight row, dequantized once for all BATCH rows of
         // x. 4 bits: values to floats without integer-to-float conversions (a
         // quarter-rate instruction on NVIDIA GPUs, slower than the memory at
@@ -274,33 +326,21 @@ for (uint step = 0; step <= steps; ++step) {
             }
           }
         }
+        // The chunk's values' places in the tile's rows.
+        uint at[8];
+        for (uint i = 0; i < 8; ++i) {
+          const uint k = kc + i;
+          const uint slot = WHOLE ? k : (PARTS == 1 ? k % BLOCK : (k % BLOCK) / 32 * 16 + (k & 15u));
+          at[i] = (slot & ~31u) | (((((slot & 31u) >> 1) + (slot >> 6)) & 15u) << 1) | (slot & 1u);
+        }
         for (uint b = 0; b < BATCH; ++b) {
-          // Row b's xin at this chunk's values (zeros past B: nothing read).
+          // Row b's xin at this chunk's values (zeros past B and past K:
+          // nothing read).
           float xv[8];
           for (uint i = 0; i < 8; ++i) {
-            const uint k = k0 + 8 * c + i;
             xv[i] = 0.0f;
             if (active && b < batch_rows) {
-              if (STAGE_X) {
-                const uint at = (k & ~31u) | (((((k & 31u) >> 1) + (k >> 6)) & 15u) << 1) | (k & 1u);
-                xv[i] = static_cast<float>(xin[b * K + at]);
-              } else {
-                // xin[b][k] (the same lines as in the staging loop above).
-                float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
-                if (PROLOGUE == 1) {
-                  float normed = static_cast<float>(static_cast<XT>(v * row_inv_rms[b]));
-                  v = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
-                } else if (PROLOGUE == 2) {
-                  const uint g = k / gate_d;
-                  const uint d = k - g * gate_d;
-                  float gx = static_cast<float>(gate[b * gate_strides[0] + g * gate_strides[2] + d * gate_strides[3]]);
-                  float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
-                  float sigmoid_neg = 1.0f / (1.0f + e);
-                  float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
-                  v = v * sig;
-                }
-                xv[i] = static_cast<float>(static_cast<XT>(v));
-              }
+              xv[i] = static_cast<float>(xin[b * ROW_VALUES + at[i]]);
             }
             xsum[b] += xv[i];
           }
@@ -314,9 +354,12 @@ for (uint step = 0; step <= steps; ++step) {
         }
       }
     }
-    for (uint b = 0; b < BATCH; ++b) {
-      for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
-        acc[b][r] = fma(bias[r], xsum[b], acc[b][r]);
+    if (last_tile == t) {
+      // The unit's last chunk done: its bias term.
+      for (uint b = 0; b < BATCH; ++b) {
+        for (uint r = 0; r < ROWS_PER_SIMDGROUP; ++r) {
+          acc[b][r] = fma(bias[r], xsum[b], acc[b][r]);
+        }
       }
     }
   }

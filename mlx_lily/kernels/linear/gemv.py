@@ -40,14 +40,19 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16)
 # (16 KiB at 8192) or K floats (16 KiB at 4096) with an fp32 norm weight.
 MAX_K = 8192
 MAX_K_FLOAT = 4096
-# B rows of xin are staged in threadgroup memory when B * K values of XT fit
-# this budget (one row always does: MAX_K); more rows (e.g. 16 at K = 2048)
-# would cost occupancy or exceed Metal's 32 KiB, so the body then computes
-# each xin value where it multiplies it, from x in device memory (the same
-# operations, the same bits: only the prologue's arithmetic is repeated per
-# SIMD group, while the weights, which dominate the traffic, are still read
-# once for all rows).
+# Each row's prologue output (xin) is staged in threadgroup memory, as XT: the
+# whole of K for all of the bucket's rows where BATCH x K values fit this
+# budget (one row always does: MAX_K), else K in tiles of tile_values(bucket,
+# XT) = STAGED_X_BYTES / (BATCH x its size) values per row (1024 bf16 values
+# at 8 rows, 512 at 16), computed by the whole threadgroup a tile at a time;
+# more (e.g. 16 rows at K = 2048) would cost occupancy or exceed Metal's 32
+# KiB. Every form gives each lane the same chunks in the same order: the same
+# bits.
 STAGED_X_BYTES = 16384
+# Tile sizes the body takes (values of each row): 256 and 512 (halves of each
+# 32-value run of 512 or 1024 values, so that every lane of a 4-bit step
+# works), or multiples of 1024 (a 4-bit step's values).
+MIN_TILE = 256
 # Rows per SIMD group (the body's ROWS) and SIMD groups per threadgroup
 # (None: NSG_FOR_BLOCKS). On CUDA by the call's total rows: the merged input
 # projections (thousands of rows) take 4 rows per SIMD group; the output
@@ -256,23 +261,38 @@ def launch_choice(total_rows: int, backend: Optional[str], batch: int = 1) -> tu
 
 
 def stages_x(batch: int, K: int, xin_dtype: mx.Dtype) -> bool:
-    """Whether the body holds all rows' xin in threadgroup memory (sized
-    for the bucket's rows: the body's array is BATCH * K)."""
+    """Whether the body holds all rows' whole xin in threadgroup memory at
+    once (sized for the bucket's rows: the body's array is BATCH * K), rather
+    than K in tiles."""
     return batch_bucket(batch) * K * xin_dtype.size <= STAGED_X_BYTES
+
+
+def tile_values(batch: int, xin_dtype: mx.Dtype) -> int:
+    """Values of K per tile for B rows where the whole does not fit: the
+    budget's share of each of the bucket's rows (a power of two, 256 to
+    8192)."""
+    return STAGED_X_BYTES // (batch_bucket(batch) * xin_dtype.size)
+
+
+def valid_tile(tile: int) -> bool:
+    """A TILE the body takes (below K): 256, 512, or a multiple of 1024."""
+    return tile in (MIN_TILE, 2 * MIN_TILE) or (tile > 0 and tile % 1024 == 0)
 
 
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             rows_per_simdgroup: Optional[int] = None, simdgroups: Optional[int] = None,
-            stage_x: Optional[bool] = None) -> Launch:
+            stage_x: Optional[bool] = None, tile: Optional[int] = None) -> Launch:
     """The call's launch; ``rows_per_simdgroup`` (ROWS_CHOICES) and
     ``simdgroups`` (per threadgroup, 1-32) are tuning choices that compute
     the same values (default: ``launch_choice``; given rows without
-    simdgroups, NSG_FOR_BLOCKS); so is ``stage_x`` (False: read x from
-    device memory even where it fits threadgroup memory; default
-    ``stages_x``). None of them changes a row's sums: the simdgroups
-    (which order the norm's sum of squares) never depend on B, and the
-    default rows per SIMD group only through the bucket's registers
-    (MAX_ACCUMULATORS), so each row is the same bits whatever B is (batch
+    simdgroups, NSG_FOR_BLOCKS); so are ``stage_x`` (True: the whole of K
+    staged at once, where it fits; False: K in tiles even where the whole
+    fits) and ``tile`` (values of K per tile, ``valid_tile``, within the
+    budget; default ``tile_values``). None of them changes a row's sums: the
+    simdgroups (which order the norm's sum of squares) never depend on B,
+    the default rows per SIMD group only through the bucket's registers
+    (MAX_ACCUMULATORS), and every tile form multiplies a lane's chunks in
+    the same order, so each row is the same bits whatever B is (batch
     invariance)."""
     B, K = x.shape[0], x.shape[-1]
     bucket = batch_bucket(B)
@@ -297,10 +317,13 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     XT = _input_dtype(x, norm_weight)
     OutT = XT if residual is None else mx.result_type(residual.dtype, XT)  # residual + XT
     fits = stages_x(B, K, XT)
-    if stage_x is None:
-        stage_x = fits
-    elif stage_x and not fits:
+    if stage_x and not fits:
         raise ValueError(f"stage_x: {bucket} rows (B={B}'s bucket) of K={K} {XT} exceed {STAGED_X_BYTES} bytes")
+    if tile is not None and (stage_x or not valid_tile(tile) or bucket * tile * XT.size > STAGED_X_BYTES):
+        raise ValueError(f"tile {tile}: 256, 512 or a multiple of 1024, {bucket} rows of it within "
+                         f"{STAGED_X_BYTES} bytes, and not with stage_x")
+    whole = stage_x if stage_x is not None else (fits and tile is None)
+    staged = K if whole else (tile or tile_values(B, XT))
     inputs = [x]
     for s in range(S):
         inputs.extend(weights[s])
@@ -330,7 +353,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
             ("BATCH", bucket),
-            ("STAGE_X", bool(stage_x)),
+            ("TILE", min(staged, K)),
         ],
         finish=tuple,
         absent=_ABSENT[S],
