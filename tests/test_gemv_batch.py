@@ -2,14 +2,15 @@
 server decode of B sequences, speculative verification of B tokens).
 
 In the CPU emulator: the kernel against the contract for B = 1, 2, 5 and 16
-(each prologue, the residual, 4- and 8-bit, several segments, xin staged in
-threadgroup memory or read from device memory); one build per bucket of B
+(each prologue, the residual, 4- and 8-bit, several segments, xin staged
+whole or in K tiles); one build per bucket of B
 (1, 2, 4, 8, 16), rows past B in a bucket neither read nor written (the
 emulator checks every access against its buffer); batch invariance, bit for
 bit: a row computed alone equals the same row inside batches of 2, 3, 5, 9
 and 16, at any position, whatever the other rows hold; B = 17 runs the
 reference and says why; every bucket of the model's calls compiled for CUDA
-with nvcc, accumulators in registers.
+with nvcc, accumulators in registers; K tiles keep each lane's order (checked
+in Python on the body's geometry) and give the bits of whole-K staging.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from mlx_lily.kernels.linear.testing import gemv_call
 from test_toolchain import emulator_or_skip, nvcc_ptx
 
 # K = 576: 5 rows of xin fit the threadgroup budget, 16 do not (the body
-# then computes xin where it reads it), so both paths are covered.
+# then stages K in two tiles of 512 values, the second partly past K), so
+# both forms are covered.
 KD = 576
 # (rows per segment, bits per segment, prologue, residual)
 CASES = [
@@ -140,7 +142,8 @@ def test_a_row_has_the_same_bits_alone_and_anywhere_in_any_batch(rows, bits, pro
     """Row b's outputs depend on row b's inputs only: the same bits at B = 1,
     and in batches of 2, 3, 5, 9 and 16 (every bucket, and rows past B in
     three of them) at different positions among other rows, with xin staged
-    in threadgroup memory (buckets up to 8 here) or not (16, and 5 forced),
+    whole (buckets up to 8 here) or in K tiles (16; stage_x=False at 5 asks
+    for tiles, which at K = 576 are one, the whole),
     and 4, 2 or 1 weight rows per SIMD group (the bucket's)."""
     emulator_or_skip()
     (x, weights), kwargs = gemv_call(KD, rows, bits, prologue, residual, seed=31, batch=16)

@@ -2,7 +2,8 @@
 shapes: the kernel against the reference's contract for B = 1, 2, 3, 5, 9 and
 16 (every bucket, some with rows past B), and batch invariance bit for bit (a
 row alone equals the same row inside batches of 2, 3, 5, 9 and 16, at any
-position, whatever the other rows hold).
+position, whatever the other rows hold); the prologue's output staged whole or
+in K tiles of 256, 512, 1024 and 2048 values gives the same bits.
 
 Run on a GPU machine with ``python3 -m pytest tests/gpu -m gpu -q``; without a
 GPU every test here skips. Each call asserts that the kernel path was taken
@@ -16,7 +17,11 @@ import numpy as np
 import pytest
 
 from mlx_lily.kernels import OPS
-from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
+from mlx_lily.kernels.linear.gemv import (
+    quantized_matvec_agree,
+    quantized_matvec_kernel,
+    quantized_matvec_reference,
+)
 from mlx_lily.kernels.linear.testing import gemv_weights
 
 pytestmark = pytest.mark.gpu
@@ -125,3 +130,18 @@ def test_a_row_has_the_same_bits_alone_and_anywhere_in_any_batch(backend, name):
                 assert np.array_equal(raw_bits(g[position : position + 1]), raw_bits(a)), (
                     f"{name}: segment {s} of row {j} at position {position} of {len(picks)} "
                     "differs from the row computed alone")
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_tiled_and_whole_k_staging_give_the_same_bits(backend, name):
+    """One row (the whole of K fits): whole-K staging against tiles of 256,
+    512 (halves of 32-value runs), 1024 and 2048 values, bit for bit."""
+    weights = weights_for(name)
+    x, kwargs = inputs(name, 1, seed=300)
+    whole = quantized_matvec_kernel.run_on(backend, x, weights, **kwargs, stage_x=True)
+    mx.eval(whole)
+    for tile in (256, 512, 1024, 2048):
+        tiled = quantized_matvec_kernel.run_on(backend, x, weights, **kwargs, tile=tile)
+        mx.eval(tiled)
+        for s, (t, w) in enumerate(zip(tiled, whole)):
+            assert np.array_equal(raw_bits(t), raw_bits(w)), f"{name}: segment {s}, tiles of {tile}"
