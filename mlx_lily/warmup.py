@@ -25,6 +25,7 @@ import mlx.core as mx
 from . import call_trace
 from ._notice import notice_once
 from .kernels.gated_delta.recurrence import CHUNKED_FROM
+from .kernels.linear.gemv import BATCH_BUCKETS
 from .kernels.moe.routing import TILE_ROWS
 from .toolchain.registry import kernel_backend
 
@@ -32,6 +33,9 @@ PRIME_ENV = "MLX_LILY_PRIME"
 # Tokens of a prompt's short tail chunk and of the batched prompts.
 SHORT_CHUNK = 10
 DECODE_TOKENS = 2
+# Decode batches primed: one per row bucket of the batched GEMV (a single
+# request primes the one-row bucket).
+PRIME_BATCHES = tuple(b for b in BATCH_BUCKETS if b > 1)
 
 
 def requested(program: Optional[str]) -> bool:
@@ -89,7 +93,8 @@ def prime(model: Any, log=None, server: bool = True) -> Optional[dict]:
     lengths = chunk_lengths(*shape)
     caches = "the server's" if server else "mlx_lm.generate's"
     log(f"priming lily's kernels on {backend}: prompt chunks of {', '.join(map(str, lengths))} "
-        f"tokens on {caches} caches, decode steps and a batch of two ({PRIME_ENV}=0 skips this)")
+        f"tokens on {caches} caches, decode steps and decode batches of "
+        f"{', '.join(map(str, PRIME_BATCHES))} ({PRIME_ENV}=0 skips this)")
     start = time.perf_counter()
     with call_trace.paused():
         _run(model, lengths, start, log, server)
@@ -135,16 +140,20 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
         # masks, which run MLX's sdpa: none meets these kernel instances.
         _prime_attention_decode(model)
 
-    batch = [_prompt(SHORT_CHUNK)[0].tolist(), _prompt(SHORT_CHUNK // 2, 1)[0].tolist()]
-    gen = BatchGenerator(model, completion_batch_size=len(batch), prefill_batch_size=len(batch))
-    try:
-        gen.insert(batch, max_tokens=[DECODE_TOKENS + 1] * len(batch))
-        for _ in range(4 * DECODE_TOKENS + 4):
-            _, responses = gen.next()
-            if not responses:
-                break
-    finally:
-        gen.close()
+    # Batches of mixed lengths, one per build of the batched decode kernels
+    # (the GEMV's row buckets; the other batched kernels have one build).
+    for rows in PRIME_BATCHES:
+        batch = [_prompt(SHORT_CHUNK // (1 + r % 2), r)[0].tolist() for r in range(rows)]
+        gen = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows)
+        try:
+            gen.insert(batch, max_tokens=[DECODE_TOKENS + 1] * rows)
+            for _ in range(4 * DECODE_TOKENS + 4):
+                _, responses = gen.next()
+                if not responses:
+                    break
+        finally:
+            gen.close()
+        log(f"  primed a decode batch of {rows} ({time.perf_counter() - start:.1f}s)")
 
 
 def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:
