@@ -155,8 +155,12 @@ class Server:
             env["MLX_LILY_TRACE_PATHS"] = str(self.paths_file)
         # mlx_lm.server's own main through lily's entry point, which takes
         # --backend without the startup hook (a checkout on PYTHONPATH has none).
+        # bench.serve_process also writes the server's peak memory (peak_memory_gb()).
+        self.peak_file = out / f"peak-{engine}.json"
+        self.peak_file.unlink(missing_ok=True)
         self.cmd = [
-            sys.executable, "-m", "mlx_lily", "serve", "--model", model, "--backend", engine,
+            sys.executable, "-m", "bench.serve_process", str(self.peak_file),
+            "serve", "--model", model, "--backend", engine,
             "--host", HOST, "--port", str(self.port),
             # No prompt-cache reuse: every request prefills its whole prompt.
             "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
@@ -187,6 +191,15 @@ class Server:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"{self.engine} server not up within {timeout_s:.0f} s; see {self.log_path}")
+
+    def peak_memory_gb(self) -> Optional[float]:
+        """The server process's MLX peak memory so far (GiB), as its watcher
+        last wrote it (within a second), or None."""
+        time.sleep(1.2)  # the watcher's next write covers what just ran
+        try:
+            return round(json.loads(self.peak_file.read_text())["peak_memory_gb"], 3)
+        except (OSError, ValueError, KeyError):
+            return None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -502,6 +515,7 @@ def run_engine(
             result["skipped"].append("all waves (time budget spent in startup and warmup)")
             return result
         alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
+        alone["peak_memory_gb_after"] = server.peak_memory_gb()
         result["waves"]["1"] = alone
         log(f"{engine}: {len(alone['streams'])} single runs, TTFT median {alone['ttft_median_s']}")
         # One request's prefill at --prefill-tokens: once to warm that shape up,
@@ -525,8 +539,10 @@ def run_engine(
                 continue
             w = wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
             check_greedy(w, alone)
+            w["peak_memory_gb_after"] = server.peak_memory_gb()  # the server's peak so far
             result["waves"][str(n)] = w
             log(f"{engine}: {n} streams, {w['aggregate_tps']} tok/s aggregate, same as single {w['same_as_single']}")
+        result["peak_memory_gb"] = server.peak_memory_gb()
     finally:
         server.stop()
         if server.paths_file is not None and server.paths_file.exists():
@@ -586,7 +602,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         check, beside = None, not args.no_generate_check and not args.generate_check_after
         if beside:
             log(f"prefill check: mlx_lm stream_generate with {engine}, warming up beside the server")
-            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine, args.count_rows)
+            check = GenerateCheck(model, args.prefill_prompt, args.max_tokens, out, engine, args.count_rows)
         try:
             report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline, check)
         except Exception as exc:  # recorded; the other engine still runs
@@ -597,13 +613,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                 report["generate_check"][engine] = {"skipped": "time budget"}
                 continue
             log(f"prefill check: mlx_lm stream_generate with {engine}")
-            check = GenerateCheck(model, args.prefill_prompt, 2, out, engine, args.count_rows)
+            check = GenerateCheck(model, args.prefill_prompt, args.max_tokens, out, engine, args.count_rows)
         if check is not None:
             # The server has stopped: the measured run has the GPU to itself.
             ready_s = max(args.server_timeout_s if args.generate_check_after else 30.0,
                           deadline - time.perf_counter())
             report["generate_check"][engine] = check.finish(ready_s, args.request_timeout_s)
     report["prefill_vs_generate"] = {e: r for e in args.engines if (r := prefill_ratio(report, e))}
+    report["decode_vs_generate"] = {e: r for e in args.engines if (r := decode_ratio(report, e))}
+    report["batch_scaling"] = batch_scaling(report)
     report["elapsed_s"] = time.perf_counter() - started
 
     stem = file_stem("serve", report["machine"], report["software"]["git_revision"])
@@ -633,6 +651,37 @@ def prefill_ratio(report: Dict[str, Any], engine: str) -> Optional[Dict[str, Any
         "(includes HTTP, queueing and the batch generator's first decode step); "
         "generate: stream_generate's prompt_tps, second of two runs, same prompt",
     }
+
+
+def decode_ratio(report: Dict[str, Any], engine: str) -> Optional[Dict[str, Any]]:
+    """One stream's decode under the server against mlx_lm.generate's decode
+    of the same engine (the generate check's measured run, --max-tokens tokens)."""
+    one = report["engines"].get(engine, {}).get("waves", {}).get("1")
+    gen = (report.get("generate_check") or {}).get(engine, {}).get("measured")
+    if not one or not gen or not one.get("decode_tps_median") or not gen.get("generation_tps"):
+        return None
+    return {"server_decode_tps": one["decode_tps_median"], "generate_decode_tps": gen["generation_tps"],
+            "ratio": one["decode_tps_median"] / gen["generation_tps"]}
+
+
+def batch_scaling(report: Dict[str, Any]) -> Dict[str, Any]:
+    """Per engine and concurrency: per-stream decode against the engine's one
+    stream, and lily's aggregate against stock's at the same concurrency."""
+    out: Dict[str, Any] = {}
+    for name, e in report["engines"].items():
+        waves = e.get("waves", {})
+        one = (waves.get("1") or {}).get("decode_tps_median")
+        out[name] = {
+            n: {"per_stream_vs_one": (w["decode_tps_median"] / one) if one and w.get("decode_tps_median") else None,
+                "peak_memory_gb_after": w.get("peak_memory_gb_after")}
+            for n, w in waves.items() if n != "1"
+        }
+    lily, stock = (report["engines"].get(k, {}).get("waves", {}) for k in ENGINES)
+    out["aggregate_lily_vs_stock"] = {
+        n: lily[n]["aggregate_tps"] / stock[n]["aggregate_tps"]
+        for n in lily if n in stock and lily[n].get("aggregate_tps") and stock[n].get("aggregate_tps")
+    }
+    return out
 
 
 def _fmt(x: Any, digits: int = 1) -> str:
@@ -678,6 +727,12 @@ def markdown(report: Dict[str, Any]) -> str:
             + (f" (TTFT {p['server_ttft_s']:.3f} s; the first request of that length {p['server_first_ttft_s']:.3f} s)."
                if p.get("server_first_ttft_s") is not None else ".")
         )
+    for name, d in (report.get("decode_vs_generate") or {}).items():
+        lines.append(f"Decode, one stream, {name}: server {d['server_decode_tps']:.1f} tok/s vs mlx_lm generate "
+                     f"{d['generate_decode_tps']:.1f} tok/s: ratio {d['ratio']:.2f}.")
+    for name, e in report["engines"].items():
+        if e.get("peak_memory_gb") is not None:
+            lines.append(f"Peak memory of the {name} server: {e['peak_memory_gb']:.2f} GiB.")
     for name, g in (report.get("generate_check") or {}).items():
         if g.get("error") or g.get("skipped"):
             lines.append(f"Prefill check, {name}: {g.get('skipped') or 'error: ' + ' '.join(g['error'])}.")
