@@ -133,6 +133,11 @@ def batch_decode_step_counts(model: Any, cache: Sequence[Any], tokens: Sequence[
     from mlx_lily.kernels.dtypes import embedding_dtype
     from mlx_lily.layers.batch_step import reserve_batch_rows
 
+    from mlx_lily.toolchain.registry import kernel_backend
+
+    if kernel_backend()[0] is None:
+        raise RuntimeError("the batched decode step runs on lily's kernels only (none here: "
+                           f"{kernel_backend()[1]}); stock's layer code cannot be traced for export")
     rows = len(tokens)
     inputs = mx.array(list(tokens), dtype=mx.uint32)[:, None]
     text = model.language_model.model

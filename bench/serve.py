@@ -427,7 +427,8 @@ class GenerateCheck:
             f.unlink(missing_ok=True)
         self.spec.write_text(json.dumps({
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine,
-            "ready": str(self.ready), "go": str(self.go), "count_rows": count_rows,
+            # Counting traces lily's batched step; stock's layer code cannot be exported.
+            "ready": str(self.ready), "go": str(self.go), "count_rows": count_rows if engine == "lily" else 0,
         }))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))

@@ -168,3 +168,33 @@ def test_counting_leaves_the_model_usable(demo_checkpoint):
     logits = model(mx.array([[1, 2, 3]]), cache=cache)
     mx.eval(logits)
     assert logits.shape[:2] == (1, 3) and bool(mx.isfinite(logits.astype(mx.float32)).all())
+
+
+def test_batched_counts_read_the_union_and_the_rows_spans():
+    # bench/batch_counts.py rewrites lily's batched kernels' inputs to what
+    # they read: the MoE kernels the union of the rows' experts, the decode
+    # attention each row's span of the KV buffer, before count_nodes.
+    from bench import batch_counts as bc
+    from bench import counts
+
+    E, I, D = 16, 64, 128
+    bf16 = mx.bfloat16
+    expert = ("w", (E, I, D // 8), mx.uint32)
+    per_expert = I * D // 8 * 4
+    gate_up = {"name": "CustomKernel", "arguments": ["custom_kernel_moe_decode_gate_up_abc"],
+               "inputs": [("x", (2, D), bf16), ("inds", (2, 4), mx.uint32)] + [expert] * 6,
+               "outputs": [("o", (2, 5, I), bf16)]}
+    union = 5
+    scaled = [bc._scaled(a, union) if i in bc.UNION_KERNELS["moe_decode_gate_up"] else a
+              for i, a in enumerate(gate_up["inputs"])]
+    node = dict(gate_up, inputs=scaled)
+    held = dict(counts.GATHERED_KERNEL_INPUTS)
+    got = bc._count_as_read([node])
+    assert counts.GATHERED_KERNEL_INPUTS == held  # the one-row table is back
+    small = 2 * D * 2 + 2 * 4 * 4
+    assert got["bytes_read"] == small + 6 * union * per_expert
+    # The attention reads the rows' spans of a [B, H, S, D] buffer.
+    name, shape, dtype = bc._rows(("k", (4, 2, 1024, 64), bf16), span_rows=300, buffer_rows=4 * 1024)
+    assert shape == (1, 2, 300, 64)
+    assert bc._which({"arguments": ["custom_kernel_attention_decode_123"]}, bc.SPAN_KERNELS) == "attention_decode"
+    assert bc._which({"arguments": ["custom_kernel_attention_combine_1"]}, bc.SPAN_KERNELS) == ""

@@ -49,7 +49,23 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     assert all(report["engines"][e]["prefill_single"]["first_ttft_s"] > 0 for e in ("lily", "mlx"))
     assert all(r["server_first_ttft_s"] == report["engines"][e]["prefill_single"]["first_ttft_s"]
                for e, r in ratios.items())
+    # One stream's decode against generate's, per-stream scaling, lily against
+    # stock, and each server's peak memory as its process reported it.
+    decode = report["decode_vs_generate"]
+    assert set(decode) == {"lily", "mlx"} and all(d["ratio"] > 0 for d in decode.values())
+    scaling = report["batch_scaling"]
+    assert all(scaling[e]["3"]["per_stream_vs_one"] > 0 for e in ("lily", "mlx"))
+    assert scaling["aggregate_lily_vs_stock"]["3"] > 0
+    for e in ("lily", "mlx"):
+        engine = report["engines"][e]
+        assert 0 < engine["waves"]["1"]["peak_memory_gb_after"] <= engine["waves"]["3"]["peak_memory_gb_after"]
+        assert engine["peak_memory_gb"] >= engine["waves"]["3"]["peak_memory_gb_after"]
+    # The generate check counts lily's batched decode step; on the CPU there
+    # are no kernels, so no batched step, and the report says why.
+    assert "kernels only" in report["generate_check"]["lily"]["batch_counts"]["error"]
+    assert "batch_counts" not in report["generate_check"]["mlx"]
     table = md_file.read_text()
+    assert "Decode, one stream, lily:" in table and "Peak memory of the lily server:" in table
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
     assert "Prefill, one request, lily:" in table and "Prefill, one request, mlx:" in table
     assert capsys.readouterr().out.strip() == table.strip()
