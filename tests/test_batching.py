@@ -119,8 +119,10 @@ def test_continuous_batching_a_request_joins_the_decode_batch(models, reference_
 def test_prompts_continuing_saved_caches(models, reference_backend, recorded):
     # The server resumes prompts from its prompt cache: caches of different
     # lengths merge into one BatchKVCache (left-padded) and ArraysCache.
+    # Lily prefills the tails row by row: each row's cache without the left
+    # padding the merge gave the shorter history (its positions and keys as alone).
     stock, lily, tokenizer = models
-    heads, tails = [[5, 9, 300], [12]], [[41, 7], [500, 3, 4]]
+    heads, tails = [[5, 9, 300, 7, 8, 9], [12]], [[41, 7, 3], [500, 3, 4, 9]]
 
     def continued(model):
         caches = [make_prompt_cache(model) for _ in heads]

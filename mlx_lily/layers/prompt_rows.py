@@ -60,6 +60,8 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
     real = [L] * B if lengths is None else [max(0, min(L, int(n))) for n in lengths.tolist()]
     kv = [c for c in cache if type(c) is BatchKVCache]
     start = kv[0]._idx if kv else 0
+    # Each row's left padding (one list for every attention layer: they pad alike).
+    paddings = [int(p) for p in kv[0].left_padding.tolist()] if kv else [0] * B
 
     outputs: List[mx.array] = []
     row_caches = []
@@ -68,7 +70,7 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
             outputs.append(None)
             row_caches.append(None)
             continue
-        rows = [_row_cache(c, b) for c in cache]
+        rows = [_row_cache(c, b, paddings[b]) for c in cache]
         out = model(inputs[b:b + 1, : real[b]], cache=rows)
         mx.eval(out, [c.state for c in rows])
         outputs.append(out)
@@ -77,7 +79,7 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
     for i, c in enumerate(cache):
         per_row = [None if rows is None else rows[i] for rows in row_caches]
         if type(c) is BatchKVCache:
-            _write_keys(c, per_row, start, L, real)
+            _write_keys(c, per_row, start, L, real, paddings)
         else:
             _write_states(c, per_row)
             c.advance(L)
@@ -93,25 +95,28 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
     return mx.concatenate(padded, axis=0)
 
 
-def _row_cache(c: Any, b: int) -> Any:
-    """Row b of a batch cache as the one-row cache a request alone holds."""
+def _row_cache(c: Any, b: int, padding: int) -> Any:
+    """Row b of a batch cache as the one-row cache a request alone holds: its
+    history without the batch's left padding (``padding`` rows: a request
+    resuming a saved cache shorter than the others')."""
     if type(c) is ArraysCache:
         row = ArraysCache(len(c.cache), left_padding=[0])
         row.cache = [None if a is None else a[b:b + 1] for a in c.cache]
         return row
     row = BatchKVCache([0])
-    if c.keys is not None:
-        row.keys = c.keys[b:b + 1, :, : c._idx]
-        row.values = c.values[b:b + 1, :, : c._idx]
-        row._idx = c._idx
-        row.offset = mx.array([c._idx])
+    if c.keys is not None and c._idx > padding:
+        row.keys = c.keys[b:b + 1, :, padding: c._idx]
+        row.values = c.values[b:b + 1, :, padding: c._idx]
+        row._idx = c._idx - padding
+        row.offset = mx.array([row._idx])
     return row
 
 
-def _write_keys(c: BatchKVCache, rows: list, start: int, length: int, real: list) -> None:
+def _write_keys(c: BatchKVCache, rows: list, start: int, length: int, real: list, paddings: list) -> None:
     """Advance the batch's KV cache by the chunk (its buffer grown as stock's
     write grows it, zeros written), then place each row's new keys and
-    values."""
+    values (at ``start`` in the batch, ``start`` less its left padding in
+    the row's own cache)."""
     B = len(rows)
     sample = next(r for r in rows if r is not None)
     _, H, _, Dk = sample.keys.shape
@@ -120,9 +125,9 @@ def _write_keys(c: BatchKVCache, rows: list, start: int, length: int, real: list
     for b, row in enumerate(rows):
         if row is None:
             continue
-        n = real[b]
-        c.keys[b:b + 1, :, start:start + n, :] = row.keys[..., start:start + n, :]
-        c.values[b:b + 1, :, start:start + n, :] = row.values[..., start:start + n, :]
+        n, own = real[b], start - paddings[b]
+        c.keys[b:b + 1, :, start:start + n, :] = row.keys[..., own:own + n, :]
+        c.values[b:b + 1, :, start:start + n, :] = row.values[..., own:own + n, :]
 
 
 def _write_states(c: ArraysCache, rows: list) -> None:
