@@ -9,8 +9,6 @@ of 4 to 8 keys above) reach every form the real constants reach at 1K-32K keys.
 
 from __future__ import annotations
 
-import re
-import subprocess
 import sys
 
 import mlx.core as mx
@@ -22,7 +20,7 @@ from mlx_lily.kernels.attention.decode import MAX_BATCH, RowForm, key_span_mask
 from mlx_lily.kernels.attention.testing import batch_decode_inputs, decode_request
 from mlx_lily.toolchain import cuda_cache
 
-from test_attention_kernels import assert_within_one_bf16_step, attention_exact
+from test_attention_kernels import assert_units_fit, assert_within_one_bf16_step, attention_exact
 from test_toolchain import _mlx_cuda_include, emulator_or_skip
 
 A = sys.modules["mlx_lily.kernels.attention.sdpa"]
@@ -250,26 +248,4 @@ def test_the_batched_decode_compiles_with_nvcc_and_fits_its_threadgroups(tmp_pat
         threads["attention_decode_" + cuda_cache.template_suffix(launch.template)] = launch.threadgroup[0]
         units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, length,
                                                                      split=split, start=start))
-    marker = "namespace mlx::core::cu {\n\nnamespace cg"
-    source = tmp_path / "attention_batch.cu"
-    source.write_text(units[0] + "\n".join(u[u.index(marker):] for u in units[1:]))
-    result = subprocess.run(
-        [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{include}",
-         str(source), "-o", str(tmp_path / "attention_batch.cubin")],
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
-    entries = re.findall(
-        r"Compiling entry function '(\w+)'.*?(\d+) bytes stack frame.*?Used (\d+) registers",
-        result.stderr, re.S,
-    )
-    assert len(entries) == len(units), result.stderr
-    checked = 0
-    for entry, stack, registers in entries:
-        assert stack == "0", (entry, result.stderr)
-        for name, count in threads.items():
-            pattern = re.sub(r"^attention_decode_", "attention_decode_[0-9a-f]+", name)
-            if re.search(pattern + "E", entry):
-                assert (int(registers) + 7) // 8 * 8 * count <= 65536, (entry, registers, count)
-                checked += 1
-    assert checked == len(threads)
+    assert_units_fit(units, threads, tmp_path / "attention_batch", include, which)

@@ -431,12 +431,20 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
         units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
     units.append(A.attention_combine_kernel.cuda_translation_unit(
         mx.zeros((16, 3, 256)), mx.zeros((16, 3)), mx.float16))
+    assert_units_fit(units, threads, tmp_path / "attention", include, which)
+
+
+def assert_units_fit(units, threads, stem, include, which):
+    """nvcc (sm_90a) builds the translation units into one cubin: every entry
+    without a stack frame, and every launch's threadgroup (``threads``: the
+    kernel's name and template suffix -> threads) within an SM's 64K registers."""
+    nvcc = shutil.which("nvcc")
     marker = "namespace mlx::core::cu {\n\nnamespace cg"
-    source = tmp_path / "attention.cu"
+    source = stem.with_suffix(".cu")
     source.write_text(units[0] + "\n".join(u[u.index(marker):] for u in units[1:]))
     result = subprocess.run(
         [nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", f"-I{include}",
-         str(source), "-o", str(tmp_path / "attention.cubin")],
+         str(source), "-o", str(stem.with_suffix(".cubin"))],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, f"nvcc with {which}:\n{result.stderr[-6000:]}"
