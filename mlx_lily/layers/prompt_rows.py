@@ -58,6 +58,8 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
     B, L = inputs.shape
     lengths = linear[0].lengths
     real = [L] * B if lengths is None else [max(0, min(L, int(n))) for n in lengths.tolist()]
+    if not any(real):
+        return None  # no row has a token in this chunk: nothing to do row by row
     kv = [c for c in cache if type(c) is BatchKVCache]
     start = kv[0]._idx if kv else 0
     # Each row's left padding (one list for every attention layer: they pad alike).
