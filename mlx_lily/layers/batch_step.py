@@ -34,15 +34,18 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from .._notice import notice_once
+from ..kernels.attention import decode as attention_decode
 from ..kernels.attention.sdpa import attention_kernels
 from ..kernels.dtypes import embedding_dtype
+from ..kernels.gated_delta import decode as gated_delta_decode
+from ..kernels.linear import gemv
+from ..kernels.moe import decode as moe_decode
 from ..toolchain.registry import kernel_backend
 from .stock_gate import record
 
-# Rows the batched decode kernels take (each family's MAX_BATCH); a larger
-# batch decodes through lily's unfused layers (stock's op flow), correct but
-# slower, with one notice.
-MAX_BATCH = 16
+# Rows every batched decode kernel takes; a larger batch decodes through
+# lily's unfused layers (stock's op flow), correct but slower, with one notice.
+MAX_BATCH = min(attention_decode.MAX_BATCH, gated_delta_decode.MAX_BATCH, gemv.MAX_BATCH, moe_decode.MAX_BATCH)
 
 
 def batch_rows(cache: Any) -> Optional[int]:
