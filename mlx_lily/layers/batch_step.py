@@ -101,22 +101,12 @@ def reserve_batch_rows(cache: BatchKVCache, rows: int, attention: Any, dtype: mx
     index). It stays a valid BatchKVCache for mlx-lm's code (extend, filter,
     extract, update_and_fetch). An empty one (no prompt yet) gets buffers
     shaped by ``attention``'s heads."""
-    from .text_model import whole_capacity
+    from .text_model import reserve_rows
 
     if cache.keys is None:
         shape = (cache.offset.size, attention.num_key_value_heads, 0, attention.head_dim)
         cache.keys, cache.values = mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype)
-    capacity = cache.keys.shape[2]
-    wanted = whole_capacity(max(rows, capacity))
-    if wanted == capacity:
-        return
-    filled = cache._idx
-
-    def grown(a: mx.array) -> mx.array:
-        B, H, _, D = a.shape
-        return mx.concatenate([a[..., :filled, :], mx.zeros((B, H, wanted - filled, D), dtype=a.dtype)], axis=2)
-
-    cache.keys, cache.values = grown(cache.keys), grown(cache.values)
+    reserve_rows(cache, rows, filled=cache._idx)
 
 
 def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx.array], version: int) -> mx.array:

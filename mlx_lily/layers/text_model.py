@@ -269,12 +269,13 @@ def whole_capacity(rows: int) -> int:
     return -(-rows // CAPACITY_STEP) * CAPACITY_STEP
 
 
-def reserve_rows(cache: KVCache, rows: int) -> None:
+def reserve_rows(cache: KVCache, rows: int, filled: Optional[int] = None) -> None:
     """Give a KVCache room for ``rows`` rows, its capacity a multiple of
     CAPACITY_STEP (stock's KVCache grows 256 rows at a time). Growing keeps
-    the rows up to its offset and adds zeros; rows past the offset are never
-    read (the attention is bounded by the position). The cache stays a valid
-    KVCache for stock's code."""
+    the rows up to ``filled`` (default: its offset; a BatchKVCache's write
+    index) and adds zeros; rows past it are never read (the attention is
+    bounded by the position). The cache stays a valid cache for stock's code."""
+    filled = cache.offset if filled is None else filled
     capacity = cache.keys.shape[2]
     wanted = whole_capacity(max(rows, capacity))
     if wanted == capacity:
@@ -282,8 +283,7 @@ def reserve_rows(cache: KVCache, rows: int) -> None:
 
     def grown(a: mx.array) -> mx.array:
         B, H, _, D = a.shape
-        kept = a[..., : cache.offset, :]
-        return mx.concatenate([kept, mx.zeros((B, H, wanted - cache.offset, D), dtype=a.dtype)], axis=2)
+        return mx.concatenate([a[..., :filled, :], mx.zeros((B, H, wanted - filled, D), dtype=a.dtype)], axis=2)
 
     cache.keys, cache.values = grown(cache.keys), grown(cache.values)
 
