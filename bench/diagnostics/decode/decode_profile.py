@@ -1,6 +1,7 @@
 """Which GPU kernels a decode token runs, and for how long (NVIDIA only).
 
     python3 -m bench.diagnostics.decode.decode_profile [--engines lily,stock] [--context 4096] [--out DIR]
+    python3 -m bench.diagnostics.decode.decode_profile --batch 1,4,8,16 [--context 256] [--out DIR]
 
 One model, one prompt of CONTEXT tokens per engine, then STEPS decode steps
 recorded with PyTorch's profiler (CUPTI: it sees every kernel the process
@@ -9,6 +10,12 @@ time its kernels took (their sum: MLX runs them on one stream), the kernels
 per step, and the kernels that took the most time. Where the kernels' time
 is far below the wall time, launching (the host, MLX's encoding) bounds
 decode; where it is close, the kernels do.
+
+With ``--batch``, each B of the list profiles a decode step of B streams on
+the server's caches (each stream's prompt prefilled alone, then merged as
+mlx-lm's BatchGenerator merges requests: left-padded BatchKVCache, batched
+ArraysCache), the batch's step as the server runs it; the wall time there
+also separates building the step's graph (host) from the whole step.
 
 Needs PyTorch with CUDA on the machine; without it, says so and exits 2.
 
@@ -24,7 +31,7 @@ import argparse
 import statistics
 import time
 from collections import defaultdict
-from typing import Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import mlx.core as mx
 
@@ -65,16 +72,10 @@ def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[floa
     return statistics.median(walls), kernels
 
 
-def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> List[str]:
-    from bench.engines import switch
-    from bench.measure import prefilled_cache
-
-    switch(model, engine)
-    cache = prefilled_cache(model, vocab, context)
-    wall, kernels = _profile_steps(model, cache, steps)
+def _report(title: str, wall: float, kernels: Dict[str, List[float]], steps: int) -> List[str]:
     calls = sum(len(v) for v in kernels.values())
     busy = sum(sum(v) for v in kernels.values()) / 1e3
-    lines = [f"{engine}: {wall:.2f} ms per step (wall, median); kernels {busy / steps:.2f} ms per step "
+    lines = [f"{title}: {wall:.2f} ms per step (wall, median); kernels {busy / steps:.2f} ms per step "
              f"(device time, sum); {calls / steps:.0f} kernels per step", "",
              f"  {'kernel':70s} {'per step':>8s} {'us/call':>8s} {'ms/step':>8s}"]
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
@@ -89,13 +90,69 @@ def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> 
     return lines + [""]
 
 
+def batch_cache(model: Any, vocab: int, context: int, rows: int) -> Any:
+    """The server's caches for ``rows`` streams: stream r's prompt (about
+    ``context`` tokens, lengths staggered so that the rows are left-padded
+    differently) prefilled alone, then merged as BatchGenerator merges them."""
+    import numpy as np
+    from mlx_lm.generate import _merge_caches
+    from mlx_lm.models.cache import make_prompt_cache
+
+    rng = np.random.default_rng(rows)
+    caches = []
+    for r in range(rows):
+        n = max(8, context - 7 * r)
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array(rng.integers(0, vocab, n))[None], cache=cache))
+        caches.append(cache)
+    return _merge_caches(caches)
+
+
+def profile_batch(model, vocab: int, engine: str, context: int, steps: int, rows: int) -> List[str]:
+    """One engine's decode step of ``rows`` streams on the server's caches."""
+    from bench.engines import switch
+
+    switch(model, engine)
+    cache = batch_cache(model, vocab, context, rows)
+    tok = mx.zeros((rows, 1), dtype=mx.int32)
+    builds, walls = [], []
+
+    def step():
+        nonlocal tok
+        start = time.perf_counter()
+        logits = model(tok, cache=cache)
+        builds.append(1e3 * (time.perf_counter() - start))
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        mx.eval(tok, [c.state for c in cache])
+        walls.append(1e3 * (time.perf_counter() - start))
+
+    for _ in range(3):  # compilation and first-use checks
+        step()
+    builds.clear(), walls.clear()
+    kernels = kernel_times(lambda: [step() for _ in range(steps)])
+    title = f"{engine}, B = {rows} (host {statistics.median(builds):.2f} ms building the step)"
+    return _report(title, statistics.median(walls), kernels, steps)
+
+
+def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> List[str]:
+    from bench.engines import switch
+    from bench.measure import prefilled_cache
+
+    switch(model, engine)
+    cache = prefilled_cache(model, vocab, context)
+    wall, kernels = _profile_steps(model, cache, steps)
+    return _report(engine, wall, kernels, steps)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3.6-35b-a3b")
     p.add_argument("--engines", default="lily", help="comma-separated: lily, stock (default: lily)")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens before decoding (default: 4096)")
     p.add_argument("--steps", type=int, default=8, help="recorded decode steps (default: 8)")
-    p.add_argument("--out", help="also write DIR/decode_profile.txt")
+    p.add_argument("--batch", help="comma-separated stream counts: profile the server's batched step instead")
+    p.add_argument("--conditioned", action="store_true", help="the conditioned random checkpoint (realistic routing)")
+    p.add_argument("--out", help="also write DIR/decode_profile.txt (DIR/decode_profile_batch.txt with --batch)")
     args = p.parse_args(argv)
     try:
         import torch
@@ -109,18 +166,23 @@ def main(argv=None) -> int:
     from bench.common import write_report
     from bench.engines import load_shared
 
-    model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
-    lines = [f"Decode kernels per token at {args.context} tokens of context ({args.shape}), "
-             f"{args.steps} recorded steps", ""]
+    model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0,
+                                      "conditioned": args.conditioned})
+    batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
+    lines = [f"Decode kernels per token at {args.context} tokens of context ({args.shape}"
+             f"{', conditioned' if args.conditioned else ''}), {args.steps} recorded steps", ""]
     print("\n".join(lines), flush=True)
     for engine in args.engines.split(","):
-        try:
-            found = profile_engine(model, vocab, engine.strip(), args.context, args.steps)
-        except Exception as exc:  # noqa: BLE001 - the other engine's profile still counts
-            found = [f"{engine}: profiling failed ({type(exc).__name__}: {exc})", ""]
-        lines += found
-        print("\n".join(found), flush=True)
-    write_report(args.out, "decode_profile.txt", "\n".join(lines) + "\n", echo=False)
+        for rows in batches:
+            try:
+                found = (profile_engine(model, vocab, engine.strip(), args.context, args.steps) if rows is None
+                         else profile_batch(model, vocab, engine.strip(), args.context, args.steps, rows))
+            except Exception as exc:  # noqa: BLE001 - the other runs' profiles still count
+                found = [f"{engine}: profiling failed ({type(exc).__name__}: {exc})", ""]
+            lines += found
+            print("\n".join(found), flush=True)
+    name = "decode_profile_batch.txt" if args.batch else "decode_profile.txt"
+    write_report(args.out, name, "\n".join(lines) + "\n", echo=False)
     return 0
 
 
