@@ -1,4 +1,4 @@
-"""``python -m mlx_lily {generate,serve,chat,benchmark,demo,doctor}``.
+"""``python -m mlx_lily {generate,serve,chat,benchmark,demo,doctor,graft-mtp}``.
 
 ``generate``, ``serve``, ``chat`` and ``benchmark`` are mlx-lm's own commands
 with every flag unchanged, plus ``--backend lily|mlx`` (default: lily here).
@@ -30,6 +30,7 @@ commands:
   benchmark  mlx-lm's benchmark, on lily            (mlx_lm.benchmark --help)
   demo       a random Qwen3.5-MoE checkpoint, stock vs lily side by side
   doctor     platform, versions, each op's path, and a self-check of every op
+  graft-mtp  add the MTP head of Qwen's original safetensors to an mlx-lm checkpoint
 
 generate/serve/chat/benchmark accept --backend lily|mlx (default lily).
 """
@@ -121,6 +122,15 @@ def main(argv: list[str] | None = None) -> None:
         from .doctor import main as doctor_main
 
         sys.exit(doctor_main(rest))
+    elif command == "graft-mtp":
+        from .graft_mtp import main as graft_main
+
+        try:
+            sys.exit(graft_main(rest))
+        except LilyError as e:
+            if want_traceback():
+                raise
+            sys.exit(one_line(e))
     else:
         sys.exit(f"mlx-lily: unknown command {command!r}\n\n{USAGE}")
 

@@ -142,8 +142,9 @@ def _condition(layer: nn.Module, n_layers: int) -> None:
     layer.load_weights(scaled, strict=False)
 
 
-def model_config(shape: Union[str, Dict[str, Any]] = "demo", **overrides: Any) -> Dict[str, Any]:
-    """The config.json dict for a named shape (or a dict of text-config fields)."""
+def model_config(shape: Union[str, Dict[str, Any]] = "demo", mtp: bool = False, **overrides: Any) -> Dict[str, Any]:
+    """The config.json dict for a named shape (or a dict of text-config fields);
+    ``mtp``: it declares a one-layer MTP head, as Qwen's published configs do."""
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
@@ -153,6 +154,8 @@ def model_config(shape: Union[str, Dict[str, Any]] = "demo", **overrides: Any) -
     fields.update(overrides)
     text = dict(_COMMON) | fields
     text["model_type"] = "qwen3_5_moe_text"
+    if mtp:
+        text.setdefault("mtp_num_hidden_layers", 1)
     return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False}
 
 
@@ -170,6 +173,7 @@ def build_model(
     model_class: Optional[Callable] = None,
     quiet: bool = True,
     conditioned: bool = False,
+    mtp: bool = False,
 ):
     """Build a random model in memory; returns (model, config).
 
@@ -178,14 +182,21 @@ def build_model(
     ``model_class`` defaults to stock mlx-lm's qwen3_5_moe Model.
     ``conditioned`` scales residual branches and routers (see BRANCH_SCALE)
     so that the random model is not chaotic; the same seed draws the same
-    weights either way, before scaling.
+    weights either way, before scaling. ``mtp`` adds a one-layer MTP head
+    (``mlx_lily.mtp``) at ``language_model.mtp``, drawn after the rest, so
+    the same seed draws the same main model with or without it.
     """
     from mlx_lm.models import qwen3_5_moe as stock
 
-    config = model_config(shape)
+    from . import mtp as mtp_head
+
+    config = model_config(shape, mtp=mtp)
     model_class = model_class or stock.Model
     mx.random.seed(seed)
     model = model_class(stock.ModelArgs.from_dict(config))
+    head = mtp_head.attach(model, config["text_config"]["mtp_num_hidden_layers"]) if mtp else None
+    if head is not None:
+        _draw_norms(head)
     quantization = dict(QUANTIZATION)
     predicate = model.quant_predicate
 
@@ -203,7 +214,8 @@ def build_model(
 
     def finish(prefix: str, module: nn.Module) -> None:
         if conditioned and prefix:
-            _condition(module, n)
+            for layer in head.layers if module is head else [module]:
+                _condition(layer, n)
         # Cast first so scales and biases come out in the activation dtype.
         cast = model.cast_predicate
         module.update(_cast_tree(module, dtype, lambda k: cast(f"{prefix}{k}")))
@@ -218,6 +230,8 @@ def build_model(
         finish(f"language_model.model.layers.{i}.", layer)
         if (i + 1) % 10 == 0 or i + 1 == n:
             _progress(f"built layer {i + 1}/{n} ({time.time() - start:.1f}s)", quiet)
+    if head is not None:
+        finish(mtp_head.PREFIX, head)
     # Embeddings, final norm and lm_head (the layers are quantized already).
     finish("", model)
     if quantize:
@@ -225,6 +239,15 @@ def build_model(
         config["quantization_config"] = quantization
     model.eval()
     return model, config
+
+
+def _draw_norms(module: nn.Module) -> None:
+    """RMSNorm weights of 1 + k/128 (|k| <= 8) instead of ones: exact in bf16
+    with and without the original layout's offset from 1, and not all 1, so
+    that a reader that forgets the offset gets other weights."""
+    for _, m in module.named_modules():
+        if isinstance(m, nn.RMSNorm):
+            m.weight = 1 + mx.random.randint(-8, 9, m.weight.shape).astype(mx.float32) / 128
 
 
 def _cast_tree(module: nn.Module, dtype: mx.Dtype, should_cast: Callable[[str], bool]):
@@ -326,24 +349,30 @@ def _fill_vocabulary(tok, vocab_size: int):
                 next_id += 1
 
 
-def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = False) -> Dict[str, Any]:
+def _marker(shape: Union[str, Dict[str, Any]], seed: int, conditioned: bool = False, mtp: bool = False,
+            original: bool = False) -> Dict[str, Any]:
     marker = {"format": FORMAT_VERSION, "shape": shape, "seed": seed}
     if conditioned:
         marker["conditioned"] = True
+    if mtp:
+        marker["mtp"] = True
+    if original:
+        marker["layout"] = "original"
     return marker
 
 
-def default_path(shape: Union[str, Dict[str, Any]] = "demo", seed: int = 0, conditioned: bool = False) -> Path:
+def default_path(shape: Union[str, Dict[str, Any]] = "demo", seed: int = 0, conditioned: bool = False,
+                 mtp: bool = False, original: bool = False) -> Path:
     """Where ``make_checkpoint`` writes when given no path: the user's cache."""
     name = shape if isinstance(shape, str) else "custom"
-    kind = "-conditioned" if conditioned else ""
+    kind = ("-conditioned" if conditioned else "") + ("-mtp" if mtp else "") + ("-original" if original else "")
     return cache_dir() / "checkpoints" / f"{name}{kind}-seed{seed}"
 
 
 def is_written(path: Union[str, Path], shape: Union[str, Dict[str, Any]] = "demo", seed: int = 0,
-               conditioned: bool = False) -> bool:
+               conditioned: bool = False, mtp: bool = False, original: bool = False) -> bool:
     """Whether ``path`` holds this version's checkpoint of that shape and seed."""
-    return _read_marker(Path(path)).get("identity") == _marker(shape, seed, conditioned)
+    return _read_marker(Path(path)).get("identity") == _marker(shape, seed, conditioned, mtp, original)
 
 
 def estimated_size_gb(shape: Union[str, Dict[str, Any]] = "demo") -> float:
@@ -364,6 +393,8 @@ def make_checkpoint(
     force: bool = False,
     quiet: bool = True,
     conditioned: bool = False,
+    mtp: bool = False,
+    original: bool = False,
 ) -> Path:
     """Write (once) a random, quantized qwen3_5_moe checkpoint; return its path.
 
@@ -371,13 +402,22 @@ def make_checkpoint(
     (``$MLX_LILY_CACHE`` or ``~/.cache/mlx_lily``). An existing checkpoint is
     reused when it was written by this version's format with the same shape
     and seed, and rebuilt otherwise.
+
+    ``mtp`` gives the model a one-layer MTP head (``mtp.*`` tensors,
+    ``mtp_num_hidden_layers: 1``), as Qwen publishes these models; the main
+    model's weights are those of the same seed without it. ``original``
+    writes the weights as the original (Hugging Face) checkpoint holds them
+    instead: unquantized bf16 in two shards and an index, Hugging Face names
+    (fused experts, conv1d as [C, 1, K], RMSNorm weights as offsets from 1),
+    the head's tensors in the second shard; mlx-lm loads it unquantized, and
+    quantized it is this seed's quantized checkpoint bit for bit
+    (``python -m mlx_lily graft-mtp`` reads the head from it).
     """
     from mlx_lm.utils import save_config, save_model
 
-    path = Path(path) if path is not None else default_path(shape, seed, conditioned)
-    marker = path / MARKER
-    want = _marker(shape, seed, conditioned)
-    if not force and is_written(path, shape, seed, conditioned):
+    path = Path(path) if path is not None else default_path(shape, seed, conditioned, mtp, original)
+    want = _marker(shape, seed, conditioned, mtp, original)
+    if not force and is_written(path, shape, seed, conditioned, mtp, original):
         return path
     _refuse_foreign(path)
     _progress(f"writing a random {want['shape']} checkpoint to {path}", quiet)
@@ -386,12 +426,17 @@ def make_checkpoint(
     # leaves a half-written checkpoint under the name.
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
     try:
-        model, config = build_model(shape, seed=seed, quiet=quiet, conditioned=conditioned)
+        model, config = build_model(shape, seed=seed, quiet=quiet, conditioned=conditioned, mtp=mtp,
+                                    quantize=not original)
         tokenizer = make_tokenizer(config["text_config"]["vocab_size"])
         config["eos_token_id"] = tokenizer.convert_tokens_to_ids("<|im_end|>")
         size_gb = sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9
         _progress(f"saving {size_gb:.1f} GB of weights", quiet)
-        save_model(tmp, model, donate_model=True)
+        if original:
+            _save_original(tmp, model)
+            config = dict(config, architectures=["Qwen3_5MoeForConditionalGeneration"], torch_dtype="bfloat16")
+        else:
+            save_model(tmp, model, donate_model=True)
         save_config(config, tmp / "config.json")
         tokenizer.save_pretrained(tmp)
         written = sorted(p.name for p in tmp.iterdir()) + [MARKER]
@@ -405,6 +450,61 @@ def make_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+# RMSNorm weights the original checkpoint stores as offsets from 1 (mlx-lm's
+# sanitize adds 1 to them; the Gated DeltaNet's gated norm is stored as is).
+_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                 ".k_norm.weight", "model.norm.weight", "mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+                 "mtp.pre_fc_norm_hidden.weight")
+
+
+def original_weights(model: nn.Module) -> Dict[str, mx.array]:
+    """An unquantized model's weights under the original (Hugging Face)
+    checkpoint's names and layouts: what mlx-lm's sanitize turns back into
+    the model's parameters."""
+    params = dict(tree_flatten(model.parameters()))
+    out: Dict[str, mx.array] = {}
+    for key, value in params.items():
+        if value.dtype == mx.uint32:
+            raise ValueError(f"original_weights takes an unquantized model ({key} is packed)")
+        if ".switch_mlp." in key:
+            base, rest = key.split(".switch_mlp.")
+            if rest == "gate_proj.weight":  # [E, I, D] each, fused as [E, 2I, D]
+                up = params[f"{base}.switch_mlp.up_proj.weight"]
+                value, rest = mx.concatenate([value, up], axis=-2), "experts.gate_up_proj"
+            elif rest == "down_proj.weight":
+                rest = "experts.down_proj"
+            else:
+                continue  # up_proj: fused above
+            key = f"{base}.{rest}"
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model."):]
+        elif key.startswith("language_model."):  # lm_head, mtp
+            key = key[len("language_model."):]
+        if key.endswith("conv1d.weight"):
+            value = value.moveaxis(1, 2)  # mlx [C, K, 1] -> [C, 1, K]
+        elif key.endswith(_OFFSET_NORMS) and value.ndim == 1:
+            value = value - 1.0
+        out[key] = value
+    return out
+
+
+def _save_original(folder: Path, model: nn.Module) -> None:
+    """The original layout's two shards (the MTP head's tensors in the
+    second, as in Qwen's checkpoints) and their index."""
+    weights = original_weights(model)
+    shards = [{k: v for k, v in weights.items() if not k.startswith("mtp.")},
+              {k: v for k, v in weights.items() if k.startswith("mtp.")}]
+    shards = [shard for shard in shards if shard]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        mx.save_safetensors(str(folder / name), shard, metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    total = sum(v.nbytes for v in weights.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def _read_marker(path: Path) -> Dict[str, Any]:

@@ -22,6 +22,7 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel,
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextSparseMoeBlock
 from mlx_lm.utils import infer_quant_config
 
+from .. import mtp
 from ..errors import CheckpointError, ConfigError
 from ..layers import (
     LilyAttention, LilyDecoderLayer, LilyDenseMLP, LilyGatedDeltaNet, LilyLanguageModel, LilySparseMoeBlock,
@@ -156,7 +157,12 @@ class Model(stock.Model):
         specialize(self)
 
     def sanitize(self, weights):
+        raw = weights
         weights = super().sanitize(weights)
+        # Stock drops the MTP head's tensors (mtp.*); lily keeps the head
+        # where the checkpoint has one, built here so mlx-lm quantizes it
+        # with the rest (mlx_lily/mtp.py).
+        weights = mtp.keep_head(self, raw, weights)
         if not is_moe(self.args.text_config):
             _check_dense_weights(self, weights)
         declared = getattr(self.args, "declared_quantization", None)
