@@ -52,6 +52,11 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
     loaded = _stock_load_model(model_path, *args, **kwargs)
     lazy = args[0] if args else kwargs.get("lazy", False)
     program = current_program()
+    if program == "mlx_lm.server":
+        # Prompt-prefix reuse with DeltaNet checkpoints (docs/prefix-reuse.md).
+        from . import prefix_reuse
+
+        prefix_reuse.install()
     if not lazy and warmup.requested(program):
         # A lazy load (sharded and pipeline loads) has no weights yet.
         _prime_quietly(loaded[0], server=program == "mlx_lm.server")
@@ -117,8 +122,11 @@ def enable() -> None:
 
 
 def disable() -> None:
-    """Give mlx-lm its stock loader back."""
+    """Give mlx-lm its stock loader back (and its stock prompt cache)."""
     mlx_utils.load_model = _stock_load_model
+    prefix_reuse = sys.modules.get("mlx_lily.prefix_reuse")
+    if prefix_reuse is not None:
+        prefix_reuse.uninstall()
 
 
 def is_enabled() -> bool:

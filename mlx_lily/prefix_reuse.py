@@ -1,0 +1,624 @@
+"""Prompt-prefix reuse for the hybrid cache: Gated DeltaNet state checkpoints.
+
+mlx-lm's server reuses a cached prompt only where it can trim the cache back
+to the tokens a new prompt shares with it; a Gated DeltaNet layer's state
+(``ArraysCache``) cannot be trimmed, so for ``qwen3_5_moe`` a follow-up that
+diverges anywhere before the cached entry's end prefilled everything. Lily
+keeps, with each prompt cache entry, the DeltaNet states at the prefill's
+chunk boundaries (checkpoints), and a new request resumes from the last
+checkpoint at or before its divergence, with the attention KV caches cut to
+the same token. Design and rules: docs/prefix-reuse.md.
+
+The pieces, each installed over mlx-lm's own classes by ``install()`` (the
+lily backend does it when ``mlx_lm.server`` loads a model):
+
+* ``PromptProcessingBatch.prompt`` (the batch generator's one prefill chunk
+  per row): after stock's call, each row's DeltaNet states are recorded as a
+  checkpoint at the row's position (``Recorder``), with the chunk ends that
+  produced them (its cut history).
+* ``LRUPromptCache.insert_cache``: an entry takes the checkpoints recorded for
+  its tokens (its bytes count them, so ``--prompt-cache-bytes`` and the LRU
+  bound them; they are evicted with it).
+* ``LRUPromptCache.fetch_nearest_cache``: the longest usable prefix among the
+  entries' checkpoints; without one, stock's answer.
+* ``ResponseGenerator._tokenize``: the server's prompt segments, which are
+  where a cold prefill of that prompt cuts (so which checkpoints give its bits).
+
+Exactness: a checkpoint at token p is used (policy ``exact``, the default)
+only where its cut history equals the chunk ends a cold prefill of the new
+prompt would have up to p, so the resumed prefill continues on the same chunk
+grid and gives the cold prefill's bits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
+
+from ._notice import notice_once
+from .errors import LilyError
+
+POLICY_ENV = "MLX_LILY_PREFIX_REUSE"
+BUDGET_ENV = "MLX_LILY_CHECKPOINT_BYTES"
+POLICIES = ("exact", "longest", "off")
+# Per history (one prompt cache entry): 2 GiB holds 32 checkpoints of
+# Qwen3.6-35B-A3B (30 layers x [32, 128, 128] fp32 + conv state, ~64.5 MB
+# each), a 32K history at the server's 2048-token chunks in 16.
+DEFAULT_BUDGET = 2 << 30
+# Rows the recorder follows at once (rows removed before they finish are
+# forgotten after this many newer ones).
+MAX_ROWS = 64
+FILE_FORMAT = "lily-prefix-checkpoints/1"
+
+
+class PromptCacheFileError(LilyError):
+    """A prompt cache file lily will not load (another model, another format)."""
+
+
+def policy() -> str:
+    value = os.environ.get(POLICY_ENV, "exact").strip().lower()
+    if value in ("0", "false", "no"):
+        return "off"
+    return value if value in POLICIES else "exact"
+
+
+def _parse_bytes(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if text and text[-1] in scale:
+        return int(float(text[:-1]) * scale[text[-1]])
+    return int(float(text))
+
+
+def budget() -> int:
+    """Checkpoint bytes one history keeps (``MLX_LILY_CHECKPOINT_BYTES``, e.g. 2G)."""
+    raw = os.environ.get(BUDGET_ENV)
+    if not raw:
+        return DEFAULT_BUDGET
+    try:
+        return max(0, _parse_bytes(raw))
+    except ValueError:
+        notice_once("checkpoint-budget", f"{BUDGET_ENV}={raw!r} is not a size; using 2 GiB")
+        return DEFAULT_BUDGET
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+@dataclass
+class Checkpoint:
+    """The DeltaNet states of one row after its first ``position`` tokens.
+
+    ``cuts``: the chunk ends of the prefill that produced them, from token 0
+    up to ``position`` (None where unknown: a row resumed from a cache lily
+    did not hand out, or prefilled with other rows in one padded call);
+    ``step``: that prefill's chunk size. ``states``: layer index -> the
+    layer's ArraysCache arrays (conv, recurrent), one row each."""
+
+    position: int
+    cuts: Optional[Tuple[int, ...]]
+    step: int
+    states: Dict[int, Tuple[mx.array, ...]]
+    nbytes: int = 0
+
+    def __post_init__(self):
+        if not self.nbytes:
+            self.nbytes = sum(a.nbytes for arrays in self.states.values() for a in arrays if a is not None)
+
+
+def cold_cuts(length: int, segments: Optional[Sequence[int]], step: int) -> List[int]:
+    """Where mlx-lm's batch generator ends each prefill chunk of a prompt of
+    ``length`` tokens split into ``segments`` (lengths; None: one segment):
+    every ``step`` tokens within a segment and at its end; the prompt's last
+    token is split off as the first decode step (no chunk ends after it).
+    ``generate_step`` (``mlx_lm.generate``, the server's single requests)
+    cuts a one-segment prompt the same way."""
+    segs = [n for n in (segments or [length]) if n > 0]
+    if sum(segs) != length:
+        segs = [length]
+    if not segs:
+        return []
+    if segs[-1] != 1:
+        segs[-1] -= 1
+        segs.append(1)
+    cuts, pos = [], 0
+    for n in segs[:-1]:
+        end = pos + n
+        while pos < end:
+            pos = min(pos + step, end)
+            cuts.append(pos)
+    return cuts
+
+
+def exact_for(ck: Checkpoint, cold: Sequence[int]) -> bool:
+    """Whether resuming at ``ck`` gives a cold prefill's bits: the chunk ends
+    that made its states are the cold prefill's up to its position."""
+    if ck.cuts is None:
+        return False
+    upto = tuple(c for c in cold if c <= ck.position)
+    return upto == ck.cuts and bool(upto) and upto[-1] == ck.position
+
+
+def thin(checkpoints: List[Checkpoint], limit: int) -> List[Checkpoint]:
+    """Drop checkpoints until their bytes fit ``limit``: the latest is kept;
+    first those of unknown history, then the one whose removal leaves the
+    smallest gap, so the rest stay about evenly spaced."""
+    kept = sorted(checkpoints, key=lambda c: c.position)
+    total = sum(c.nbytes for c in kept)
+    while total > limit and len(kept) > 1:
+        unknown = [i for i, c in enumerate(kept[:-1]) if c.cuts is None]
+        if unknown:
+            i = unknown[0]
+        else:
+            def gap(i: int) -> int:
+                before = kept[i - 1].position if i > 0 else 0
+                return kept[i + 1].position - before
+            i = min(range(len(kept) - 1), key=gap)
+        total -= kept.pop(i).nbytes
+    if total > limit and kept:
+        kept = []
+    return kept
+
+
+def _row_copy(a: Optional[mx.array], i: int) -> Optional[mx.array]:
+    """Row i of a batch state as an array of its own (a slice would keep the
+    whole batch's buffer alive, and a cache may write into its arrays in
+    place); ``* 1`` keeps every bit, signed zeros too."""
+    if a is None:
+        return None
+    return a[i:i + 1] * mx.array(1, dtype=a.dtype)
+
+
+@dataclass
+class _RowLog:
+    tokens: list  # the batch generator's token list of the row (grows in place)
+    position: int
+    cuts: Optional[Tuple[int, ...]]
+    checkpoints: List[Checkpoint] = field(default_factory=list)
+
+
+@dataclass
+class _Handed:
+    tokens: List[int]
+    cuts: Optional[Tuple[int, ...]]
+    checkpoints: List[Checkpoint]
+
+
+class Recorder:
+    """Checkpoints of the rows the batch generator is prefilling, until their
+    prompt cache entries take them."""
+
+    def __init__(self):
+        self.rows: "OrderedDict[int, _RowLog]" = OrderedDict()
+        self.handed: deque = deque(maxlen=8)
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.handed.clear()
+
+    def hand_out(self, tokens: List[int], cuts, checkpoints: List[Checkpoint]) -> None:
+        """A cache lily restored for tokens[:p]: the row that resumes from it
+        starts with these checkpoints and this cut history."""
+        self.handed.append(_Handed(list(tokens), cuts, list(checkpoints)))
+
+    def _start(self, tokens: list, start: int) -> _RowLog:
+        if start == 0:
+            return _RowLog(tokens, 0, ())
+        for handed in reversed(self.handed):
+            if len(handed.tokens) == start and tokens[:start] == handed.tokens:
+                self.handed.remove(handed)
+                return _RowLog(tokens, start, handed.cuts, list(handed.checkpoints))
+        return _RowLog(tokens, start, None)
+
+    def after_prompt(self, batch: Any, starts: List[int], chunks: List[List[int]]) -> None:
+        """Record each row's states after one prefill chunk of ``batch`` (a
+        PromptProcessingBatch)."""
+        model = batch.model
+        if not type(model).__module__.startswith("mlx_lily"):
+            return
+        from .layers.prompt_rows import rows_enabled
+
+        rows = len(batch.uids)
+        alone = rows == 1 or rows_enabled()
+        linear = [i for i, c in enumerate(batch.prompt_cache) if type(c) is ArraysCache]
+        if not linear:
+            return
+        step = int(batch.prefill_step_size)
+        limit = budget()
+        fresh = []
+        for i, tokens in enumerate(batch.tokens):
+            if i >= len(chunks) or not chunks[i]:
+                continue
+            log = self.rows.get(id(tokens))
+            if log is None or log.tokens is not tokens or log.position != starts[i]:
+                log = self._start(tokens, starts[i])
+                self.rows[id(tokens)] = log
+            self.rows.move_to_end(id(tokens))
+            position = len(tokens)
+            log.cuts = log.cuts + (position,) if log.cuts is not None and alone else None
+            log.position = position
+            states = {j: tuple(_row_copy(a, i) for a in batch.prompt_cache[j].cache) for j in linear}
+            if any(a is None for arrays in states.values() for a in arrays):
+                continue
+            fresh += [a for arrays in states.values() for a in arrays]
+            log.checkpoints.append(Checkpoint(position, log.cuts, step, states))
+            log.checkpoints = thin(log.checkpoints, limit)
+        if fresh:
+            mx.eval(fresh)
+        while len(self.rows) > MAX_ROWS:
+            self.rows.popitem(last=False)
+
+    def claim(self, tokens: List[int]) -> List[Checkpoint]:
+        """The checkpoints recorded for a prefix of ``tokens`` (a prompt cache
+        entry's). A row's entry made after its prefill (its tokens past the
+        last checkpoint: generated tokens) takes the row's log with it."""
+        for key in reversed(list(self.rows)):
+            log = self.rows[key]
+            cks = [c for c in log.checkpoints if c.position <= len(tokens)]
+            if not cks:
+                continue
+            last = cks[-1].position
+            if tokens[:last] != log.tokens[:last]:
+                continue
+            if len(tokens) > log.position:
+                del self.rows[key]
+            return cks
+        return []
+
+
+RECORDER = Recorder()
+
+
+# ------------------------------------------------------------------ the prompt cache
+
+
+def _entries(prompt_cache: LRUPromptCache, model: Any, tokens: List[int]):
+    """(common prefix length, entry, on the path) for each entry that shares
+    a prefix with tokens: those on the tokens' path (their whole length) and
+    those below the deepest node reached (that node's depth)."""
+    root = prompt_cache._trie._trie.get(model)
+    if root is None:
+        return []
+    found, node, depth = [], root, 0
+    while depth < len(tokens) and tokens[depth] in node:
+        node = node[tokens[depth]]
+        depth += 1
+        if "__value__" in node:
+            found.append((depth, node["__value__"], True))
+    if depth == 0:
+        return found
+    stack = [(node, True)]
+    while stack:
+        current, top = stack.pop()
+        for key, child in current.items():
+            if key == "__value__":
+                if not top:
+                    found.append((depth, child, False))
+            else:
+                stack.append((child, False))
+    return found
+
+
+def _restore(entry: Any, ck: Checkpoint) -> Optional[List[Any]]:
+    """The entry's caches at ``ck``: KV caches cut to its position, DeltaNet
+    caches holding its states; None where the entry's caches are not the
+    kinds lily restores."""
+    p = ck.position
+    out = []
+    for i, c in enumerate(entry.prompt_cache):
+        if i in ck.states:
+            if type(c) is not ArraysCache:
+                return None
+            fresh = ArraysCache(len(ck.states[i]))
+            fresh.cache = list(ck.states[i])
+            out.append(fresh)
+        elif type(c) is KVCache:
+            if c.keys is None or c.offset < p:
+                return None
+            fresh = KVCache()
+            fresh.state = (c.keys[..., :p, :], c.values[..., :p, :], p)
+            out.append(fresh)
+        else:
+            return None
+    return out
+
+
+@dataclass
+class Plan:
+    """What fetch chose: reuse up to ``position`` from ``checkpoint`` of ``entry``."""
+
+    position: int
+    checkpoint: Checkpoint
+    entry: Any
+    exact: bool
+
+
+def plan(prompt_cache: LRUPromptCache, model: Any, tokens: List[int],
+         segments: Optional[Sequence[int]] = None, mode: Optional[str] = None) -> Optional[Plan]:
+    """The checkpoint a request for ``tokens`` resumes from, or None: the
+    latest at or before the divergence from a cached entry and before the
+    prompt's last token; under ``exact`` only one whose cut history is a
+    cold prefill's (``exact_for``)."""
+    mode = mode or policy()
+    limit = len(tokens) - 1
+    best: Optional[Plan] = None
+    colds: Dict[int, List[int]] = {}
+    for common, entry, _ in _entries(prompt_cache, model, tokens):
+        for ck in getattr(entry, "lily_checkpoints", ()):
+            p = ck.position
+            if p > min(common, limit) or p <= 0 or (best is not None and p <= best.position):
+                continue
+            if ck.step not in colds:
+                colds[ck.step] = cold_cuts(len(tokens), segments, ck.step)
+            exact = exact_for(ck, colds[ck.step])
+            if mode == "exact" and not exact:
+                continue
+            best = Plan(p, ck, entry, exact)
+    return best
+
+
+def _noted_segments(prompt_cache: LRUPromptCache, tokens: List[int]) -> Optional[List[int]]:
+    noted = prompt_cache.__dict__.get("_lily_segments")
+    if noted is not None and noted[0] is tokens:
+        return noted[1]
+    return None
+
+
+def fetch_nearest_cache(self: LRUPromptCache, model: Any, tokens: List[int]):
+    """``LRUPromptCache.fetch_nearest_cache`` with checkpoints (module docstring)."""
+    mode = policy()
+    if mode == "off":
+        return _ORIGINAL["fetch"](self, model, tokens)
+    chosen = plan(self, model, tokens, _noted_segments(self, tokens), mode)
+    if chosen is not None and mode == "longest":
+        # Stock's own answer reuses its longest entry on the prompt's path.
+        stock_len = max((common for common, _, on_path in _entries(self, model, tokens) if on_path), default=0)
+        if stock_len >= chosen.position:
+            chosen = None
+    cache = _restore(chosen.entry, chosen.checkpoint) if chosen is not None else None
+    if cache is None:
+        return _ORIGINAL["fetch"](self, model, tokens)
+    p = chosen.position
+    inherited = [c for c in chosen.entry.lily_checkpoints if c.position <= p]
+    RECORDER.hand_out(tokens[:p], chosen.checkpoint.cuts if chosen.exact else None, inherited)
+    self.__dict__["lily_last_reuse"] = {"tokens": p, "exact": chosen.exact}
+    return cache, tokens[p:]
+
+
+def insert_cache(self: LRUPromptCache, model: Any, tokens: List[int], prompt_cache: List[Any], *,
+                 cache_type: str = "assistant"):
+    """``LRUPromptCache.insert_cache``; the entry also takes the checkpoints
+    recorded for its tokens, and counts their bytes."""
+    _ORIGINAL["insert"](self, model, tokens, prompt_cache, cache_type=cache_type)
+    if policy() == "off":
+        return
+    cks = RECORDER.claim(tokens)
+    if not cks:
+        return
+    try:
+        entry = self._trie.get(model, tokens)
+    except KeyError:  # already evicted by the bounds
+        return
+    if entry.prompt_cache is not prompt_cache:
+        return
+    extra = sum(c.nbytes for c in cks)
+    entry.lily_checkpoints = cks
+    entry.nbytes += extra
+    self._n_bytes += extra
+    self._n_bytes_by_type[entry.cache_type] += extra
+    while self._n_bytes > self.max_bytes and len(self._lru) > 0:
+        old_model, old_tokens = self._lru.pop()
+        old = self._trie.pop(old_model, old_tokens)
+        self._n_bytes -= old.nbytes
+        self._n_bytes_by_type[old.cache_type] -= old.nbytes
+
+
+def checkpoint_bytes(prompt_cache: LRUPromptCache) -> int:
+    """Bytes of the distinct checkpoint states held by the prompt cache's entries."""
+    seen, total = set(), 0
+    stack = list(prompt_cache._trie._trie.values())
+    while stack:
+        node = stack.pop()
+        for key, child in node.items():
+            if key == "__value__":
+                for ck in getattr(child, "lily_checkpoints", ()):
+                    for arrays in ck.states.values():
+                        for a in arrays:
+                            if id(a) not in seen:
+                                seen.add(id(a))
+                                total += a.nbytes
+            else:
+                stack.append(child)
+    return total
+
+
+# ------------------------------------------------------------------ install
+
+
+_stock: Dict[str, Any] = {}
+# mlx-lm's own methods, which the installed ones call.
+_ORIGINAL = {"fetch": LRUPromptCache.fetch_nearest_cache, "insert": LRUPromptCache.insert_cache}
+
+
+def _prompt(self, tokens):
+    starts = [len(t) for t in self.tokens]
+    _stock["prompt"](self, tokens)
+    if policy() == "off":
+        return
+    try:
+        RECORDER.after_prompt(self, starts, tokens)
+    except Exception as exc:  # noqa: BLE001 - checkpoints are an optimization only
+        notice_once("checkpoint-record", f"recording prefix checkpoints failed ({type(exc).__name__}: {exc}); "
+                                         "prompts are served without them")
+        RECORDER.clear()
+
+
+def _tokenize(self, tokenizer, request, args):
+    out = _stock["tokenize"](self, tokenizer, request, args)
+    try:
+        self.prompt_cache.__dict__["_lily_segments"] = (out[0], [len(s) for s in out[1]])
+    except Exception:  # noqa: BLE001 - without segments the prompt counts as one
+        pass
+    return out
+
+
+def install() -> None:
+    """Install checkpoint recording and reuse over mlx-lm's batch generator,
+    prompt cache and server (idempotent)."""
+    if _stock:
+        return
+    gen = importlib.import_module("mlx_lm.generate")
+
+    _stock["prompt"] = gen.PromptProcessingBatch.prompt
+    _stock["fetch"] = LRUPromptCache.fetch_nearest_cache
+    _stock["insert"] = LRUPromptCache.insert_cache
+    gen.PromptProcessingBatch.prompt = _prompt
+    LRUPromptCache.fetch_nearest_cache = fetch_nearest_cache
+    LRUPromptCache.insert_cache = insert_cache
+    try:
+        server = importlib.import_module("mlx_lm.server")
+
+        _stock["tokenize"] = server.ResponseGenerator._tokenize
+        server.ResponseGenerator._tokenize = _tokenize
+    except (ImportError, AttributeError):
+        pass
+
+
+def uninstall() -> None:
+    if not _stock:
+        return
+    gen = importlib.import_module("mlx_lm.generate")
+
+    gen.PromptProcessingBatch.prompt = _stock.pop("prompt")
+    LRUPromptCache.fetch_nearest_cache = _stock.pop("fetch")
+    LRUPromptCache.insert_cache = _stock.pop("insert")
+    if "tokenize" in _stock:
+        server = importlib.import_module("mlx_lm.server")
+
+        server.ResponseGenerator._tokenize = _stock.pop("tokenize")
+    _stock.clear()
+    RECORDER.clear()
+
+
+def installed() -> bool:
+    return bool(_stock)
+
+
+# ------------------------------------------------------------------ files
+
+
+def fingerprint(model: Any) -> str:
+    """Which model a cache file's states belong to: every parameter's name,
+    shape and dtype, and a few of its values (so another checkpoint of the
+    same architecture differs too)."""
+    from mlx.utils import tree_flatten
+
+    digest = hashlib.sha256()
+    params = tree_flatten(model.parameters())
+    for name, a in params:
+        digest.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
+    for _, a in params[:: max(1, len(params) // 16)]:
+        sample = a.reshape(-1)[:64]
+        digest.update(memoryview(sample.view(mx.uint8) if sample.dtype != mx.bool_ else sample.astype(mx.uint8)))
+    return digest.hexdigest()[:32]
+
+
+def save_cache_file(path: str, model: Any, tokens: Sequence[int], prompt_cache: List[Any],
+                    checkpoints: Iterable[Checkpoint] = ()) -> None:
+    """A prompt cache with its tokens and checkpoints, for ``load_cache_file``
+    (safetensors; the metadata names the format and the model)."""
+    arrays: Dict[str, mx.array] = {}
+    layers = []
+    for i, c in enumerate(prompt_cache):
+        if type(c) is KVCache:
+            layers.append("KVCache")
+            if c.keys is not None:
+                arrays[f"cache.{i}.keys"] = c.keys[..., :c.offset, :]
+                arrays[f"cache.{i}.values"] = c.values[..., :c.offset, :]
+        elif type(c) is ArraysCache:
+            layers.append(f"ArraysCache:{len(c.cache)}")
+            for e, a in enumerate(c.cache):
+                if a is not None:
+                    arrays[f"cache.{i}.{e}"] = a
+        else:
+            raise PromptCacheFileError(f"cannot save a {type(c).__name__} (layer {i}) with prefix checkpoints")
+    listed = []
+    for n, ck in enumerate(checkpoints):
+        listed.append([ck.position, None if ck.cuts is None else list(ck.cuts), ck.step,
+                       {str(j): len(v) for j, v in ck.states.items()}])
+        for j, states in ck.states.items():
+            for e, a in enumerate(states):
+                arrays[f"checkpoint.{n}.{j}.{e}"] = a
+    metadata = {
+        "format": FILE_FORMAT, "model": fingerprint(model), "tokens": json.dumps(list(tokens)),
+        "layers": json.dumps(layers), "checkpoints": json.dumps(listed),
+    }
+    mx.save_safetensors(str(path), arrays, metadata)
+
+
+def load_cache_file(path: str, model: Any) -> Tuple[List[int], List[Any], List[Checkpoint]]:
+    """(tokens, prompt cache, checkpoints) from ``save_cache_file``'s file;
+    another format (a stock ``mlx_lm.cache_prompt`` file, any other file) or
+    another model's file is refused with one line (PromptCacheFileError)."""
+    try:
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+    except Exception as exc:  # noqa: BLE001 - say which file, in one line
+        raise PromptCacheFileError(f"{path}: not a prompt cache file ({exc})") from None
+    found = metadata.get("format")
+    if found != FILE_FORMAT:
+        kind = "a stock mlx-lm prompt cache (no tokens or checkpoints)" if found is None else f"format {found!r}"
+        raise PromptCacheFileError(f"{path}: {kind}; lily reads {FILE_FORMAT!r} files only")
+    if metadata.get("model") != fingerprint(model):
+        raise PromptCacheFileError(f"{path}: made with another model (fingerprint {metadata.get('model')}, "
+                                   f"this model's {fingerprint(model)})")
+    try:
+        tokens = [int(t) for t in json.loads(metadata["tokens"])]
+        layers = json.loads(metadata["layers"])
+        cache: List[Any] = []
+        for i, kind in enumerate(layers):
+            if kind == "KVCache":
+                c = KVCache()
+                if f"cache.{i}.keys" in arrays:
+                    keys, values = arrays[f"cache.{i}.keys"], arrays[f"cache.{i}.values"]
+                    c.state = (keys, values, keys.shape[2])
+            else:
+                c = ArraysCache(int(kind.split(":")[1]))
+                c.cache = [arrays.get(f"cache.{i}.{e}") for e in range(len(c.cache))]
+            cache.append(c)
+        checkpoints = [
+            Checkpoint(int(p), None if cuts is None else tuple(cuts), int(step),
+                       {int(j): tuple(arrays[f"checkpoint.{n}.{j}.{e}"] for e in range(k)) for j, k in states.items()})
+            for n, (p, cuts, step, states) in enumerate(json.loads(metadata["checkpoints"]))
+        ]
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise PromptCacheFileError(f"{path}: a damaged {FILE_FORMAT!r} file ({type(exc).__name__}: {exc})") from None
+    expected = model.make_cache() if hasattr(model, "make_cache") else None
+    if expected is not None and [type(c) for c in expected] != [type(c) for c in cache]:
+        raise PromptCacheFileError(f"{path}: its layers do not match this model's caches")
+    return tokens, cache, checkpoints
+
+
+def add_entry(prompt_cache: LRUPromptCache, model_key: Any, tokens: List[int], cache: List[Any],
+              checkpoints: List[Checkpoint], cache_type: str = "assistant") -> None:
+    """Insert an entry with its checkpoints (a loaded file's)."""
+    RECORDER.rows[-1] = _RowLog(list(tokens), len(tokens) + 1, None, list(checkpoints))
+    try:
+        insert_cache(prompt_cache, model_key, list(tokens), cache, cache_type=cache_type)
+    finally:
+        RECORDER.rows.pop(-1, None)
+
+
+def entry_checkpoints(prompt_cache: LRUPromptCache, model_key: Any, tokens: List[int]) -> List[Checkpoint]:
+    """The checkpoints the entry for exactly ``tokens`` holds ([] if none)."""
+    try:
+        return list(getattr(prompt_cache._trie.get(model_key, tokens), "lily_checkpoints", ()))
+    except KeyError:
+        return []

@@ -1,0 +1,321 @@
+"""Prompt-prefix reuse with Gated DeltaNet checkpoints (mlx_lily/prefix_reuse.py).
+
+Each request runs as mlx_lm.server's batched path runs it: the prompt cache's
+``fetch_nearest_cache``, mlx-lm's ``BatchGenerator`` (its prefill chunks and
+prompt segments), ``insert_cache`` of the finished request. Every reuse is
+checked against a cold prefill of the whole prompt (a fresh cache, the same
+generator settings): the first token's log-probabilities and every layer's
+cache afterwards, bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
+
+import mlx_lily
+from mlx_lily import prefix_reuse as pr
+from mlx_lily.errors import LilyError
+from mlx_lily.toolchain.registry import BACKEND_ENV
+
+KEY = ("demo", None, None)
+
+
+@pytest.fixture(scope="module")
+def lily(demo_checkpoint):
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    return model
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    monkeypatch.delenv(pr.POLICY_ENV, raising=False)
+    monkeypatch.delenv(pr.BUDGET_ENV, raising=False)
+    pr.install()
+    yield
+    pr.uninstall()
+
+
+@pytest.fixture
+def reference_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+
+
+def serve(model, lru, requests, step, segments=None):
+    """Requests (token lists) through one BatchGenerator, all inserted at
+    once as the server inserts them (fetch, strip the reused tokens off the
+    segments, insert_segments); each finished request's cache goes back into
+    ``lru``. Returns per request (tokens reused, first token's log-probs,
+    the finished cache). ``lru`` None: cold, fresh caches."""
+    gen = BatchGenerator(model, prefill_step_size=step)
+    uids = {}
+    for i, tokens in enumerate(requests):
+        segs = [list(s) for s in (segments[i] if segments else [tokens])]
+        if lru is not None:  # what the server's _tokenize notes (prefix_reuse.install)
+            lru.__dict__["_lily_segments"] = (tokens, [len(s) for s in segs])
+        cache, rest = (None, tokens) if lru is None else lru.fetch_nearest_cache(KEY, tokens)
+        n = len(tokens) - len(rest)
+        while n > 0:  # as mlx_lm.server strips the cached tokens off the segments
+            if n >= len(segs[0]):
+                n -= len(segs.pop(0))
+            else:
+                segs[0] = segs[0][n:]
+                n = 0
+        (uid,) = gen.insert_segments(segments=[segs], max_tokens=[2], caches=[cache],
+                                     all_tokens=[tokens[: len(tokens) - len(rest)]])
+        uids[uid] = [i, len(tokens) - len(rest), None, None]
+    done = 0
+    while done < len(requests):
+        _, responses = gen.next()
+        for r in responses:
+            slot = uids[r.uid]
+            if slot[2] is None:
+                slot[2] = r.logprobs
+            if r.finish_reason is not None:
+                slot[3] = r.prompt_cache
+                if lru is not None:
+                    lru.insert_cache(KEY, r.all_tokens[:], r.prompt_cache)
+                done += 1
+    out = [None] * len(requests)
+    for i, reused, logprobs, cache in uids.values():
+        out[i] = (reused, logprobs, cache)
+    return out
+
+
+def cache_arrays(cache):
+    arrays = []
+    for c in cache:
+        if type(c) is KVCache:
+            arrays += [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
+        else:
+            arrays += list(c.cache)
+    return arrays
+
+
+def assert_same_bits(got, cold):
+    """First-token log-probs and every cache array, bit for bit."""
+    _, lp, cache = got
+    _, lp_cold, cache_cold = cold
+    assert lp.dtype == lp_cold.dtype and mx.array_equal(lp, lp_cold).item()
+    for a, b in zip(cache_arrays(cache), cache_arrays(cache_cold), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert mx.array_equal(a, b).item()
+
+
+def test_cold_cuts_are_the_batch_generator_s_chunk_ends(lily, reference_backend, monkeypatch):
+    # Spy on the chunks mlx-lm's generator prefills for a segmented prompt.
+    from mlx_lm.generate import PromptProcessingBatch
+
+    seen = []
+    stock_prompt = PromptProcessingBatch.prompt
+
+    def spy(self, tokens):
+        stock_prompt(self, tokens)
+        if tokens:
+            seen.append(len(self.tokens[0]))
+
+    monkeypatch.setattr(PromptProcessingBatch, "prompt", spy)
+    rng = random.Random(3)
+    tokens = [rng.randrange(1, 500) for _ in range(47)]
+    segments = [tokens[:9], tokens[9:44], tokens[44:]]
+    serve(lily, None, [tokens], step=8, segments=[segments])
+    assert seen == pr.cold_cuts(47, [9, 35, 3], 8)
+    assert seen == [8, 9, 17, 25, 33, 41, 44, 46]
+
+
+def test_reuse_at_random_divergence_points_equals_cold_prefill(lily, reference_backend, installed):
+    rng = random.Random(0)
+    step = 16
+    lru = LRUPromptCache(max_size=10)
+    history = [rng.randrange(1, 500) for _ in range(90)]
+    (_, _, _), = serve(lily, lru, [history], step)
+    points = sorted(rng.sample(range(0, 95), 6)) + [0]
+    for d in points:
+        prompt = history[:d] + [rng.randrange(1, 500) for _ in range(rng.randrange(2, 30))]
+        (got,) = serve(lily, lru, [prompt], step)
+        (cold,) = serve(lily, None, [prompt], step)
+        assert_same_bits(got, cold)
+        # The last checkpoint at or before the divergence on the cold grid
+        # (chunk ends every 16 tokens; the first prompt also cut at its end).
+        expected = max([p for p in pr.cold_cuts(len(prompt), None, step) if p <= min(d, len(prompt) - 1)
+                        and p % step == 0], default=0)
+        assert got[0] >= expected
+        history = history if d < 60 else prompt  # also resume from a resumed request's entry
+
+
+def test_reuse_on_the_emulated_kernels_equals_cold_prefill(lily, installed, emulator_backend):
+    # Chunks of 192 tokens and more take the chunked DeltaNet kernels.
+    rng = random.Random(1)
+    step = 192
+    lru = LRUPromptCache(max_size=4)
+    history = [rng.randrange(1, 500) for _ in range(260)]
+    serve(lily, lru, [history], step)
+    prompt = history[:230] + [rng.randrange(1, 500) for _ in range(200)]
+    (got,) = serve(lily, lru, [prompt], step)
+    (cold,) = serve(lily, None, [prompt], step)
+    assert got[0] == 192
+    assert_same_bits(got, cold)
+
+
+def test_exact_policy_resumes_only_on_the_new_prompt_s_chunk_grid(lily, reference_backend, installed):
+    rng = random.Random(2)
+    step = 8
+    lru = LRUPromptCache(max_size=10)
+    tokens = [rng.randrange(1, 500) for _ in range(40)]
+    # A system segment of 5 tokens: the first prompt cuts at 5, 13, 21, ...
+    serve(lily, lru, [tokens], step, segments=[[tokens[:5], tokens[5:]]])
+    prompt = tokens[:30] + [rng.randrange(1, 500) for _ in range(6)]
+    # The same segments: 29 is on the grid (5 + 3 * 8).
+    assert pr.plan(lru, KEY, prompt, [5, 31]).position == 29
+    # As one segment the grid is 8, 16, 24, ...: none of the checkpoints is on it.
+    assert pr.plan(lru, KEY, prompt, None) is None
+    assert pr.plan(lru, KEY, prompt, None, mode="longest").position == 29
+    # Through the generator with the same segments: exact.
+    (got,) = serve(lily, lru, [prompt], step, segments=[[prompt[:5], prompt[5:]]])
+    (cold,) = serve(lily, None, [prompt], step, segments=[[prompt[:5], prompt[5:]]])
+    assert got[0] == 29
+    assert_same_bits(got, cold)
+
+
+def test_short_prompts_and_divergence_at_token_zero(lily, reference_backend, installed):
+    rng = random.Random(4)
+    step = 16
+    lru = LRUPromptCache(max_size=10)
+    history = [rng.randrange(1, 500) for _ in range(40)]
+    serve(lily, lru, [history], step)
+    for prompt in (history[:10], history[:17], [history[0] + 1] + history[1:], history[:1] + [7]):
+        (got,) = serve(lily, lru, [prompt], step)
+        (cold,) = serve(lily, None, [prompt], step)
+        # Shorter than any checkpoint, a prompt whose last token is the first
+        # checkpoint's (p = 16 < 17 is fine; never the whole prompt), a
+        # divergence at token 0: nothing or 16 reused, always the cold bits.
+        assert got[0] in (0, 16) and got[0] < len(prompt)
+        assert_same_bits(got, cold)
+
+
+def test_checkpoints_are_evicted_with_their_entry_and_counted_in_its_bytes(lily, reference_backend, installed):
+    rng = random.Random(5)
+    lru = LRUPromptCache(max_size=2)
+    a = [rng.randrange(1, 500) for _ in range(40)]
+    serve(lily, lru, [a], 16)
+    held = pr.checkpoint_bytes(lru)
+    assert held > 0
+    (entry_tokens,) = [t for t in lru._lru._lrus["assistant"]][0][1:]
+    entry = lru._trie.get(KEY, entry_tokens)
+    assert entry.nbytes == sum(c.nbytes for c in entry.prompt_cache) + sum(c.nbytes for c in entry.lily_checkpoints)
+    assert lru.nbytes == entry.nbytes
+    # Two other histories push it out; its checkpoints go with it.
+    for _ in range(2):
+        serve(lily, lru, [[rng.randrange(1, 500) for _ in range(40)]], 16)
+    assert pr.plan(lru, KEY, a[:30] + [3, 4]) is None
+    assert pr.checkpoint_bytes(lru) == 2 * held
+    lru.trim_to(n_bytes=0)
+    assert len(lru) == 0 and lru.nbytes == 0 and pr.checkpoint_bytes(lru) == 0
+
+
+def test_an_entry_evicted_mid_request(lily, reference_backend, installed):
+    rng = random.Random(6)
+    step = 16
+    lru = LRUPromptCache(max_size=10)
+    history = [rng.randrange(1, 500) for _ in range(50)]
+    serve(lily, lru, [history], step)
+    prompt = history[:45] + [rng.randrange(1, 500) for _ in range(5)]
+    cache, rest = lru.fetch_nearest_cache(KEY, prompt)
+    p = len(prompt) - len(rest)
+    assert p == 32
+    lru.trim_to(n_sequences=0)  # the entry it came from is gone
+    gen = BatchGenerator(lily, prefill_step_size=step)
+    gen.insert(prompts=[rest], max_tokens=[2], caches=[cache], all_tokens=[prompt[:p]])
+    first = None
+    while True:
+        _, responses = gen.next()
+        if responses and first is None:
+            first = responses[0].logprobs
+        if responses and responses[0].finish_reason is not None:
+            r = responses[0]
+            lru.insert_cache(KEY, r.all_tokens[:], r.prompt_cache)
+            break
+    (cold,) = serve(lily, None, [prompt], step)
+    assert_same_bits((p, first, r.prompt_cache), cold)
+    # The new entry inherited the checkpoints it resumed from.
+    positions = [c.position for c in pr.entry_checkpoints(lru, KEY, r.all_tokens)]
+    assert positions[:2] == [16, 32] and positions[-1] == len(prompt) - 1
+
+
+def test_batched_requests_each_equal_their_cold_prefill(lily, reference_backend, installed):
+    rng = random.Random(7)
+    step = 16
+    lru = LRUPromptCache(max_size=10)
+    a = [rng.randrange(1, 500) for _ in range(50)]
+    b = [rng.randrange(1, 500) for _ in range(35)]
+    serve(lily, lru, [a, b], step)  # one batch: both prefilled, rows of one generator
+    prompts = [a[:40] + [9, 8, 7], b[:20] + [rng.randrange(1, 500) for _ in range(30)], [1, 2, 3, 4]]
+    got = serve(lily, lru, prompts, step)
+    assert [g[0] for g in got] == [32, 16, 0]
+    for g, prompt in zip(got, prompts):
+        (alone,) = serve(lily, None, [prompt], step)
+        assert_same_bits(g, alone)
+
+
+def test_the_budget_bounds_one_history_s_checkpoints(lily, reference_backend, installed, monkeypatch):
+    rng = random.Random(8)
+    lru = LRUPromptCache(max_size=10)
+    tokens = [rng.randrange(1, 500) for _ in range(120)]
+    serve(lily, lru, [tokens[:30]], 8)
+    one = max(c.nbytes for c in pr.entry_checkpoints(lru, KEY, lru._lru._lrus["assistant"][0][1]))
+    monkeypatch.setenv(pr.BUDGET_ENV, str(4 * one))
+    serve(lily, lru, [tokens], 8)
+    (entry_tokens,) = [t for _, t in lru._lru._lrus["assistant"] if len(t) > 100]
+    cks = pr.entry_checkpoints(lru, KEY, entry_tokens)
+    assert len(cks) == 4 and sum(c.nbytes for c in cks) <= 4 * one
+    assert cks[-1].position == 119  # the prompt's end is kept; the rest spread out
+    assert max(b.position - a.position for a, b in zip(cks, cks[1:])) <= 48
+
+
+def test_policy_off_is_stock(lily, reference_backend, installed, monkeypatch):
+    monkeypatch.setenv(pr.POLICY_ENV, "off")
+    lru = LRUPromptCache(max_size=10)
+    tokens = list(range(1, 41))
+    serve(lily, lru, [tokens], 16)
+    (got,) = serve(lily, lru, [tokens[:30] + [5, 6]], 16)
+    assert got[0] == 0 and pr.checkpoint_bytes(lru) == 0
+
+
+def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoint, reference_backend, installed,
+                                                              tmp_path):
+    rng = random.Random(9)
+    lru = LRUPromptCache(max_size=10)
+    history = [rng.randrange(1, 500) for _ in range(40)]
+    (first,) = serve(lily, lru, [history], 16)
+    entry_tokens = lru._lru._lrus["assistant"][0][1]
+    entry = lru._trie.get(KEY, entry_tokens)
+    path = tmp_path / "history.safetensors"
+    pr.save_cache_file(path, lily, entry_tokens, entry.prompt_cache, entry.lily_checkpoints)
+
+    tokens, cache, cks = pr.load_cache_file(path, lily)
+    fresh = LRUPromptCache(max_size=10)
+    pr.add_entry(fresh, KEY, tokens, cache, cks)
+    prompt = history[:35] + [3, 1, 4, 1, 5]
+    (got,) = serve(lily, fresh, [prompt], 16)
+    (cold,) = serve(lily, None, [prompt], 16)
+    assert got[0] == 32
+    assert_same_bits(got, cold)
+
+    other, _ = mlx_lily.load(str(alt_checkpoint), backend="lily")
+    with pytest.raises(LilyError, match="another model") as refused:
+        pr.load_cache_file(path, other)
+    assert "\n" not in str(refused.value)
+    # A stock mlx_lm.cache_prompt file (no tokens, no checkpoints): refused too.
+    from mlx_lm.models.cache import save_prompt_cache
+
+    stock_file = tmp_path / "stock.safetensors"
+    save_prompt_cache(str(stock_file), entry.prompt_cache, {"model": "demo"})
+    with pytest.raises(LilyError, match="stock mlx-lm prompt cache"):
+        pr.load_cache_file(stock_file, lily)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(LilyError, match="not a prompt cache file"):
+        pr.load_cache_file(tmp_path / "junk.safetensors", lily)
