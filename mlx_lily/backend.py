@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import mlx_lm.utils as mlx_utils
 
-from . import warmup
+from . import trimmable_cache, warmup
 from ._notice import notice_once
 from .errors import LilyError
 from .models import SPECIALIZED
@@ -117,8 +117,12 @@ def check_before_serving(argv) -> None:
 
 
 def enable() -> None:
-    """Make mlx-lm's loaders build lily's classes (in this process)."""
+    """Make mlx-lm's loaders build lily's classes (in this process), and
+    mlx-lm's speculative loop (``--draft-model``) run on lily's models
+    (``trimmable_cache.install``: it passes other models through, so it
+    stays installed after ``disable``)."""
     mlx_utils.load_model = _lily_load_model
+    trimmable_cache.install()
 
 
 def disable() -> None:

@@ -19,12 +19,13 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
 from ..toolchain.tracing import first_uses_in_traces, tracing
 from ..toolchain.registry import kernel_backend
+from ..trimmable_cache import LILY_ARRAYS_CACHES
 from .attention import attention_heads
 from .decode_tiers import LAYER_TIERS, Declined, DecodeCall, decode, kv_position
 from .stock_gate import record, why_stock
@@ -237,7 +238,7 @@ class LilyDecoderLayer(DecoderLayer):
             # A left-padded cache (the server's, one row) passes its padding
             # mask, one bool per step; length-limited caches pick their conv
             # rows per row and stay on the unfused path.
-            return type(cache) is ArraysCache and cache.lengths is None and cache[1] is not None \
+            return type(cache) in LILY_ARRAYS_CACHES and cache.lengths is None and cache[1] is not None \
                 and (mask is None or _one_step_mask(mask))
         if type(cache) is KVCache:
             return mask is None

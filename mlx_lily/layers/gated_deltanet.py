@@ -49,6 +49,10 @@ def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
     return _last_read[1]
 
 
+def _never(tokens: int) -> bool:
+    return False
+
+
 class LilyGatedDeltaNet(GatedDeltaNet):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Any = None):
         if runs_stock(self, "Gated DeltaNet", inputs, mask, cache, ArraysCache):
@@ -61,6 +65,11 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         """mask [B, S] bool (padding steps False), from the batch generator's
         ArraysCache.make_mask; None when every step is real."""
         B, S, _ = inputs.shape
+        if S > 1 and mask is None and getattr(cache, "keeps_steps", _never)(S):
+            # A trimmable cache (speculative decoding, trimmable_cache.py)
+            # keeps each token's state: the call runs a token at a time, each
+            # as a decode step alone.
+            return mx.concatenate([self._lily(inputs[:, t : t + 1], None, cache) for t in range(S)], axis=1)
         qkv = self.in_proj_qkv(inputs)
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         b = self.in_proj_b(inputs)

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .. import call_trace
 from .._notice import notice_once
+from ..trimmable_cache import LILY_ARRAYS_CACHES
 
 # The KV caches lily's attention reads and writes itself.
 LILY_KV_CACHES = (KVCache, BatchKVCache)
@@ -31,7 +32,7 @@ def why_stock(layer: Any, cache: Any = None, cache_kind: Any = None) -> Optional
         return "sharded model (the layer needs its collectives)"
     if cache is None:
         return None
-    if cache_kind is ArraysCache and type(cache) is not ArraysCache:
+    if cache_kind is ArraysCache and type(cache) not in LILY_ARRAYS_CACHES:
         return f"cache type {type(cache).__name__} (lily's Gated DeltaNet takes ArraysCache)"
     if cache_kind is KVCache and type(cache) not in LILY_KV_CACHES:
         return (
