@@ -22,6 +22,11 @@ warmed up, same prompt) in a process of its own: it loads and warms up while
 the server starts, and its measured run waits until the server has stopped
 (``--generate-check-after``: the process starts only then).
 
+``--multi-turn`` runs instead an agent-style conversation over a growing
+history through the server's prompt cache and batch generator, in this
+process: prompt-prefix reuse, TTFT against a cold request, bitwise outputs,
+checkpoint memory (``bench/multi_turn.py``; the JSON's ``multi_turn`` section).
+
 Bounded: ``--budget-s`` stops starting new waves once spent (what was skipped
 is recorded), every request has a timeout, every server is stopped. The lily
 server records the path its layers took (``MLX_LILY_TRACE_PATHS``) and the
@@ -48,6 +53,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import multi_turn  # noqa: E402
 from bench.common import REPO_ROOT, file_stem, log, machine_info, now_iso, software_info  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -65,6 +71,7 @@ examples:
   python -m bench --serve                                   # demo shape, CPU-sized
   python -m bench --serve --model PATH --prompt-tokens 512 --max-tokens 32
   python -m bench --serve --shape qwen3.6-35b-a3b --checkpoint-dir /tmp/ckpt
+  python -m bench --serve --multi-turn --history-tokens 600 --prefill-step-size 64   # CPU-sized
 
 outputs go to --out as serve-<date>-<host>-<chip>-<git rev>.{json,md};
 server logs and lily's recorded layer paths beside them.
@@ -102,6 +109,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "(one copy of the model in memory at a time; slower)")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"), help="output folder")
     p.add_argument("--generate-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    multi_turn.add_arguments(p)
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
@@ -560,6 +568,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     started = time.perf_counter()
     deadline = started + args.budget_s
     model = resolve_model(args)
+    if args.multi_turn:
+        return main_multi_turn(model, args, out, started)
 
     from mlx_lm.utils import load_tokenizer
 
@@ -628,6 +638,32 @@ def main(argv: Optional[List[str]] = None) -> int:
     stem = file_stem("serve", report["machine"], report["software"]["git_revision"])
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
     table = markdown(report)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    log(f"wrote {out / stem}.json and .md in {report['elapsed_s']:.0f} s")
+    return 0
+
+
+def main_multi_turn(model: str, args, out: Path, started: float) -> int:
+    """``--multi-turn``: only the conversation (bench/multi_turn.py), in this process."""
+    report: Dict[str, Any] = {
+        "kind": "serve",
+        "started": now_iso(),
+        "machine": machine_info(),
+        "software": software_info(),
+        "settings": {
+            "model": model if args.model else None,
+            "shape": None if args.model else (args.shape or "demo"),
+            "seed": args.seed,
+            "conditioned": bool(args.conditioned),
+            "engines": args.engines,
+        },
+    }
+    report["multi_turn"] = multi_turn.run(model, args)
+    report["elapsed_s"] = time.perf_counter() - started
+    stem = file_stem("serve-multi-turn", report["machine"], report["software"]["git_revision"])
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+    table = multi_turn.markdown(report["multi_turn"])
     (out / f"{stem}.md").write_text(table)
     print(table)
     log(f"wrote {out / stem}.json and .md in {report['elapsed_s']:.0f} s")

@@ -319,3 +319,26 @@ def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoi
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(LilyError, match="not a prompt cache file"):
         pr.load_cache_file(tmp_path / "junk.safetensors", lily)
+
+
+def test_bench_multi_turn_records_reuse_and_identical_outputs(demo_checkpoint, reference_backend, monkeypatch):
+    import argparse
+
+    from bench import multi_turn
+
+    monkeypatch.delenv(pr.POLICY_ENV, raising=False)
+    p = argparse.ArgumentParser()
+    multi_turn.add_arguments(p)
+    args = p.parse_args(["--multi-turn", "--turns", "3", "--history-tokens", "120", "--prefill-step-size", "16",
+                         "--reply-tokens", "6", "--keep-reply-tokens", "2"])
+    args.seed, args.engines = 0, ["lily", "mlx"]
+    section = multi_turn.run(str(demo_checkpoint), args)
+    lily, stock = section["lily"], section["stock"]
+    assert lily["outputs_identical"] is True and stock["outputs_identical"] is True
+    assert [r["tokens_reused"] for r in lily["turns"]][1:] == [
+        max(c for c in range(0, r["prompt_tokens"], 16) if c <= prev["prompt_tokens"] - 1)
+        for prev, r in zip(lily["turns"], lily["turns"][1:])
+    ]
+    assert stock["tokens_reused"] == 0 and lily["checkpoint_bytes_max"] > 0 and stock["checkpoint_bytes_max"] == 0
+    assert not pr.installed()
+    assert "| lily | 3 |" in multi_turn.markdown(section)
