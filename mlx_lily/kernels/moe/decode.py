@@ -246,6 +246,9 @@ moe_decode_gate_up_kernel = Kernel(
     output_names=("act",),
     body=Path(__file__).with_name("moe_decode_gate_up.metal"),
     launch=_launch_gate_up,
+    # For lily_tile_unpack and lily_tile_load16 only (4-bit words and xn to
+    # floats), no matrix tiles.
+    tiles=True,
 )
 
 moe_decode_down_kernel = Kernel(
@@ -255,6 +258,7 @@ moe_decode_down_kernel = Kernel(
     output_names=("terms",),
     body=Path(__file__).with_name("moe_decode_down.metal"),
     launch=_launch_down,
+    tiles=True,  # lily_tile_load16 and lily_tile_unpack_as only
 )
 
 moe_decode_combine_kernel = Kernel(

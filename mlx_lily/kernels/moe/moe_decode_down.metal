@@ -122,10 +122,14 @@ if (active) {  // uniform within the threadgroup
       for (uint m = 0; m < UNITS_PER_LANE; ++m) {
         const uint u = lane + m * SIMD_WIDTH;
         if (u < units) {
+          // The unit's 16 activations in two 16-byte loads (lanes reading
+          // scalars would touch a cache line per lane and value).
+          const uint4 lo = lily_tile_load16(act + a_row + u * UNIT);
+          const uint4 hi = lily_tile_load16(act + a_row + u * UNIT + 8);
           float a[UNIT];
           float a_sum = 0.0f;
           for (uint i = 0; i < UNIT; ++i) {
-            a[i] = static_cast<float>(act[a_row + u * UNIT + i]);
+            a[i] = lily_tile_unpack_as<T>(i < 8 ? lo : hi, i % 8);
             a_sum += a[i];
           }
           for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {

@@ -14,18 +14,24 @@
 // slot holding it) and at which slot each row picked it (the last slot
 // holding it: picks are distinct within a row).
 //
-// Each SIMD group takes ROWS_PER_SG rows and first reads their gate and up
-// weights into registers: lane l holds the units (a group of 64 4-bit
-// weights, two 16-byte loads per row) u = l, l + 32, ... (one unit at D =
-// 2048), with their scales and biases.
-// Then for each row b of the batch that uses this expert, in order, lane l
-// accumulates scale * sum(q * x) + bias * sum(x) per unit in fp32 over its
-// units in order (w = scale * q + bias: the dequantization of MLX's affine
-// group-64 format), x the unit of xn's row b; a
-// SIMD sum finishes each row. That sequence of operations depends on row b's
-// xn and the expert's weights only: not on B, on the other rows, or on which
-// threadgroup holds the expert, so each row's result is the same bits
-// whatever the batch (the batch invariance of moe_decode).
+// Each SIMD group takes one hidden row of gate and of up, and its lanes split
+// D as the decode GEMV splits K: per step a lane loads 16 bytes of each row
+// (its unit: 32 4-bit values, half a quantization group), so a SIMD group
+// reads 512 contiguous bytes of a row per load (D / 1024 steps, two at D =
+// 2048; each step's loads issued a step ahead). Each word is unpacked once (the bf16 pattern trick
+// of gemv.metal: no integer-to-float conversion) and applied to every row of
+// the batch that uses this expert, which reads its 8 values of xn at a chunk
+// in one 16-byte load.
+// Per row b and per unit, in order (units by step, chunks of 8 values in
+// order): dot = fma chain over the chunk's 8 q * x, acc = fma(scale, dot,
+// acc); after the unit's last chunk acc = fma(bias, sum(x over the unit),
+// acc) (w = scale * q + bias: MLX's affine group-64 format); a SIMD sum
+// finishes the row. That sequence depends on row b's xn and the expert's
+// weights only: not on B, on the other rows, or on which threadgroup holds
+// the expert, so each row's result is the same bits whatever the batch (the
+// batch invariance of moe_decode). Every loop over the batch runs to
+// MAX_BATCH with a uniform branch per row (constant indices keep the
+// accumulators in registers).
 // Gate and up are rounded to bf16 (each quantized matmul's output is bf16 in
 // stock) and SwiGLU rounds each step as mlx-lm's does:
 // act = bf16(bf16(gate * bf16(sigmoid(gate))) * up).
@@ -46,17 +52,13 @@
 //           (THREADS, 1, 1).
 
 constexpr uint SIMD_WIDTH = 32;
-// 8 SIMD groups of one row: 8 rows a threadgroup, 64 blocks of an expert at
-// I = 512; at one row, 9 entries (576 threadgroups). One row a SIMD group
-// keeps its loops small enough for nvcc to unroll them, so that the
-// weights held across the batch stay in registers (two rows spill them).
+// 8 SIMD groups, a hidden row each: 64 blocks of an expert at I = 512; at one
+// row, 9 entries (576 threadgroups).
 constexpr uint SIMD_GROUPS = 8;
-constexpr uint ROWS_PER_SG = 1;
-constexpr uint ROWS_PER_TG = SIMD_GROUPS * ROWS_PER_SG;
-constexpr uint UNIT = 64;                 // 4-bit weights per lane and row: a group, two uint4 loads
-constexpr uint UNITS = D / UNIT;
-// One at D = 2048 (a SIMD group's 32 lanes cover a row in one pass).
-constexpr uint UNITS_PER_LANE = (UNITS + SIMD_WIDTH - 1) / SIMD_WIDTH;
+constexpr uint ROWS_PER_TG = SIMD_GROUPS;
+constexpr uint VALUES = 32;                   // a lane's 4-bit values per step: 16 bytes
+constexpr uint SPAN = SIMD_WIDTH * VALUES;    // a SIMD group's step
+constexpr uint STEPS = (D + SPAN - 1) / SPAN;
 constexpr uint ROW_WORDS = D / 8;
 constexpr uint ROW_GROUPS = D / 64;
 
@@ -89,7 +91,17 @@ const bool active = is_shared || (b0 < B && !earlier_row && first_in_row == j0 +
 const uint expert = active ? min(picked, uint(E - 1)) : 0u;
 const uint rows = is_shared ? uint(IS) : uint(I);
 const uint row_base = is_shared ? 0u : expert * uint(I);
-const uint r0 = block * ROWS_PER_TG + sg * ROWS_PER_SG;
+const uint r = block * ROWS_PER_TG + sg;  // this SIMD group's hidden row
+// Row b's 1 + slot for this expert (the shared expert: K + 1), 0 where row b
+// does not use it; uniform across the SIMD group.
+uint member[MAX_BATCH];
+for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+  const uint slot_of_b = simd_shuffle(last_slot, b % SIMD_WIDTH);
+  member[b] = (!active || b >= B) ? 0u : (is_shared ? uint(K) + 1u : slot_of_b);
+}
+if (!active || r >= rows) {
+  return;  // the whole SIMD group: no shuffles follow
+}
 
 const device uint32_t* gw = is_shared ? sgate_w : gate_w;
 const device T* gs = is_shared ? sgate_s : gate_s;
@@ -97,85 +109,100 @@ const device T* gb = is_shared ? sgate_b : gate_b;
 const device uint32_t* uw = is_shared ? sup_w : up_w;
 const device T* us = is_shared ? sup_s : up_s;
 const device T* ub = is_shared ? sup_b : up_b;
+const uint row = row_base + r;
 
-// -- this SIMD group's weights, read once ----------------------------------------
-// Lanes past the row's units (D not a multiple of 2048) hold zeros, so that
-// the loops below need no branch: they unroll and the weights stay in registers.
-uint q_gate[ROWS_PER_SG][UNITS_PER_LANE][8];
-uint q_up[ROWS_PER_SG][UNITS_PER_LANE][8];
-float s_gate[ROWS_PER_SG][UNITS_PER_LANE];
-float b_gate[ROWS_PER_SG][UNITS_PER_LANE];
-float s_up[ROWS_PER_SG][UNITS_PER_LANE];
-float b_up[ROWS_PER_SG][UNITS_PER_LANE];
-for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-  for (uint m = 0; m < UNITS_PER_LANE; ++m) {
-    const uint u = lane + m * SIMD_WIDTH;
-    const bool present = active && r0 + rr < rows && u < UNITS;
-    const uint row = present ? row_base + r0 + rr : 0u;
-    const uint at = row * ROW_GROUPS + (present ? u : 0u);
-    for (uint half_ = 0; half_ < 2; ++half_) {
-      const uint4 g = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + (present ? u : 0u) * 8 + half_ * 4);
-      const uint4 p = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + (present ? u : 0u) * 8 + half_ * 4);
-      q_gate[rr][m][half_ * 4 + 0] = present ? g.x : 0u;
-      q_gate[rr][m][half_ * 4 + 1] = present ? g.y : 0u;
-      q_gate[rr][m][half_ * 4 + 2] = present ? g.z : 0u;
-      q_gate[rr][m][half_ * 4 + 3] = present ? g.w : 0u;
-      q_up[rr][m][half_ * 4 + 0] = present ? p.x : 0u;
-      q_up[rr][m][half_ * 4 + 1] = present ? p.y : 0u;
-      q_up[rr][m][half_ * 4 + 2] = present ? p.z : 0u;
-      q_up[rr][m][half_ * 4 + 3] = present ? p.w : 0u;
+// -- this lane's weights: step s + 1's loads are issued before step s's
+// multiplies, so that two steps' words are in flight (scalars, not arrays
+// indexed by the step: a loop nvcc leaves rolled would put those in local
+// memory).
+const uint4 no_words = {0u, 0u, 0u, 0u};
+uint4 next_gate = no_words;
+uint4 next_up = no_words;
+float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
+if (lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
+  next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
+  next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
+  next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
+  next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
+  next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
+  next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
+}
+
+float acc_gate[MAX_BATCH];
+float acc_up[MAX_BATCH];
+float x_sum[MAX_BATCH];
+for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+  acc_gate[b] = 0.0f;
+  acc_up[b] = 0.0f;
+}
+for (uint s = 0; s < STEPS; ++s) {
+  const uint k0 = s * SPAN + lane * VALUES;
+  const bool present = k0 < uint(D);
+  const uint4 words_gate = next_gate;
+  const uint4 words_up = next_up;
+  const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
+  const uint k_next = k0 + SPAN;
+  if (s + 1 < STEPS && k_next < uint(D)) {
+    next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
+    next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
+    next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
+    next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + k_next / 64]);
+    next_s_up = static_cast<float>(us[row * ROW_GROUPS + k_next / 64]);
+    next_b_up = static_cast<float>(ub[row * ROW_GROUPS + k_next / 64]);
+  }
+  for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+    x_sum[b] = 0.0f;
+  }
+  for (uint c = 0; c < 4; ++c) {
+    // Chunk c (word c): values m and m + 4 of its eight under the bf16
+    // pattern 0x4300 are the bf16 numbers 128 + q (exact after - 128).
+    const uint wg = c == 0 ? words_gate.x : (c == 1 ? words_gate.y : (c == 2 ? words_gate.z : words_gate.w));
+    const uint wu = c == 0 ? words_up.x : (c == 1 ? words_up.y : (c == 2 ? words_up.z : words_up.w));
+    const uint4 pairs_gate = {(wg & 0x000F000Fu) | 0x43004300u, ((wg >> 4) & 0x000F000Fu) | 0x43004300u,
+                              ((wg >> 8) & 0x000F000Fu) | 0x43004300u, ((wg >> 12) & 0x000F000Fu) | 0x43004300u};
+    const uint4 pairs_up = {(wu & 0x000F000Fu) | 0x43004300u, ((wu >> 4) & 0x000F000Fu) | 0x43004300u,
+                            ((wu >> 8) & 0x000F000Fu) | 0x43004300u, ((wu >> 12) & 0x000F000Fu) | 0x43004300u};
+    float q_gate[8];
+    float q_up[8];
+    for (uint m = 0; m < 4; ++m) {
+      q_gate[m] = lily_tile_unpack(pairs_gate, 2 * m) - 128.0f;
+      q_gate[m + 4] = lily_tile_unpack(pairs_gate, 2 * m + 1) - 128.0f;
+      q_up[m] = lily_tile_unpack(pairs_up, 2 * m) - 128.0f;
+      q_up[m + 4] = lily_tile_unpack(pairs_up, 2 * m + 1) - 128.0f;
     }
-    s_gate[rr][m] = present ? static_cast<float>(gs[at]) : 0.0f;
-    b_gate[rr][m] = present ? static_cast<float>(gb[at]) : 0.0f;
-    s_up[rr][m] = present ? static_cast<float>(us[at]) : 0.0f;
-    b_up[rr][m] = present ? static_cast<float>(ub[at]) : 0.0f;
+    for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+      if (member[b] != 0u) {  // uniform
+        const uint4 xw = present ? lily_tile_load16(xn + b * uint(D) + k0 + 8 * c) : no_words;
+        float dot_gate = 0.0f;
+        float dot_up = 0.0f;
+        for (uint i = 0; i < 8; ++i) {
+          const float x = lily_tile_unpack_as<T>(xw, i);
+          x_sum[b] += x;
+          dot_gate = fma(q_gate[i], x, dot_gate);
+          dot_up = fma(q_up[i], x, dot_up);
+        }
+        acc_gate[b] = fma(s_gate, dot_gate, acc_gate[b]);
+        acc_up[b] = fma(s_up, dot_up, acc_up[b]);
+      }
+    }
+  }
+  for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+    acc_gate[b] = fma(b_gate, x_sum[b], acc_gate[b]);
+    acc_up[b] = fma(b_up, x_sum[b], acc_up[b]);
   }
 }
 
-// -- each row of the batch that uses this expert ------------------------------------
-for (uint b = 0; b < (active ? B : 0u); ++b) {  // uniform: active is the threadgroup's
-  // 1 + the row's slot for this expert (the shared expert: slot K), or 0.
-  const uint slot_of_b = simd_shuffle(last_slot, b % SIMD_WIDTH);
-  const uint member = is_shared ? uint(K) + 1u : (active ? slot_of_b : 0u);
-  if (member != 0u) {  // uniform: every thread of the group sees the same member
-    float acc_gate[ROWS_PER_SG];
-    float acc_up[ROWS_PER_SG];
-    for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-      acc_gate[rr] = 0.0f;
-      acc_up[rr] = 0.0f;
-    }
-    for (uint m = 0; m < UNITS_PER_LANE; ++m) {
-      const uint u = min(lane + m * SIMD_WIDTH, UNITS - 1);  // in range; its weights are zeros past D
-      float x[UNIT];
-      float x_sum = 0.0f;
-      for (uint i = 0; i < UNIT; ++i) {
-        x[i] = static_cast<float>(xn[b * uint(D) + u * UNIT + i]);
-        x_sum += x[i];
-      }
-      for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-        float dot_g = 0.0f;
-        float dot_u = 0.0f;
-        for (uint w = 0; w < 8; ++w) {
-          for (uint k = 0; k < 8; ++k) {
-            dot_g += x[w * 8 + k] * static_cast<float>((q_gate[rr][m][w] >> (4 * k)) & 0xFu);
-            dot_u += x[w * 8 + k] * static_cast<float>((q_up[rr][m][w] >> (4 * k)) & 0xFu);
-          }
-        }
-        acc_gate[rr] += s_gate[rr][m] * dot_g + b_gate[rr][m] * x_sum;
-        acc_up[rr] += s_up[rr][m] * dot_u + b_up[rr][m] * x_sum;
-      }
-    }
-    const uint out_row = (b * (uint(K) + 1u) + member - 1u) * uint(IMAX);
-    for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-      float gate = simd_sum(acc_gate[rr]);
-      float up = simd_sum(acc_up[rr]);
-      if (lane == 0 && r0 + rr < rows) {
-        gate = static_cast<float>(static_cast<T>(gate));
-        up = static_cast<float>(static_cast<T>(up));
-        const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
-        const float silu = static_cast<float>(static_cast<T>(gate * sig));
-        act[out_row + r0 + rr] = static_cast<T>(silu * up);
-      }
+// -- finish each row that uses this expert: gate and up, then SwiGLU ---------------
+for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+  if (member[b] != 0u) {  // uniform
+    float gate = simd_sum(acc_gate[b]);
+    float up = simd_sum(acc_up[b]);
+    if (lane == 0) {
+      gate = static_cast<float>(static_cast<T>(gate));
+      up = static_cast<float>(static_cast<T>(up));
+      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
+      const float silu = static_cast<float>(static_cast<T>(gate * sig));
+      act[(b * (uint(K) + 1u) + member[b] - 1u) * uint(IMAX) + r] = static_cast<T>(silu * up);
     }
   }
 }
