@@ -28,7 +28,11 @@ def _plain_head(head: Any) -> bool:
 
 class LilyLanguageModel(TextModel):
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None, input_embeddings: Optional[mx.array] = None):
-        out = self.model(inputs, cache, input_embeddings=input_embeddings)
+        return self.head(self.model(inputs, cache, input_embeddings=input_embeddings), cache)
+
+    def head(self, out: mx.array, cache: Optional[Any] = None) -> mx.array:
+        """The logits of final hidden states ``out`` (the model's call ends
+        in it; the MTP loop calls it on its own)."""
         if self._lily_head_takes(out, cache):
             head = self.lm_head
             (logits,) = K.quantized_matvec(out, ((head.weight, head.scales, head.biases),))

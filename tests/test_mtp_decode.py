@@ -1,0 +1,88 @@
+"""Greedy speculative decoding with the MTP head (``mlx_lily.mtp_decode``), on
+the reference path: the output is mlx-lm's greedy output token for token at
+k = 1..3 whatever the drafts (the random head's, always-right and partly
+right ones), and after rollbacks every cache equals, bit for bit, the cache
+of a run that never drafted."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import mlx_lily
+from mlx_lily.mtp_decode import mtp_generate_step
+from mlx_lily.random_checkpoints import make_checkpoint
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Hello"
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_checkpoint(tmp_path_factory.mktemp("mtp") / "head", mtp=True)
+    model, tokenizer = mlx_lily.load(str(path))
+    prompt = mx.array(tokenizer.encode(PROMPT))
+    greedy = [int(t) for t, _ in generate_step(prompt, model, max_tokens=TOKENS)]
+    return dict(model=model, prompt=prompt, greedy=greedy, vocab=model.language_model.args.vocab_size)
+
+
+def _oracle(greedy, k, wrong_every=0, vocab=512):
+    """Drafts from the greedy continuation; with ``wrong_every``, the second
+    draft (the first for k = 1) of every ``wrong_every``-th round is wrong."""
+    rounds = [0]
+
+    def hook(done, drafts):
+        rounds[0] += 1
+        out = [greedy[done + i] if done + i < len(greedy) else 0 for i in range(k)]
+        if wrong_every and rounds[0] % wrong_every == 0:
+            j = min(1, k - 1)
+            out[j] = (out[j] + 1) % vocab
+        return out
+
+    return hook
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("drafts", ["head", "oracle", "partly"])
+def test_greedy_equals_greedy_without_drafts(setup, k, drafts):
+    hook = None if drafts == "head" else _oracle(setup["greedy"], k, 2 if drafts == "partly" else 0, setup["vocab"])
+    stats = {}
+    out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=TOKENS,
+                                 stats=stats, draft_hook=hook))
+    assert [t for t, _, _ in out] == setup["greedy"]
+    assert stats["accepted"] == sum(d for _, _, d in out)
+    if drafts == "oracle":
+        assert stats["accepted"] >= (TOKENS - 1) * k // (k + 1) - k  # all taken but at the end
+    elif drafts == "partly":
+        assert 0 < stats["accepted"] < stats["rounds"] * k
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_rollback_leaves_the_caches_of_a_run_that_never_drafted(setup, k):
+    model, prompt = setup["model"], setup["prompt"]
+    cache = make_prompt_cache(model)
+    out = [t for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=TOKENS,
+                                               prompt_cache=cache,
+                                               draft_hook=_oracle(setup["greedy"], k, 2, setup["vocab"]))]
+    # The run that never drafted: generate_step's prefill, then each token alone.
+    plain = make_prompt_cache(model)
+    model(prompt[None, :-1], cache=plain)
+    for t in [int(prompt[-1])] + out[:-1]:
+        model(mx.array([[t]]), cache=plain)
+    mx.eval([c.state for c in plain])
+    assert [type(c) for c in cache] == [type(c) for c in plain]  # plain ArraysCache again
+    for a, b in zip(cache, plain):
+        if isinstance(a, KVCache):
+            assert a.offset == b.offset
+            assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+            assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
+        else:
+            assert all(mx.array_equal(x, y) for x, y in zip(a.cache, b.cache))
+
+
+def test_a_model_without_a_head_says_how_to_graft(demo_checkpoint):
+    model, _ = mlx_lily.load(str(demo_checkpoint))
+    with pytest.raises(ValueError, match="no MTP head.*graft-mtp"):
+        next(mtp_generate_step(mx.array([1, 2, 3]), model))
