@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.activations import swiglu
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
@@ -28,6 +29,7 @@ from ..toolchain.registry import kernel_backend
 from ..trimmable_cache import LILY_ARRAYS_CACHES
 from .attention import attention_heads
 from .decode_tiers import LAYER_TIERS, Declined, DecodeCall, decode, kv_position
+from .sharded import QUANTIZED_LINEARS, all_sum, group_of
 from .stock_gate import record, why_stock
 
 COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
@@ -43,9 +45,10 @@ def _triple(linear) -> tuple:
 
 
 def _plain_quantized(*linears) -> bool:
-    """Quantized linears without bias (what the fused GEMV reads)."""
+    """Quantized linears without bias (what the fused GEMV reads), whole or
+    a rank's slice (sharded.py)."""
     return all(
-        isinstance(m, nn.QuantizedLinear) and "bias" not in m and getattr(m, "mode", "affine") == "affine"
+        isinstance(m, QUANTIZED_LINEARS) and "bias" not in m and getattr(m, "mode", "affine") == "affine"
         for m in linears
     )
 
@@ -268,6 +271,9 @@ class LilyDecoderLayer(DecoderLayer):
             projections = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj)
         else:
             projections = (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj)
+        if mlp.sharding_group is not None:  # the sharded MoE step reads the shared expert's GEMVs itself
+            se = mlp.shared_expert
+            projections += (se.gate_proj, se.up_proj, se.down_proj)
         return _plain_quantized(*projections, mlp.gate, mlp.shared_expert_gate)
 
     # -- the fused step ----------------------------------------------------------
@@ -331,8 +337,26 @@ class LilyDecoderLayer(DecoderLayer):
         # mask would keep the conv state too, which stock does only for
         # length-limited caches.
         state = new_state if mask is None else mx.where(mask.reshape(-1, 1, 1, 1), new_state, state)
-        (h,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),), residual=x)
+        group = la.sharding_group
+        if group is None:
+            (h,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),), residual=x)
+        else:  # the rank's heads: a partial sum, summed before the residual (stock's order)
+            (partial,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),))
+            h = x + all_sum(partial, group)
         return self._moe_step(h), conv_state, state
+
+    def _sharded_moe_step(self, h: mx.array, logits: mx.array, shared_logit: mx.array) -> mx.array:
+        """The MoE chain of a rank's slice (sharded.py): ``moe_decode`` ends
+        in the residual, so the rank's partial sum comes from lily's unfused
+        MoE ops; summed across the group, then the residual, as stock."""
+        mlp, norm = self.mlp, self.post_attention_layernorm
+        xn = norm(h)
+        inds, scores = K.router_topk(logits, mlp.top_k, mlp.norm_topk_prob)
+        y = K.moe_experts(xn, inds, mlp.switch_mlp)
+        se = mlp.shared_expert
+        gate, up = K.quantized_matvec(xn, (_triple(se.gate_proj), _triple(se.up_proj)))
+        (shared,) = K.quantized_matvec(swiglu(gate, up), (_triple(se.down_proj),))
+        return h + all_sum(K.moe_combine(y, scores, shared, shared_logit), mlp.sharding_group)
 
     def _attention_in(self, x: mx.array, position: mx.array):
         """Norm + q/k/v GEMV, q/k norm + RoPE at ``position`` (an array, so a
@@ -362,7 +386,13 @@ class LilyDecoderLayer(DecoderLayer):
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""
         out = out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)
-        (h,) = K.quantized_matvec(out, (_triple(self.self_attn.o_proj),), gate=gate, residual=x)
+        o_proj = self.self_attn.o_proj
+        group = group_of(self.self_attn)
+        if group is None:
+            (h,) = K.quantized_matvec(out, (_triple(o_proj),), gate=gate, residual=x)
+        else:  # the rank's heads: o_proj's partial sum, summed as its own call sums it
+            (partial,) = K.quantized_matvec(out, (_triple(o_proj),), gate=gate)
+            h = x + all_sum(partial, group)
         return self._moe_step(h)
 
     def _moe_step(self, h: mx.array) -> mx.array:
@@ -370,6 +400,8 @@ class LilyDecoderLayer(DecoderLayer):
         logits, shared_logit = K.quantized_matvec(
             h, (_triple(mlp.gate), _triple(mlp.shared_expert_gate)), norm.weight, norm.eps
         )
+        if mlp.sharding_group is not None:
+            return self._sharded_moe_step(h, logits, shared_logit)
         return K.moe_decode(
             h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
             mlp.switch_mlp, mlp.shared_expert,

@@ -11,6 +11,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from .. import kernels as K
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
 from ..toolchain.tracing import contiguous
+from .sharded import all_sum
 from .stock_gate import runs_stock
 
 
@@ -57,7 +58,9 @@ class LilyGatedDeltaNet(GatedDeltaNet):
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Any = None):
         if runs_stock(self, "Gated DeltaNet", inputs, mask, cache, ArraysCache):
             return super().__call__(inputs, mask, cache)
-        return self._lily(inputs, mask, cache)
+        # Sharded (mlx-lm's shard()): the rank's heads give a partial sum of
+        # the output projection, summed across the group where stock sums it.
+        return all_sum(self._lily(inputs, mask, cache), self.sharding_group)
 
     def _lily(
         self, inputs: mx.array, mask: Optional[mx.array], cache: Optional[ArraysCache]

@@ -6,8 +6,9 @@ For one decode token of one sequence the gate and up projections are one
 another; the op runs its kernel where the quantization fits it (affine,
 group 64, 4 or 8 bits) and stock's ``mx.quantized_matmul`` otherwise, so the
 reference path is stock's to the bit. Prompts, batches of several rows,
-unquantized or non-affine projections, training and sharded layers run stock's
-code. The decoder layer's fused decode step and the compiled whole-stack and
+unquantized or non-affine projections and training run stock's code; a
+sharded MLP (mlx-lm's ``shard()``) runs the rank's slice and sums as stock.
+The decoder layer's fused decode step and the compiled whole-stack and
 segmented steps are built for MoE blocks: a layer with this MLP takes the
 per-layer path (see ``LilyDecoderLayer._layer_fits``).
 """
@@ -20,6 +21,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP
 
 from .. import kernels as K
 from .decoder import _plain_quantized, _triple
+from .sharded import all_sum, summing_group
 from .stock_gate import runs_stock
 
 
@@ -31,4 +33,6 @@ class LilyDenseMLP(Qwen3NextMLP):
             return super().__call__(x)
         gate, up = K.quantized_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
         (out,) = K.quantized_matvec(swiglu(gate, up), (_triple(self.down_proj),))
-        return out
+        # Sharded (mlx-lm's shard()): down_proj's slice gives a partial sum,
+        # which its own call would sum across the group.
+        return all_sum(out, summing_group(self.down_proj))

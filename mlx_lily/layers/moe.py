@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 from .. import kernels as K
+from .sharded import all_sum
 from .stock_gate import runs_stock
 
 
@@ -18,4 +19,6 @@ class LilySparseMoeBlock(Qwen3NextSparseMoeBlock):
         inds, scores = K.router_topk(self.gate(x), self.top_k, self.norm_topk_prob)
         y = K.moe_experts(x, inds, self.switch_mlp)
         shared = self.shared_expert(x)
-        return K.moe_combine(y, scores, shared, self.shared_expert_gate(x))
+        # Sharded (mlx-lm's shard()): each rank's slice of every expert's
+        # hidden rows gives a partial sum, summed where stock sums it.
+        return all_sum(K.moe_combine(y, scores, shared, self.shared_expert_gate(x)), self.sharding_group)

@@ -4,7 +4,8 @@ Lily's layers take every call mlx-lm's generators make at inference: any
 batch size, padding masks (boolean or additive arrays), left-padded and
 length-limited batches, and the caches ``KVCache``, ``BatchKVCache`` and
 ``ArraysCache`` (with or without ``left_padding`` / ``lengths``), for prefill
-and decode. Within a layer, each op picks its kernel or its reference per call.
+and decode, whole or sharded by mlx-lm's ``shard()`` (sharded.py). Within a
+layer, each op picks its kernel or its reference per call.
 What remains for the stock layer's own code is listed by ``why_stock``;
 ``runs_stock`` is the one gate every lily layer asks.
 """
@@ -19,6 +20,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 from .. import call_trace
 from .._notice import notice_once
 from ..trimmable_cache import LILY_ARRAYS_CACHES
+from .sharded import why_stock as sharded_why_stock
 
 # The KV caches lily's attention reads and writes itself.
 LILY_KV_CACHES = (KVCache, BatchKVCache)
@@ -28,8 +30,9 @@ def why_stock(layer: Any, cache: Any = None, cache_kind: Any = None) -> Optional
     """None when lily's path takes this call, else the reason stock code runs it."""
     if layer.training:
         return "training mode (lily's ops have no backward pass)"
-    if getattr(layer, "sharding_group", None) is not None:
-        return "sharded model (the layer needs its collectives)"
+    sharded = sharded_why_stock(layer)
+    if sharded is not None:
+        return sharded
     if cache is None:
         return None
     if cache_kind is ArraysCache and type(cache) not in LILY_ARRAYS_CACHES:
