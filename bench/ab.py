@@ -106,7 +106,8 @@ def run_arm_here(spec: Dict[str, Any]) -> Dict[str, Any]:
 
     model, vocab, load_s = load_engine(spec["source"], spec["engine"])
     warmup_s = warmup(model, spec["length"], vocab)
-    result = measure_arm(model, spec["length"], vocab, spec["decode_steps"], gpu_clocks=spec.get("gpu_clocks", False))
+    result = measure_arm(model, spec["length"], vocab, spec["decode_steps"], gpu_clocks=spec.get("gpu_clocks", False),
+                         gpu_time=spec.get("gpu_time", True))
     result.update(load_s=load_s, warmup_s=warmup_s, op_paths=op_paths())
     return result
 
@@ -205,7 +206,8 @@ def run_fresh(args: argparse.Namespace, lengths: List[int]) -> Dict[str, Any]:
             log(f"arm {i + 1}/{len(plan)}: round {r + 1} {engine} length {length_label(n)} "
                 f"(fresh process; {progress.status()})")
             spec = {"task": "arm", "source": source, "engine": engine, "length": n,
-                    "decode_steps": args.decode_steps, "gpu_clocks": args.gpu_clocks}
+                    "decode_steps": args.decode_steps, "gpu_clocks": args.gpu_clocks,
+                    "gpu_time": not args.no_gpu_time}
             result = _run_worker(spec, Path(tmp), f"arm{i}")
             result.update(round=r, engine=engine, length=n, order=i)
             arms.append(result)
@@ -284,13 +286,14 @@ def _same_process_arm(model, n: int, vocab: int, args: argparse.Namespace) -> Di
     tail = min(args.depth_tail, n)
     warmup_s = warmup(model, tail if depth else n, vocab) if args.warmup_each else None
     if not depth:
-        result = measure_arm(model, n, vocab, args.decode_steps, gpu_clocks=args.gpu_clocks)
+        result = measure_arm(model, n, vocab, args.decode_steps, gpu_clocks=args.gpu_clocks,
+                             gpu_time=not args.no_gpu_time)
     else:
         from bench.measure import lily_prefilled_cache
 
         cache = lily_prefilled_cache(model, vocab, n - tail)
         result = measure_arm(model, n, vocab, args.decode_steps, cache=cache, timed_from=n - tail,
-                             gpu_clocks=args.gpu_clocks)
+                             gpu_clocks=args.gpu_clocks, gpu_time=not args.no_gpu_time)
         result["prefill_method"] = f"last {tail} tokens at depth {n - tail} (lily prefilled the rest, untimed)"
     result["warmup_s"] = warmup_s
     return result
@@ -367,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
                      help=f"measured decode steps per arm (default: {DECODE_STEPS}, the "
                           "method's; change only for tests and quick checks)")
+    how.add_argument("--no-gpu-time", action="store_true",
+                     help="skip the kernels' device time per decode token (bench/gpu_time.py: CUPTI through "
+                          "PyTorch on NVIDIA, a few more decode steps per arm)")
     how.add_argument("--gpu-clocks", action="store_true",
                      help="sample the GPU's clocks, power and load with nvidia-smi during each arm's "
                           "decode (bench/gpu_clocks.py), into the arm's JSON and log line")

@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step, generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 
 from .common import PREFILL_STEP, last_op_paths, prompt_ids
+from .gpu_time import decode_gpu_ms
 from .engines import lily_layer_count
 from .gpu_clocks import sampled_clocks
 
@@ -77,14 +78,17 @@ def warmup(model: Any, length: int, vocab_size: int) -> float:
 
 
 def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
-                cache: Any = None, timed_from: int = 0, gpu_clocks: bool = False) -> Dict[str, Any]:
+                cache: Any = None, timed_from: int = 0, gpu_clocks: bool = False,
+                gpu_time: bool = True) -> Dict[str, Any]:
     """One measured prefill of ``length`` tokens then ``decode_steps`` decode
     steps; throughputs, the tokens (and their digest), peak memory, and the
     kernels and bytes of one more decode step on the run's cache
     (``bench.counts``; counted after the measurement, so it costs it nothing).
     With ``cache`` already holding the prompt's first ``timed_from`` tokens,
     only the rest is prefilled and timed (``lily_prefilled_cache``). With
-    ``gpu_clocks``, the GPU's clocks during the decode (``bench.gpu_clocks``)."""
+    ``gpu_clocks``, the GPU's clocks during the decode (``bench.gpu_clocks``).
+    With ``gpu_time``, the kernels' device time of a few more decode steps
+    (``bench.gpu_time``; None where the platform has no timer)."""
     prompt = prompt_array(length, vocab_size)
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -93,6 +97,7 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
         run = generate(model, prompt[timed_from:], decode_steps, cache)
     peak = mx.get_peak_memory()
     host_ms = host_ms_per_decode_token(model, cache, run["tokens"][-1])
+    gpu_ms, gpu_note = decode_gpu_ms(model, cache, run["tokens"][-1]) if gpu_time else (None, "not asked for")
     counts = _counts(model, cache, run["tokens"][-1])
     del cache
     mx.clear_cache()
@@ -108,6 +113,8 @@ def measure_arm(model: Any, length: int, vocab_size: int, decode_steps: int,
         "op_last_paths": last_op_paths(),
         "counts": counts,
         "host_ms_per_decode_token": host_ms,
+        "gpu_ms_per_decode_token": gpu_ms,
+        "gpu_time_note": gpu_note,
         "decode_gpu_clocks": clocks.summary(*run["decode_window"]),
     }
 

@@ -57,6 +57,11 @@ def summarize_engine(arms: List[Dict[str, Any]]) -> Dict[str, Any]:
         # Host time to build one decode step's graph (bench/measure.py).
         "host_ms_per_decode_token": _median([a["host_ms_per_decode_token"] for a in ok
                                              if a.get("host_ms_per_decode_token") is not None]),
+        # The kernels' device time of one decode step (bench/gpu_time.py;
+        # None where the platform has no timer).
+        "gpu_ms_per_decode_token": _median([a["gpu_ms_per_decode_token"] for a in ok
+                                            if a.get("gpu_ms_per_decode_token") is not None]),
+        "gpu_time_notes": sorted({a["gpu_time_note"] for a in ok if a.get("gpu_time_note")}),
         # (max - min) / median over rounds: large values mean a noisy arm
         # (or one that paid for compilation in one round only).
         "prefill_spread": _spread([a["prefill_tps"] for a in ok]),
@@ -102,6 +107,11 @@ def summarize(arms: List[Dict[str, Any]], lengths: List[int]) -> List[Dict[str, 
 # ------------------------------------------------------------------ format
 
 
+def _optional(x: Optional[float], digits: int = 2) -> str:
+    """A figure some platforms cannot give: "-" there."""
+    return "-" if x is None else _num(x, digits)
+
+
 def _num(x: Optional[float], digits: int = 2) -> str:
     if x is None:
         return "error"
@@ -144,8 +154,8 @@ def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
     lines = [
         "| length | decode lily | decode stock | ratio | prefill lily | prefill stock | ratio "
         "| kernels/token lily | kernels/token stock | MB/token lily | MB/token stock "
-        "| host ms/token lily | host ms/token stock |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| host ms/token lily | host ms/token stock | GPU ms/token lily | GPU ms/token stock |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mark = " ⚠" if r["flags"] else ""
@@ -160,7 +170,9 @@ def ab_table(rows: List[Dict[str, Any]]) -> List[str]:
             f"{_mb(r['lily'].get('bytes_per_decode_token'))} | "
             f"{_mb(r['stock'].get('bytes_per_decode_token'))} | "
             f"{_num(r['lily'].get('host_ms_per_decode_token'), 2)} | "
-            f"{_num(r['stock'].get('host_ms_per_decode_token'), 2)} |"
+            f"{_num(r['stock'].get('host_ms_per_decode_token'), 2)} | "
+            f"{_optional(r['lily'].get('gpu_ms_per_decode_token'))} | "
+            f"{_optional(r['stock'].get('gpu_ms_per_decode_token'))} |"
         )
     return lines
 

@@ -125,7 +125,7 @@ def test_ab_summary_and_table(ab_run):
     assert [line.split("|")[1].strip() for line in table] == [str(n) for n in LENGTHS]
     for line, row in zip(table, doc["summary"]):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert len(cells) == 13
+        assert len(cells) == 15
         assert float(cells[3]) == pytest.approx(row["decode_ratio"], abs=6e-4)
         assert float(cells[6]) == pytest.approx(row["prefill_ratio"], abs=6e-4)
         # One decode step's counts, in the summary beside the throughput and in the table.
@@ -136,6 +136,9 @@ def test_ab_summary_and_table(ab_run):
             # The host's share of a decode token: building its graph, in ms.
             host = row[engine]["host_ms_per_decode_token"]
             assert host > 0 and float(cells[11 if engine == "lily" else 12]) == pytest.approx(host, abs=6e-3)
+            # The kernels' device time: none on this machine's CPU, and the reason with it.
+            assert row[engine]["gpu_ms_per_decode_token"] is None and cells[13 if engine == "lily" else 14] == "-"
+            assert row[engine]["gpu_time_notes"] == ["no GPU"]
 
 
 def _reference_only(doc) -> bool:
@@ -359,3 +362,28 @@ def test_cold_start_times_fresh_processes_of_both_engines(tmp_path):
         assert first["tokens"] == second["tokens"] and len(first["tokens"]) == 2
     assert "lily" in doc["engines"]["lily"]["processes"][0]  # lily's own counters
     assert "| lily |" in proc.stdout and "| mlx |" in proc.stdout
+
+
+def test_decode_gpu_ms_sums_the_recorded_kernels_per_step(monkeypatch):
+    """Where a device timer exists, the figure is the recorded kernels' device
+    time divided by the steps run, and the steps advance the cache."""
+    from bench import gpu_time
+    from mlx_lily.random_checkpoints import build_model
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = build_model("demo", seed=0)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+
+    def fake_kernel_times(run):
+        run()
+        return {"a": [100.0] * 8, "b": [300.0, 500.0]}
+
+    monkeypatch.setattr(gpu_time, "why_unavailable", lambda: None)
+    monkeypatch.setattr(gpu_time, "kernel_times", fake_kernel_times)
+    ms, note = gpu_time.decode_gpu_ms(model, cache, token=5, steps=4)
+    assert note is None and ms == pytest.approx((800.0 + 800.0) / 4 / 1e3)
+    offsets = {c.offset for c in cache if hasattr(c, "offset")}
+    assert offsets == {3 + 4}
+    monkeypatch.setattr(gpu_time, "kernel_times", lambda run: {})
+    assert gpu_time.decode_gpu_ms(model, cache, token=5, steps=2) == (None, "the profiler recorded no kernels")

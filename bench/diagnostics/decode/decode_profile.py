@@ -30,29 +30,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import mlx.core as mx
 
+from bench.gpu_time import kernel_times
+
 TOP = 25
-
-
-def kernel_times(run: Callable[[], None]) -> Dict[str, List[float]]:
-    """{kernel name: [device µs of each call]} of every GPU kernel ``run``
-    launches (and waits for), recorded by PyTorch's profiler (CUPTI: it sees
-    MLX's kernels too)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.zeros(1, device="cuda")  # CUDA context and CUPTI up before recording
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-    kernels: Dict[str, List[float]] = defaultdict(list)
-    for event in prof.events():
-        if "CUDA" in str(getattr(event, "device_type", "")):
-            kernels[event.name].append(event.time_range.elapsed_us())
-    return kernels
 
 
 def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[float]]]:
