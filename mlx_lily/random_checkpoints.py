@@ -114,6 +114,42 @@ SHAPES: Dict[str, Dict[str, Any]] = {
     },
 }
 
+# Qwen3.5-397B-A17B, the family's largest published configuration (60 layers,
+# 512 experts, top-10; about 223 GB at 4 bits). Source: the text_config of
+# Qwen/Qwen3.5-397B-A17B's config.json on Hugging Face, as its fields are
+# quoted by the mlx-community/Qwen3.5-397B-A17B-4bit model card (hidden 4096,
+# 60 layers as 15 x (3 Gated DeltaNet + 1 attention), 512 experts, 10 routed
+# + 1 shared, expert width 1024, 32 query / 2 KV heads of 256, DeltaNet 16
+# key / 64 value heads of 128, vocabulary 248320) and by public code that
+# copies the config (rope_theta 1e7, partial_rotary_factor 0.25, conv kernel
+# 4, shared_expert_intermediate_size 1024). The config.json itself was not
+# read here: where a copy differs (one test fixture gives the shared expert
+# 4096), the values above are those the model card's parameter counts fit.
+SHAPES["qwen3.5-397b-a17b"] = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 60,
+    "full_attention_interval": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 64,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 1024,
+    "shared_expert_intermediate_size": 1024,
+    "intermediate_size": 1024,
+    "vocab_size": 248320,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+}
+# The same per-layer shapes at 4 layers (3 Gated DeltaNet + 1 attention, about
+# 15 GB at 4 bits): every real tensor shape of the large model, sharded or not,
+# on one machine.
+SHAPES["qwen3.5-397b-a17b-4l"] = dict(SHAPES["qwen3.5-397b-a17b"], num_hidden_layers=4)
+
 QUANTIZATION = {"group_size": 64, "bits": 4, "mode": "affine"}
 
 # A well-conditioned random model (``conditioned=True``): every residual

@@ -108,3 +108,21 @@ def test_sharded_switch_off_gives_stock(monkeypatch):
     assert "MLX_LILY_SHARDED=0" in sharded.why_stock(Module())
     Module.sharding_group = None
     assert sharded.why_stock(Module()) is None
+
+
+@pytest.mark.parametrize("shape, layers", [("qwen3.5-397b-a17b", 60), ("qwen3.5-397b-a17b-4l", 4)])
+def test_large_shapes(shape, layers):
+    """The family's largest configuration and its reduced-depth variant:
+    lily's config checks pass, the layer count is the shape's, and the full
+    model's parameters (drawn lazily, never evaluated) come to the published
+    397B, about 223 GB at 4 bits."""
+    from mlx_lily.models.qwen3_5_moe import check_config
+    from mlx_lily.random_checkpoints import SHAPES, estimated_size_gb, model_config
+
+    text = model_config(shape)["text_config"]
+    check_config(text)
+    assert text["num_hidden_layers"] == layers
+    assert {k: v for k, v in SHAPES[shape].items() if k != "num_hidden_layers"} == \
+        {k: v for k, v in SHAPES["qwen3.5-397b-a17b"].items() if k != "num_hidden_layers"}
+    if layers == 60:
+        assert 222 < estimated_size_gb(shape) < 225  # 4.5 bits a parameter: 396-397B parameters
