@@ -120,6 +120,27 @@ def kernel_sources() -> str:
     return f"{backend or 'no kernels'}: full text"
 
 
+def distributed(model: str | None = None, parallel: str = "tensor") -> List[str]:
+    """The mx.distributed group this process is in, and (with ``model``,
+    under ``mlx.launch``) the paths this rank's layers take after mlx-lm's
+    sharded load (docs/distributed.md)."""
+    group = mx.distributed.init()
+    if group.size() == 1:
+        return ["one process (no mx.distributed group; under mlx.launch, with --model, "
+                "each rank reports its layers' paths)"]
+    lines = [f"{group.size()} ranks, this is rank {group.rank()}"]
+    if model:
+        from mlx_lm.utils import sharded_load
+
+        from .backend import using
+        from .layers.sharded import rank_paths
+
+        with using("lily"):
+            loaded, _ = sharded_load(model, **{f"{parallel}_group": group})
+        lines += rank_paths(loaded)
+    return lines
+
+
 def report_platform() -> None:
     import mlx_lm
 
@@ -135,6 +156,10 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_lily doctor", description=__doc__)
     parser.add_argument("--tolerance", type=float, default=3e-2,
                         help="largest absolute error a kernel may have vs its reference (bf16 sized)")
+    parser.add_argument("--model", help="under mlx.launch: load this checkpoint sharded and report each "
+                                         "rank's layer paths")
+    parser.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
+                        help="with --model: mlx-lm's tensor (shard) or pipeline split")
     args = parser.parse_args(argv)
 
     report_platform()
@@ -147,6 +172,8 @@ def main(argv: List[str] | None = None) -> int:
     print(f"prefill      {prefill_pacing()}")
     print(f"server       {server_priming()}")
     print(f"sources      {kernel_sources()}")
+    for i, line in enumerate(distributed(args.model, args.parallel)):
+        print(f"{'distributed' if i == 0 else '':12s} {line}")
 
     print("\nself-check (small inputs):")
     failures = 0

@@ -126,3 +126,17 @@ def test_large_shapes(shape, layers):
         {k: v for k, v in SHAPES["qwen3.5-397b-a17b"].items() if k != "num_hidden_layers"}
     if layers == 60:
         assert 222 < estimated_size_gb(shape) < 225  # 4.5 bits a parameter: 396-397B parameters
+
+
+def test_doctor_one_process_and_rank_paths(demo_checkpoint):
+    """Without a group, doctor says so; a whole model's rank lines list every
+    kind of layer on lily's ops (under mlx.launch each rank prints its own)."""
+    import mlx_lily
+    from mlx_lily.doctor import distributed
+
+    assert distributed()[0].startswith("one process")
+    model, _ = mlx_lily.load(str(demo_checkpoint))
+    lines = sharded.rank_paths(model)
+    assert lines[0] == "rank 0: layers 0-3, not split"
+    assert {line.split(":")[0].strip() for line in lines[1:]} == KINDS
+    assert all("lily's ops, decode fused" in line for line in lines[1:])

@@ -114,3 +114,40 @@ def describe(model: Any) -> dict:
         end = len(getattr(inner, "layers", []))
     rank = mx.distributed.init().rank() if (tensor > 1 or pipeline > 1) else 0
     return {"tensor": tensor, "pipeline": pipeline, "rank": rank, "layers": [start, end]}
+
+
+def rank_paths(model: Any) -> list:
+    """This rank's layers and the path each kind takes: lines for ``doctor``."""
+    from .stock_gate import why_stock as gate_why
+
+    split = describe(model)
+    text = getattr(model, "language_model", model)
+    inner = getattr(text, "model", text)
+    layers = [l for l in getattr(inner, "pipeline_layers", inner.layers) if l is not None]
+    start, end = split["layers"]
+    lines = [f"rank {split['rank']}: layers {start}-{end - 1}"
+             + (f", each split {split['tensor']} ways" if split["tensor"] > 1 else ", not split")
+             + (f" (pipeline stage of {split['pipeline']})" if split["pipeline"] > 1 else "")]
+    kinds: dict = {}
+    for layer in layers:
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        mixer_kind = "Gated DeltaNet" if layer.is_linear else "full attention"
+        mlp_kind = "MoE" if hasattr(layer.mlp, "switch_mlp") else "MLP"
+        fused = layer._lily_fits() if hasattr(layer, "_lily_fits") else False
+        for kind, module in ((mixer_kind, mixer), (mlp_kind, layer.mlp)):
+            why = gate_why(module)
+            if why is not None:
+                path = f"stock ({why})"
+            else:
+                path = "lily's ops" + (", decode fused" if fused else ", decode unfused")
+                if group_of(module) is not None:
+                    path += ", all_sum where stock sums"
+                    if kind == "MoE":
+                        path += " (decode: lily's unfused MoE ops up to it)"
+            kinds.setdefault(kind, set()).add(path)
+    for kind, paths in kinds.items():
+        lines.append(f"  {kind}: {'; '.join(sorted(paths))}")
+    if split["pipeline"] > 1:
+        lines.append("  decode: each layer's compiled fused step (the stack's compiled segments "
+                     "and whole step run unpipelined models only)")
+    return lines
