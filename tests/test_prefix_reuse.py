@@ -18,6 +18,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 import mlx_lily
+from mlx_lily import prefix_files as pf
 from mlx_lily import prefix_reuse as pr
 from mlx_lily.errors import LilyError
 from mlx_lily.toolchain.registry import BACKEND_ENV
@@ -294,9 +295,9 @@ def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoi
     entry_tokens = lru._lru._lrus["assistant"][0][1]
     entry = lru._trie.get(KEY, entry_tokens)
     path = tmp_path / "history.safetensors"
-    pr.save_cache_file(path, lily, entry_tokens, entry.prompt_cache, entry.lily_checkpoints)
+    pf.save_cache_file(path, lily, entry_tokens, entry.prompt_cache, entry.lily_checkpoints)
 
-    tokens, cache, cks = pr.load_cache_file(path, lily)
+    tokens, cache, cks = pf.load_cache_file(path, lily)
     fresh = LRUPromptCache(max_size=10)
     pr.add_entry(fresh, KEY, tokens, cache, cks)
     prompt = history[:35] + [3, 1, 4, 1, 5]
@@ -307,7 +308,7 @@ def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoi
 
     other, _ = mlx_lily.load(str(alt_checkpoint), backend="lily")
     with pytest.raises(LilyError, match="another model") as refused:
-        pr.load_cache_file(path, other)
+        pf.load_cache_file(path, other)
     assert "\n" not in str(refused.value)
     # A stock mlx_lm.cache_prompt file (no tokens, no checkpoints): refused too.
     from mlx_lm.models.cache import save_prompt_cache
@@ -315,10 +316,10 @@ def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoi
     stock_file = tmp_path / "stock.safetensors"
     save_prompt_cache(str(stock_file), entry.prompt_cache, {"model": "demo"})
     with pytest.raises(LilyError, match="stock mlx-lm prompt cache"):
-        pr.load_cache_file(stock_file, lily)
+        pf.load_cache_file(stock_file, lily)
     (tmp_path / "junk.safetensors").write_bytes(b"not a file")
     with pytest.raises(LilyError, match="not a prompt cache file"):
-        pr.load_cache_file(tmp_path / "junk.safetensors", lily)
+        pf.load_cache_file(tmp_path / "junk.safetensors", lily)
 
 
 def test_bench_multi_turn_records_reuse_and_identical_outputs(demo_checkpoint, reference_backend, monkeypatch):
