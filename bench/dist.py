@@ -189,7 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.dist", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="demo", help="a make_checkpoint shape (random weights)")
     parser.add_argument("--model", help="a checkpoint folder instead of a random one")
-    parser.add_argument("--parallel", nargs="+", default=["tensor", "pipeline"], choices=["tensor", "pipeline"])
+    parser.add_argument("--parallel", nargs="+", default=["tensor", "pipeline"],
+                        choices=["tensor", "pipeline", "none"])
     parser.add_argument("-n", type=int, default=2, help="ranks")
     parser.add_argument("--backend", default="ring", choices=["ring", "nccl"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096])
@@ -212,9 +213,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common = ["--model", model, "--lengths", *lengths, "--tokens", str(args.tokens), "--backend", args.backend]
     one_gpu = {}
     if args.one_gpu:
-        cmd = [sys.executable, "-m", "bench.dist", "--rank", "--parallel", "tensor", *common, "--engines", "lily"]
-        # One process, no group: parallel "none".
-        cmd[cmd.index("tensor")] = "none"
+        # One process, no group: the model whole.
+        cmd = [sys.executable, "-m", "bench.dist", "--rank", "--parallel", "none", *common, "--engines", "lily"]
         out = subprocess.run(cmd, cwd=str(ROOT), capture_output=True, text=True, timeout=args.timeout,
                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
         if out.returncode != 0:

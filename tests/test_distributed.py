@@ -140,3 +140,17 @@ def test_doctor_one_process_and_rank_paths(demo_checkpoint):
     assert lines[0] == "rank 0: layers 0-3, not split"
     assert {line.split(":")[0].strip() for line in lines[1:]} == KINDS
     assert all("lily's ops, decode fused" in line for line in lines[1:])
+
+
+def test_bench_dist_writes_summary_rows(demo_checkpoint, tmp_path):
+    """bench/dist.py's A/B on two CPU ranks: one summary row per split and
+    length, each engine with its decode and prefill rates."""
+    from bench import dist
+
+    out = tmp_path / "dist-demo.json"
+    assert dist.main(["--model", str(demo_checkpoint), "--shape", "demo", "--parallel", "tensor",
+                      "--lengths", "16", "--tokens", "4", "--timeout", "150", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["summary"]
+    assert [(r["parallel"], r["length"]) for r in rows] == [("tensor x2", 16)]
+    for engine in ("lily", "stock"):
+        assert set(rows[0][engine]) == {"decode_tps", "prefill_tps"} and rows[0][engine]["decode_tps"] > 0
