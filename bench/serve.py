@@ -584,27 +584,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokenizer, 1, args.prefill_tokens or args.prompt_tokens
     )[0]
 
-    report: Dict[str, Any] = {
-        "kind": "serve",
-        "started": now_iso(),
-        "machine": machine_info(),
-        "software": software_info(),
-        "settings": {
-            "model": model if args.model else None,
-            "shape": None if args.model else (args.shape or "demo"),
-            "seed": args.seed,
-            "conditioned": bool(args.conditioned),
-            "concurrency": args.concurrency,
-            "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens,
-            "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
-            "engines": args.engines,
-            "budget_s": args.budget_s,
-            "sampling": "greedy (temperature 0)",
-            "server_flags": "--prompt-cache-size 0 (every request prefills), other flags default",
-        },
-        "engines": {},
-    }
+    report = report_head(model, args)
+    report["settings"].update({
+        "concurrency": args.concurrency,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
+        "budget_s": args.budget_s,
+        "sampling": "greedy (temperature 0)",
+        "server_flags": "--prompt-cache-size 0 (every request prefills), other flags default",
+    })
+    report["engines"] = {}
     # Each engine's prefill through generate, for its server's ratio: the
     # server's own per-request costs (HTTP, the batch generator's first step)
     # weigh on both engines, and stock's ratio shows how much.
@@ -644,9 +634,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def main_multi_turn(model: str, args, out: Path, started: float) -> int:
-    """``--multi-turn``: only the conversation (bench/multi_turn.py), in this process."""
-    report: Dict[str, Any] = {
+def report_head(model: str, args) -> Dict[str, Any]:
+    """The serve JSON's head: kind, time, machine, software, the run's model settings."""
+    return {
         "kind": "serve",
         "started": now_iso(),
         "machine": machine_info(),
@@ -659,6 +649,11 @@ def main_multi_turn(model: str, args, out: Path, started: float) -> int:
             "engines": args.engines,
         },
     }
+
+
+def main_multi_turn(model: str, args, out: Path, started: float) -> int:
+    """``--multi-turn``: only the conversation (bench/multi_turn.py), in this process."""
+    report = report_head(model, args)
     report["multi_turn"] = multi_turn.run(model, args)
     report["elapsed_s"] = time.perf_counter() - started
     stem = file_stem("serve-multi-turn", report["machine"], report["software"]["git_revision"])
