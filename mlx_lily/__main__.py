@@ -1,6 +1,6 @@
-"""``python -m mlx_lily {generate,serve,chat,benchmark,demo,doctor,graft-mtp}``.
+"""``python -m mlx_lily {generate,serve,chat,benchmark,cache-prompt,demo,doctor,graft-mtp}``.
 
-``generate``, ``serve``, ``chat`` and ``benchmark`` are mlx-lm's own commands
+``generate``, ``serve``, ``chat``, ``benchmark`` and ``cache-prompt`` are mlx-lm's own commands
 with every flag unchanged, plus ``--backend lily|mlx`` (default: lily here).
 They work whether or not the startup hook is installed.
 """
@@ -19,6 +19,8 @@ MLX_LM_COMMANDS = {
     "server": "mlx_lm.server",
     "chat": "mlx_lm.chat",
     "benchmark": "mlx_lm.benchmark",
+    "cache-prompt": "mlx_lm.cache_prompt",
+    "cache_prompt": "mlx_lm.cache_prompt",
 }
 
 USAGE = """usage: python -m mlx_lily COMMAND [options]
@@ -28,11 +30,13 @@ commands:
   serve      mlx-lm's OpenAI-style server, on lily  (mlx_lm.server --help)
   chat       mlx-lm's chat REPL, on lily            (mlx_lm.chat --help)
   benchmark  mlx-lm's benchmark, on lily            (mlx_lm.benchmark --help)
+  cache-prompt  mlx-lm's cache_prompt; on lily the file also keeps DeltaNet
+             checkpoints (--prefill-step-size N: their spacing, default 2048)
   demo       a random Qwen3.5-MoE checkpoint, stock vs lily side by side
   doctor     platform, versions, each op's path, and a self-check of every op
   graft-mtp  add the MTP head of Qwen's original safetensors to an mlx-lm checkpoint
 
-generate/serve/chat/benchmark accept --backend lily|mlx (default lily).
+generate/serve/chat/benchmark/cache-prompt accept --backend lily|mlx (default lily).
 """
 
 
@@ -109,6 +113,14 @@ def main(argv: list[str] | None = None) -> None:
             if chosen == "lily" and MLX_LM_COMMANDS[command] == "mlx_lm.server":
                 # Before serving: the server loads in a background thread.
                 backend.check_before_serving(rest)
+            if chosen == "lily" and MLX_LM_COMMANDS[command] in ("mlx_lm.cache_prompt", "mlx_lm.generate"):
+                from . import cache_prompt  # prompt cache files (docs/prefix-reuse.md)
+
+                if command.startswith("cache"):
+                    cache_prompt.take_step_flag(rest)
+                else:
+                    cache_prompt.check_before_generating(rest)
+                sys.argv = [f"mlx_lily {command}"] + rest
             module.main()
         except LilyError as e:
             if want_traceback():

@@ -57,6 +57,11 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
         from . import prefix_reuse
 
         prefix_reuse.install()
+    if program in ("mlx_lm.generate", "mlx_lm.cache_prompt"):
+        # Prompt cache files: checked against the model; written with checkpoints.
+        from . import cache_prompt
+
+        cache_prompt.model_loaded(program, loaded[0])
     if not lazy and warmup.requested(program):
         # A lazy load (sharded and pipeline loads) has no weights yet.
         _prime_quietly(loaded[0], server=program == "mlx_lm.server")
@@ -131,6 +136,9 @@ def disable() -> None:
     prefix_reuse = sys.modules.get("mlx_lily.prefix_reuse")
     if prefix_reuse is not None:
         prefix_reuse.uninstall()
+    cache_prompt = sys.modules.get("mlx_lily.cache_prompt")
+    if cache_prompt is not None:
+        cache_prompt.uninstall()
 
 
 def is_enabled() -> bool:

@@ -33,7 +33,9 @@ grid and gives the cold prefill's bits.
 from __future__ import annotations
 
 import importlib
+import math
 import os
+import re
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -55,30 +57,54 @@ DEFAULT_BUDGET = 2 << 30
 MAX_ROWS = 64
 
 
+OFF_VALUES = ("0", "false", "no")
+EXACT_VALUES = ("1", "true", "yes", "on")
+
+
 def policy() -> str:
-    value = os.environ.get(POLICY_ENV, "exact").strip().lower()
-    if value in ("0", "false", "no"):
+    """``MLX_LILY_PREFIX_REUSE``: exact (default), longest or off (also 0,
+    false, no; 1, true, yes and on mean exact). Any other value is named in
+    one notice and runs as exact."""
+    raw = os.environ.get(POLICY_ENV)
+    value = (raw or "").strip().lower()
+    if value in OFF_VALUES:
         return "off"
-    return value if value in POLICIES else "exact"
+    if value in POLICIES:
+        return value
+    if value and value not in EXACT_VALUES:
+        notice_once(f"prefix-policy:{raw}", f"{POLICY_ENV}={raw!r} is not a policy (accepted: "
+                                            f"{', '.join(POLICIES)}; 0/false/no for off); using exact")
+    return "exact"
 
 
-def _parse_bytes(text: str) -> int:
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    if text and text[-1] in scale:
-        return int(float(text[:-1]) * scale[text[-1]])
-    return int(float(text))
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(E[+-]?\d+)?\s*([KMGT]?)I?B?")
+_SCALE = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: 2147483648, 512M, 1.5G, 2GiB, 2 GB (binary units); a
+    negative, non-finite or unreadable value raises ValueError."""
+    found = _SIZE.fullmatch(text.strip().upper())
+    if found is None:
+        raise ValueError(f"not a size: {text!r}")
+    value = float(found.group(1) + (found.group(2) or "")) * _SCALE[found.group(3)]
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite size: {text!r}")
+    return int(value)
 
 
 def budget() -> int:
-    """Checkpoint bytes one history keeps (``MLX_LILY_CHECKPOINT_BYTES``, e.g. 2G)."""
+    """Checkpoint bytes one history keeps (``MLX_LILY_CHECKPOINT_BYTES``, e.g.
+    2G; 0 keeps none). A value that is not a size is named in one notice and
+    the default (2 GiB) is used."""
     raw = os.environ.get(BUDGET_ENV)
-    if not raw:
+    if raw is None or not raw.strip():
         return DEFAULT_BUDGET
     try:
-        return max(0, _parse_bytes(raw))
+        return parse_bytes(raw)
     except ValueError:
-        notice_once("checkpoint-budget", f"{BUDGET_ENV}={raw!r} is not a size; using 2 GiB")
+        notice_once(f"checkpoint-budget:{raw}", f"{BUDGET_ENV}={raw!r} is not a size (a byte count such "
+                                                "as 2147483648, 512M or 2G); using 2G")
         return DEFAULT_BUDGET
 
 
