@@ -21,11 +21,20 @@ verified tokens: position t holds (h_t, x_{t+1}), h_t the model's final
 positions in one call, whose last output drafts the next round's d_1; its
 entries for d_2..d_k (drafted from its own outputs) are trimmed.
 
-Greedy only: the emitted tokens are the model's greedy tokens (the argmax at
-every position), so the output is ``mlx_lm.generate_step``'s greedy output
-token for token, where the model's verify call gives each position the bits
-a decode step alone gives it (lily's reference path does; see
-docs/speculative.md for kernels).
+Greedy (no sampler, or mlx-lm's greedy one): the emitted tokens are the
+model's greedy tokens (the argmax at every position), so the output is
+``mlx_lm.generate_step``'s greedy output token for token, where the model's
+verify call gives each position the bits a decode step alone gives it
+(lily's reference path does; see docs/speculative.md for kernels). With a
+sampler: rejection sampling (``mlx_lily.mtp_sampling``), so each token is
+distributed as ``generate_step``'s with that sampler.
+
+``install()`` wraps mlx-lm's ``generate_step`` (the module global that
+``stream_generate``, ``generate``, the commands and the server's one-request
+path call) so that a lily model with a head drafts: ``mtp_draft_tokens=k``
+passed to ``stream_generate`` / ``generate`` (``mtp_stream_generate`` and
+``mtp_generate`` here pass it), or the commands' ``--mtp``
+(``mlx_lily.mtp_cli``).
 """
 
 from __future__ import annotations
@@ -35,10 +44,14 @@ from typing import Any, Callable, Generator, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from . import mtp
+from mlx_lm.sample_utils import greedy_sampler
+
+from . import mtp, mtp_sampling
 from .trimmable_cache import make_plain, make_trimmable
 
 MAX_DRAFT = 3
+NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
+           "python -m mlx_lily graft-mtp CHECKPOINT ORIGINAL adds one)")
 
 
 def _head_logits(model: Any, hidden: mx.array, cache: Any = None) -> mx.array:
@@ -63,51 +76,90 @@ def mtp_generate_step(
     *,
     num_draft_tokens: int = 1,
     max_tokens: int = 256,
+    sampler: Optional[Callable[[mx.array], mx.array]] = None,
+    logits_processors: Optional[List[Callable]] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 2048,
     stats: Optional[dict] = None,
     draft_hook: Optional[Callable[[int, List[int]], List[int]]] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) as ``speculative_generate_step``
-    does, drafting with ``model``'s MTP head. ``prompt_cache``: the model's
-    caches (``make_prompt_cache(model)``; updated in place: when the
-    generator ends they hold the prompt and every token yielded but the
-    last). ``stats``, where given, gets ``rounds`` and ``accepted``.
-    ``draft_hook(tokens_so_far, drafts) -> drafts``, where given, replaces
-    each round's drafts (the head still runs): the tests' and the bench's
-    oracle (always accepted) and adversarial (never) drafts."""
+    does, drafting with ``model``'s MTP head. ``sampler``: None or mlx-lm's
+    greedy sampler (greedy: the argmax tokens), a ``mtp_sampling.Sampler``
+    (rejection sampling against the head's distribution) or any other sampler
+    (point-mass drafts; see ``mtp_sampling``); ``logits_processors`` as
+    ``generate_step`` applies them. ``prompt_cache``: the model's caches
+    (``make_prompt_cache(model)``; updated in place: when the generator ends
+    they hold the prompt and every token yielded but the last). ``stats``,
+    where given, gets ``rounds`` and ``accepted``. ``draft_hook(tokens_so_far,
+    drafts) -> drafts``, where given, replaces each round's drafts (the head
+    still runs; they count as drawn from a point mass): the tests' and the
+    bench's oracle (always accepted) and adversarial (never) drafts."""
     head = mtp.head_of(model)
     if head is None:
-        raise ValueError("the model has no MTP head (its checkpoint has no mtp.* tensors; "
-                         "python -m mlx_lily graft-mtp adds one)")
+        raise ValueError(NO_HEAD)
     k = int(num_draft_tokens)
     if not 1 <= k <= MAX_DRAFT:
         raise ValueError(f"num_draft_tokens must be 1 to {MAX_DRAFT}, got {k}")
+    kind = mtp_sampling.kind_of(sampler)
+    max_tokens = max_tokens if max_tokens >= 0 else float("inf")  # -1: no limit, as mlx-lm
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     make_trimmable(cache, depth=k + 1)
     head_cache = [KVCache() for _ in head.layers]
     embed = model.language_model.model.embed_tokens
     stats = stats if stats is not None else {}
     stats.update(rounds=0, accepted=0)
+    # The tokens fed to the model before the current call (for the logits
+    # processors, which see these and the call's own up to each row, as
+    # generate_step's ``tokens``).
+    history = prompt.astype(mx.uint32)[:-1] if logits_processors else None
 
-    def argmax_and_logprobs(logits: mx.array):
-        # As mlx-lm's greedy sampler: the argmax of the log-probabilities (in
-        # bf16 a tie there need not be one in the logits).
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return mx.argmax(logprobs, axis=-1), logprobs
+    def process(logits: mx.array, fed: mx.array) -> mx.array:
+        """[S, V] logits of the S positions fed ``fed`` [S] -> log-probs, each
+        row through the processors with the tokens up to its own."""
+        if logits_processors:
+            rows = []
+            for i in range(logits.shape[0]):
+                row = logits[i : i + 1]
+                seen = mx.concatenate([history, fed[: i + 1]])
+                for processor in logits_processors:
+                    row = processor(seen, row)
+                rows.append(row)
+            logits = mx.concatenate(rows, axis=0)
+        # As mlx-lm's samplers see them; its greedy sampler takes the argmax
+        # of these (in bf16 a tie here need not be one in the logits).
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def draft(hidden: mx.array, next_tokens: mx.array) -> List[int]:
+    def draft(hidden: mx.array, next_tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
         """The head over the new verified positions (hidden [1, S, D], the
-        tokens after them [S]), then k drafts; its entries past the verified
-        positions are trimmed again in ``rounds``."""
+        tokens after them [S]), then k drafts [k] and, for a ``Sampler``, the
+        distributions q [k, V] they were drawn from; its entries past the
+        verified positions are trimmed again after the round."""
         g = head(hidden, embed(next_tokens[None]), head_cache)[:, -1:]
-        drafts = []
+        drafts, qs = [], []
         for j in range(k):
-            d = mx.argmax(_head_logits(model, g), axis=-1)  # [1, 1]
+            logits = _head_logits(model, g)[0]  # [1, V]
+            if kind == "distribution":
+                q = sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+                d = mtp_sampling.draw(q)
+                qs.append(q)
+            else:
+                d = mx.argmax(logits, axis=-1)
             drafts.append(d)
             if j + 1 < k:
-                g = head(g, embed(d), head_cache)
-        return mx.concatenate(drafts, axis=1)[0]
+                g = head(g, embed(d[None]), head_cache)
+        return mx.concatenate(drafts).astype(mx.uint32), (mx.concatenate(qs) if qs else None)
+
+    def accept(logprobs: mx.array, drafts: mx.array, q: Optional[mx.array]) -> Tuple[int, int]:
+        """The round's accepted count n and the token after them."""
+        d = drafts.tolist()
+        if kind == "greedy":
+            return mtp_sampling.point_mass_step(mx.argmax(logprobs, axis=-1).tolist(), d)
+        if kind == "opaque":
+            return mtp_sampling.point_mass_step(sampler(logprobs).tolist(), d)
+        if q is None:  # the hook's drafts: a point mass each
+            q = (mx.arange(logprobs.shape[-1])[None] == drafts[:, None]).astype(mx.float32)
+        return mtp_sampling.rejection_step(sampler.probs(logprobs), q, drafts)
 
     try:
         tokens = prompt.astype(mx.uint32)
@@ -121,28 +173,29 @@ def mtp_generate_step(
             tokens = tokens[n:]
         hidden.append(_hidden(model, tokens, cache))
         logits = _head_logits(model, hidden[-1][:, -1:], cache)
-        x, logprobs = argmax_and_logprobs(logits[0, -1])
+        logprobs = process(logits[0, -1:], tokens[-1:])
+        x = (sampler or greedy_sampler)(logprobs)[0].astype(mx.uint32)
+        logprobs = logprobs[0]
         mx.eval(x)
         ntoks = 1
         yield int(x), logprobs, False
         if ntoks >= max_tokens:
             return
+        if history is not None:
+            history = prompt.astype(mx.uint32)
         # The head's prompt: position t pairs h_t with token t + 1.
         verified = mx.concatenate(hidden, axis=1)
         after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
         while True:
-            drafts = draft(verified, after)
+            drafts, q = draft(verified, after)
             if draft_hook is not None:
-                drafts = mx.array(draft_hook(ntoks, drafts.tolist()), dtype=mx.uint32)
+                drafts, q = mx.array(draft_hook(ntoks, drafts.tolist()), dtype=mx.uint32), None
             ys = mx.concatenate([x[None], drafts])
             out = _hidden(model, ys, cache)  # [1, k + 1, D]
-            logits = _head_logits(model, out)[0]
-            targets, logprobs = argmax_and_logprobs(logits)
-            mx.eval(targets, drafts)
-            t, d = targets.tolist(), drafts.tolist()
-            n = 0
-            while n < k and d[n] == t[n]:
-                n += 1
+            logprobs = process(_head_logits(model, out)[0], ys)
+            mx.eval(logprobs, drafts)
+            n, last = accept(logprobs, drafts, q)
+            emitted = drafts.tolist()[:n] + [last]
             stats["rounds"] += 1
             stats["accepted"] += n
             # Back k - n tokens: the model keeps x, d_1..d_n; the head drops
@@ -153,14 +206,105 @@ def mtp_generate_step(
                 c.trim(k - 1)
             for i in range(n + 1):
                 ntoks += 1
-                yield t[i], logprobs[i], i < n
+                yield emitted[i], logprobs[i], i < n
                 if ntoks >= max_tokens:
                     # The caches hold what was yielded but its last token.
                     for c in cache:
                         c.trim(n - i)
                     return
-            x = targets[n]
+            after = mx.array(emitted, dtype=mx.uint32)
+            x = after[-1]
             verified = out[:, : n + 1]
-            after = targets[: n + 1]
+            if history is not None:
+                history = mx.concatenate([history, ys[: n + 1]])
     finally:
         make_plain(cache)
+
+
+# ------------------------------------------------ mlx-lm's generate_step, drafting
+
+_stock_generate_step = None
+# The commands' --mtp (``mlx_lily.mtp_cli``): drafts per round for every lily
+# model with a head that generate_step meets; None: off.
+cli_draft_tokens: Optional[int] = None
+# generate_step's options the MTP loop does not take: a call with one decodes
+# without drafts (with a notice).
+_UNSUPPORTED = ("input_embeddings", "max_kv_size", "kv_bits")
+_DROPPED = _UNSUPPORTED + ("kv_group_size", "quantized_kv_start", "prompt_progress_callback")
+
+
+def _drafts_for(prompt: mx.array, model: Any, k: Optional[int], kwargs: dict) -> int:
+    """The drafts per round for this call of generate_step; 0: none."""
+    from ._notice import notice_once
+    from .trimmable_cache import is_lily_model
+
+    if not k or not is_lily_model(model) or prompt.size == 0:
+        return 0
+    if mtp.head_of(model) is None:
+        notice_once("mtp-no-head", "--mtp: " + NO_HEAD.replace("the model has", "this checkpoint has")
+                    + "; decoding without drafts")
+        return 0
+    unsupported = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:
+        notice_once(f"mtp-{unsupported}", f"--mtp: decoding without drafts (not with {', '.join(unsupported)})")
+        return 0
+    if k > MAX_DRAFT:
+        notice_once("mtp-k", f"--mtp: {MAX_DRAFT} drafts per round at most; drafting {MAX_DRAFT}, not {k}")
+    return min(int(k), MAX_DRAFT)
+
+
+def generate_step(prompt: mx.array, model: Any, *args: Any, mtp_draft_tokens: Optional[int] = None,
+                  **kwargs: Any):
+    """mlx-lm's ``generate_step``, drafting with the MTP head where asked
+    (``mtp_draft_tokens``, else the commands' --mtp) and the model has one;
+    yields (token, logprobs) as stock does."""
+    k = _drafts_for(prompt, model, mtp_draft_tokens if mtp_draft_tokens is not None else cli_draft_tokens, kwargs)
+    if not k:
+        yield from _stock_generate_step(prompt, model, *args, **kwargs)
+        return
+    from mlx_lm.generate import generation_stream
+
+    stream = args[0] if args else kwargs.pop("stream", generation_stream)
+    progress = kwargs.get("prompt_progress_callback") or (lambda *_: None)
+    for name in _DROPPED:
+        kwargs.pop(name, None)
+    progress(0, prompt.size)
+    with mx.stream(stream):
+        for i, (token, logprobs, _) in enumerate(mtp_generate_step(prompt, model, num_draft_tokens=k, **kwargs)):
+            if i == 0:
+                progress(prompt.size, prompt.size)
+            yield token, logprobs
+
+
+def install() -> None:
+    """Put ``generate_step`` in place of mlx-lm's (``mlx_lm.generate``'s
+    module global); idempotent. Calls without drafts pass through to stock."""
+    global _stock_generate_step
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")
+    current = generate.generate_step
+    if getattr(current, "_lily_mtp", False):
+        return
+    _stock_generate_step = current
+    generate_step._lily_mtp = True
+    generate.generate_step = generate_step
+
+
+def mtp_stream_generate(model: Any, tokenizer: Any, prompt: Any, num_draft_tokens: int = 1, **kwargs: Any):
+    """``mlx_lm.stream_generate`` (same arguments, the same GenerationResponses)
+    drafting ``num_draft_tokens`` per round with the model's MTP head (a
+    model without one decodes without drafts, after one notice)."""
+    from mlx_lm.generate import stream_generate
+
+    install()
+    yield from stream_generate(model, tokenizer, prompt, mtp_draft_tokens=num_draft_tokens, **kwargs)
+
+
+def mtp_generate(model: Any, tokenizer: Any, prompt: Any, num_draft_tokens: int = 1, **kwargs: Any) -> str:
+    """``mlx_lm.generate`` (same arguments, e.g. ``verbose``, ``sampler``,
+    ``max_tokens``), drafting with the model's MTP head."""
+    from mlx_lm.generate import generate
+
+    install()
+    return generate(model, tokenizer, prompt, mtp_draft_tokens=num_draft_tokens, **kwargs)
