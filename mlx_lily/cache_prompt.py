@@ -41,6 +41,7 @@ _stock: dict = {}
 def take_step_flag(argv: List[str]) -> None:
     """Remove ``--prefill-step-size N`` / ``=N`` from argv (in place) and keep
     N for the prefill (mlx_lm.cache_prompt's parser does not know the flag)."""
+    _settings["step"] = DEFAULT_STEP
     for i, arg in enumerate(argv):
         value = None
         if arg == STEP_FLAG and i + 1 < len(argv):
@@ -134,12 +135,13 @@ def install_cache_prompt() -> None:
 
 
 def uninstall() -> None:
+    _settings.pop("checked", None)
     if not _stock:
         return
     module = importlib.import_module("mlx_lm.cache_prompt")
     module.generate_step, module.save_prompt_cache = _stock.pop("generate_step"), _stock.pop("save_prompt_cache")
     _last.clear()
-    _settings["step"] = DEFAULT_STEP
+
 
 
 def prompt_cache_file(argv: List[str]) -> Optional[str]:
@@ -159,6 +161,7 @@ def check_before_generating(argv: List[str]) -> None:
     """For ``python -m mlx_lily generate``: refuse, in one line, a
     --prompt-cache-file that is not a prompt cache file before mlx-lm's
     loader fails on it (the model check follows at load)."""
+    _settings.pop("checked", None)  # a new run: its first load is checked
     path = prompt_cache_file(argv)
     if path is not None:
         prefix_files.read_header(path)
@@ -169,6 +172,11 @@ def model_loaded(program: Optional[str], model: Any) -> None:
     ``program``: check generate's --prompt-cache-file against it; make
     cache_prompt record and save checkpoints."""
     if program == "mlx_lm.generate":
+        # The first model is the one the file continues; a --draft-model
+        # loads after it and keeps its own (empty) cache.
+        if _settings.get("checked"):
+            return
+        _settings["checked"] = True
         path = prompt_cache_file(sys.argv[1:])
         if path is not None:
             prefix_files.check_file(path, model)

@@ -343,3 +343,38 @@ def test_bench_multi_turn_records_reuse_and_identical_outputs(demo_checkpoint, r
     assert stock["tokens_reused"] == 0 and lily["checkpoint_bytes_max"] > 0 and stock["checkpoint_bytes_max"] == 0
     assert not pr.installed()
     assert "| lily | 3 |" in multi_turn.markdown(section)
+
+
+def test_an_unknown_policy_is_named_in_one_notice(fresh_notices, monkeypatch, capsys):
+    for value, meant in (("exact", "exact"), (" Longest ", "longest"), ("off", "off"), ("0", "off"), ("no", "off"),
+                         ("1", "exact"), ("", "exact")):
+        monkeypatch.setenv(pr.POLICY_ENV, value)
+        assert pr.policy() == meant
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(pr.POLICY_ENV, "longst")
+    assert pr.policy() == "exact" and pr.policy() == "exact"
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and f"{pr.POLICY_ENV}='longst'" in said
+    assert all(name in said for name in pr.POLICIES)
+
+
+def test_a_checkpoint_budget_lily_cannot_read_is_named_and_the_default_kept(lily, reference_backend, installed,
+                                                                            fresh_notices, monkeypatch, capsys):
+    for value, size in (("2147483648", 2 << 30), ("512M", 512 << 20), ("1.5G", 3 << 29), ("2 GiB", 2 << 30),
+                        ("64kb", 64 << 10), ("0", 0)):
+        monkeypatch.setenv(pr.BUDGET_ENV, value)
+        assert pr.budget() == size
+    assert capsys.readouterr().err == ""
+    for value in ("lots", "-1", "inf", "nan", "1e400", "2X"):
+        monkeypatch.setenv(pr.BUDGET_ENV, value)
+        assert pr.budget() == pr.DEFAULT_BUDGET and pr.budget() == pr.DEFAULT_BUDGET
+        said = capsys.readouterr().err
+        assert said.count("\n") == 1 and f"{pr.BUDGET_ENV}={value!r}" in said
+    # Served under each: an unreadable budget keeps the default's checkpoints,
+    # a budget of 0 keeps none.
+    tokens = list(range(1, 41))
+    for value, kept in (("lots", True), ("0", False)):
+        monkeypatch.setenv(pr.BUDGET_ENV, value)
+        lru = LRUPromptCache(max_size=10)
+        serve(lily, lru, [tokens], 16)
+        assert (pr.checkpoint_bytes(lru) > 0) == kept
