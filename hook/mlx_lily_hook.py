@@ -8,6 +8,8 @@ lets it load normally and then, only in an mlx-lm command-line program
 
 * takes ``--backend lily|mlx`` out of ``sys.argv`` so mlx-lm's own argument
   parser never sees it, and adds it to that parser's ``--help``;
+* takes ``--mtp`` out too (speculative decoding with the checkpoint's MTP
+  head; lily only: ``mlx_lily.mtp_cli``);
 * if the backend asked for (the flag, else ``MLX_LM_BACKEND``) is ``lily``,
   asks mlx_lily to enable itself, and makes lily's errors one line; in
   ``mlx_lm.server`` it also checks the ``--model`` checkpoint before the
@@ -59,6 +61,8 @@ def _is_mlx_lm_program(name):
 
 
 NEEDS_VALUE = "--backend needs a value: lily or mlx"
+MTP_HELP = ("Speculative decoding with the checkpoint's MTP head (--backend lily): --num-draft-tokens "
+            "drafts per step (1 to 3; default 1 with --mtp).")
 
 
 def _take_backend_flag(argv):
@@ -98,6 +102,8 @@ def add_backend_to_help(default_text=BACKEND_HELP):
     def format_help(self):
         if "--backend" not in self._option_string_actions:
             self.add_argument("--backend", choices=["lily", "mlx"], help=default_text)
+        if "--mtp" not in self._option_string_actions:
+            self.add_argument("--mtp", action="store_true", help=MTP_HELP)
         return stock_format_help(self)
 
     argparse.ArgumentParser.format_help = format_help
@@ -121,14 +127,22 @@ def _after_mlx_lm_utils():
         return
     program = name
     backend = _take_backend_flag(sys.argv)
+    mtp = "--mtp" in sys.argv
+    sys.argv[:] = [a for a in sys.argv if a != "--mtp"]
     if any(arg in ("-h", "--help") for arg in sys.argv[1:]):
         add_backend_to_help()
     if backend is None:
         backend = os.environ.get(BACKEND_ENV) or "mlx"
     if backend not in ("lily", "mlx"):
         _fail(f"unknown backend {backend!r}: use lily or mlx")
+    if mtp and backend != "lily":
+        _fail("--mtp needs --backend lily")
     if backend == "lily":
         request_lily()
+        if mtp:
+            import mlx_lily.mtp_cli
+
+            mlx_lily.mtp_cli.request(sys.argv)
         if name == "mlx_lm.server":
             _check_before_serving()
 

@@ -37,6 +37,7 @@ commands:
   graft-mtp  add the MTP head of Qwen's original safetensors to an mlx-lm checkpoint
 
 generate/serve/chat/benchmark/cache-prompt accept --backend lily|mlx (default lily).
+generate/serve/chat also accept --mtp: speculative decoding with the checkpoint's MTP head.
 """
 
 
@@ -88,6 +89,10 @@ def add_backend_to_help() -> None:
     def format_help(self):
         if "--backend" not in self._option_string_actions:
             self.add_argument("--backend", choices=list(backend.BACKENDS), help=BACKEND_HELP)
+        if "--mtp" not in self._option_string_actions:
+            from .mtp_cli import HELP
+
+            self.add_argument("--mtp", action="store_true", help=HELP)
         return stock_format_help(self)
 
     argparse.ArgumentParser.format_help = format_help
@@ -103,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
         import importlib
 
         chosen = take_backend(rest, default="lily")
+        from . import mtp_cli
+
+        if mtp_cli.take_flag(rest):
+            if chosen != "lily":
+                _usage_error("mlx-lily: --mtp needs --backend lily")
+            mtp_cli.request(rest)
         module = importlib.import_module(MLX_LM_COMMANDS[command])
         backend.enable() if chosen == "lily" else backend.disable()
         backend.running(MLX_LM_COMMANDS[command])

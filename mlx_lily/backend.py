@@ -62,6 +62,9 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
         from . import cache_prompt
 
         cache_prompt.model_loaded(program, loaded[0])
+    from . import mtp_cli  # --mtp: drafting with the MTP head (docs/speculative.md)
+
+    mtp_cli.loaded(loaded[0], model_path, program)
     if not lazy and warmup.requested(program):
         # A lazy load (sharded and pipeline loads) has no weights yet.
         _prime_quietly(loaded[0], server=program == "mlx_lm.server")

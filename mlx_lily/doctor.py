@@ -156,8 +156,8 @@ def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_lily doctor", description=__doc__)
     parser.add_argument("--tolerance", type=float, default=3e-2,
                         help="largest absolute error a kernel may have vs its reference (bf16 sized)")
-    parser.add_argument("--model", help="under mlx.launch: load this checkpoint sharded and report each "
-                                         "rank's layer paths")
+    parser.add_argument("--model", help="whether this checkpoint has an MTP head; under mlx.launch: load it "
+                                         "sharded and report each rank's layer paths")
     parser.add_argument("--parallel", choices=["tensor", "pipeline"], default="tensor",
                         help="with --model: mlx-lm's tensor (shard) or pipeline split")
     args = parser.parse_args(argv)
@@ -172,6 +172,10 @@ def main(argv: List[str] | None = None) -> int:
     print(f"prefill      {prefill_pacing()}")
     print(f"server       {server_priming()}")
     print(f"sources      {kernel_sources()}")
+    if args.model:
+        from .mtp_cli import head_line
+
+        print(f"{'mtp':12s} {head_line(args.model)}")
     for i, line in enumerate(distributed(args.model, args.parallel)):
         print(f"{'distributed' if i == 0 else '':12s} {line}")
 
