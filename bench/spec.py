@@ -1,0 +1,179 @@
+"""``python -m bench --spec``: speculative decoding with the MTP head, bounded
+without trained weights (issue 28, item 5).
+
+At a given context it measures greedy decode tok/s without drafts (the
+baseline), then the MTP loop (``mlx_lily.mtp_decode``) at k = 1..3 with three
+kinds of drafts: the checkpoint's head (random weights: about nothing
+accepted), an *oracle* (the baseline's own continuation: every draft
+accepted) and an *adversarial* draft (the oracle's token + 1: none
+accepted); every run's tokens are compared with the baseline's. Then the
+cost of one model call over 2, 3 and 4 positions (a verify pass) relative to
+one decode step, from which it projects the speedup at any acceptance rate:
+a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
+tokens at per-draft acceptance a (the head's own k calls not counted).
+
+Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps,
+baseline_decode_tps, speedup, tokens_identical, accepted, rounds},
+``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
+{acceptance, k, speedup}) under --out and prints the tables.
+
+    python -m bench --spec --shape qwen3.6-35b-a3b --context 4K     # H200
+    python -m bench --spec --shape demo --context 64 --decode-steps 8  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import mlx.core as mx
+
+from bench.common import length_label, parse_length, prompt_ids
+
+DRAFTS = ("mtp", "oracle", "adversarial")
+ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
+
+
+def _decode_tps(tokens_and_times: List[float]) -> float:
+    """Tokens after the first per second (the first token closes the prefill)."""
+    times = tokens_and_times
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 and times[-1] > times[0] else 0.0
+
+
+def baseline(model: Any, prompt: mx.array, steps: int):
+    from mlx_lm.generate import generate_step
+
+    tokens, times = [], []
+    for token, _ in generate_step(prompt, model, max_tokens=steps):
+        tokens.append(int(token))
+        times.append(time.perf_counter())
+    return tokens, _decode_tps(times)
+
+
+def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, want: List[int], vocab: int):
+    from mlx_lily.mtp_decode import mtp_generate_step
+
+    def oracle(done: int, drafts: List[int]) -> List[int]:
+        out = [want[done + i] if done + i < len(want) else 0 for i in range(k)]
+        return out if draft == "oracle" else [(t + 1) % vocab for t in out]
+
+    stats: Dict[str, int] = {}
+    tokens, times = [], []
+    for token, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=steps, stats=stats,
+                                         draft_hook=None if draft == "mtp" else oracle):
+        tokens.append(int(token))
+        times.append(time.perf_counter())
+    return tokens, _decode_tps(times), stats
+
+
+def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, float]]:
+    """ms of one model call over 1..4 positions after the prompt (the caches
+    trimmed back after each), and its ratio to the 1-position call."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily.trimmable_cache import make_plain, make_trimmable
+
+    cache = make_prompt_cache(model)
+    model(prompt[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    make_trimmable(cache, depth=5)
+    ms = {}
+    try:
+        for positions in (1, 2, 3, 4):
+            ys = prompt[:positions][None]
+            samples = []
+            for rep in range(reps + 1):
+                tic = time.perf_counter()
+                mx.eval(model(ys, cache=cache))
+                if rep:  # the first call builds and warms
+                    samples.append(time.perf_counter() - tic)
+                for c in cache:
+                    c.trim(positions)
+            samples.sort()
+            ms[positions] = 1e3 * samples[len(samples) // 2]
+    finally:
+        make_plain(cache)
+    return [{"positions": p, "ms": round(ms[p], 4), "ratio": round(ms[p] / ms[1], 4)} for p in (2, 3, 4)]
+
+
+def projected(costs: List[Dict[str, float]], ks=(1, 2, 3)) -> List[Dict[str, float]]:
+    ratio = {row["positions"]: row["ratio"] for row in costs}
+    rows = []
+    for a in ACCEPTANCE:
+        for k in ks:
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            rows.append({"acceptance": a, "k": k, "speedup": round(tokens / ratio[k + 1], 4)})
+    return rows
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench --spec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an mlx-lm checkpoint with an MTP head (default: a random one, --shape)")
+    parser.add_argument("--shape", default="demo", help="make_checkpoint's shape for the random checkpoint")
+    parser.add_argument("--context", default="4K", help="prompt length (e.g. 64, 4K)")
+    parser.add_argument("--decode-steps", type=int, default=64, help="tokens generated per run")
+    parser.add_argument("--k", default="1,2,3", help="drafts per round to run (1 to 3)")
+    parser.add_argument("--reps", type=int, default=10, help="calls timed per verify width (median)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for spec-*.json")
+    args = parser.parse_args(argv)
+
+    import mlx_lily
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    path = args.model or str(make_checkpoint(None, args.shape, mtp=True))
+    model, _ = mlx_lily.load(path)
+    vocab = model.language_model.args.vocab_size
+    context = parse_length(args.context)
+    ks = [int(k) for k in args.k.split(",")]
+    steps = args.decode_steps
+    prompt = mx.array(prompt_ids(context, vocab))
+
+    want, base_tps = baseline(model, prompt, steps + max(ks))
+    want_steps = want[:steps]
+    _, base_tps = baseline(model, prompt, steps)  # timed at the runs' length
+    summary = []
+    for draft in DRAFTS:
+        for k in ks:
+            tokens, tps, stats = speculative(model, prompt, steps, k, draft, want, vocab)
+            row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
+                   "speedup": round(tps / base_tps, 4) if base_tps else None,
+                   "tokens_identical": tokens == want_steps,
+                   "accepted": stats["accepted"], "rounds": stats["rounds"]}
+            summary.append(row)
+            print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}  "
+                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  identical {row['tokens_identical']}")
+    costs = verify_costs(model, prompt, args.reps)
+    for row in costs:
+        print(f"verify {row['positions']} positions: {row['ms']:.3f} ms, x{row['ratio']} of one decode step")
+    proj = projected(costs, ks=[k for k in (1, 2, 3) if k + 1 <= 4])
+    print("projected speedup (acceptance per draft; head's own cost not counted):")
+    for a in ACCEPTANCE:
+        cells = "  ".join(f"k={r['k']}: x{r['speedup']:.2f}" for r in proj if r["acceptance"] == a)
+        print(f"  a={a:.2f}  {cells}")
+    at = next(r["speedup"] for r in proj if r["acceptance"] == 0.85 and r["k"] == 1)
+    print(f"at acceptance 0.85, k = 1: x{at:.2f}")
+
+    label = Path(args.model).name if args.model else args.shape
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    file = out / f"spec-{label}-{length_label(context)}.json"
+    file.write_text(json.dumps({
+        "command": "python -m bench --spec " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
+                    "mlx": mx.__version__},
+        "model": path, "context": context, "decode_steps": steps,
+        "summary": summary, "verify_cost": costs, "projected": proj,
+        "projected_at_0.85_k1": at,
+    }, indent=2) + "\n")
+    print(f"wrote {file}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
