@@ -11,6 +11,8 @@ When lily loads the model (``backend._lily_load_model`` calls ``loaded``):
 * mlx-lm's ``generate_step`` is wrapped (``mtp_decode.install``), so every
   single-stream decode drafts: ``mlx_lm.generate``, ``mlx_lm.chat``, the
   server's one-request path;
+* their ``make_sampler`` is lily's (``mtp_sampling``: the same draws, and
+  the distribution a draw comes from, for rejection sampling);
 * a checkpoint without a head: one line saying so and how to graft one;
   decoding proceeds without drafts;
 * in ``mlx_lm.server``: requests are served one at a time, drafting (as
@@ -78,6 +80,7 @@ def loaded(model: Any, model_path: Any, program: Optional[str]) -> None:
     from ._notice import notice_once
 
     mtp_decode.install()
+    _samplers_that_say_their_law()
     if mtp.head_of(model) is None:
         # Said here, with the checkpoint's path; generate_step then stays quiet.
         notice_once("mtp-no-head", f"--mtp: {model_path} has no MTP head (no mtp.* tensors): decoding "
@@ -88,6 +91,18 @@ def loaded(model: Any, model_path: Any, program: Optional[str]) -> None:
         notice_once("mtp-server", f"--mtp: drafting {min(mtp_decode.cli_draft_tokens, mtp_decode.MAX_DRAFT)} "
                                   "token(s) per step with the MTP head; requests are served one at a "
                                   "time (mlx-lm's batched decoding does not draft)")
+
+
+def _samplers_that_say_their_law() -> None:
+    """mlx-lm's commands and server make their samplers with lily's
+    ``make_sampler`` (the same draws; a ``Sampler`` also says its law, so the
+    loop can draft from the head's distribution)."""
+    from . import mtp_sampling
+
+    for name in ("mlx_lm.generate", "mlx_lm.server"):
+        module = sys.modules.get(name)
+        if module is not None and hasattr(module, "make_sampler"):
+            module.make_sampler = mtp_sampling.make_sampler
 
 
 def _serve_one_at_a_time() -> bool:

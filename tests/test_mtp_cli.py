@@ -44,6 +44,10 @@ def _text(out: str) -> str:
 
 
 def test_generate_mtp_drafts_and_prints_greedy_text(head, spy, capsys, monkeypatch):
+    import importlib
+
+    generate_module = importlib.import_module("mlx_lm.generate")
+    monkeypatch.setattr(generate_module, "make_sampler", generate_module.make_sampler)
     model, tokenizer = mlx_lily.load(str(head))
     want = generate(model, tokenizer, "hello there", max_tokens=10, verbose=True)
     plain = capsys.readouterr().out
@@ -51,6 +55,9 @@ def test_generate_mtp_drafts_and_prints_greedy_text(head, spy, capsys, monkeypat
     out = capsys.readouterr()
     assert spy == [2] and _text(out.out) == _text(plain) and want
     assert "MTP head" not in out.err
+    from mlx_lily import mtp_sampling
+
+    assert isinstance(generate_module.make_sampler(0.7), mtp_sampling.Sampler)
 
 
 def test_a_checkpoint_without_a_head_says_how_to_graft(demo_checkpoint, spy, capsys):
