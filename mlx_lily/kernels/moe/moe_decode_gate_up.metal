@@ -94,13 +94,14 @@ const uint row_base = is_shared ? 0u : expert * uint(I);
 const uint r = block * ROWS_PER_TG + sg;  // this SIMD group's hidden row
 // Row b's 1 + slot for this expert (the shared expert: K + 1), 0 where row b
 // does not use it; uniform across the SIMD group.
+// A SIMD group past the expert's rows (or of an idle entry) has no member:
+// it loads nothing and stores nothing, but runs the loops (no early return
+// before the SIMD sums).
+const bool live = active && r < rows;
 uint member[MAX_BATCH];
 for (uint b = 0; b < uint(MAX_BATCH); ++b) {
   const uint slot_of_b = simd_shuffle(last_slot, b % SIMD_WIDTH);
-  member[b] = (!active || b >= B) ? 0u : (is_shared ? uint(K) + 1u : slot_of_b);
-}
-if (!active || r >= rows) {
-  return;  // the whole SIMD group: no shuffles follow
+  member[b] = (!live || b >= B) ? 0u : (is_shared ? uint(K) + 1u : slot_of_b);
 }
 
 const device uint32_t* gw = is_shared ? sgate_w : gate_w;
@@ -109,7 +110,7 @@ const device T* gb = is_shared ? sgate_b : gate_b;
 const device uint32_t* uw = is_shared ? sup_w : up_w;
 const device T* us = is_shared ? sup_s : up_s;
 const device T* ub = is_shared ? sup_b : up_b;
-const uint row = row_base + r;
+const uint row = live ? row_base + r : 0u;
 
 // -- this lane's weights: step s + 1's loads are issued before step s's
 // multiplies, so that two steps' words are in flight (scalars, not arrays
@@ -119,7 +120,7 @@ const uint4 no_words = {0u, 0u, 0u, 0u};
 uint4 next_gate = no_words;
 uint4 next_up = no_words;
 float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
-if (lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
+if (live && lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
   next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
   next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
   next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
@@ -142,7 +143,7 @@ for (uint s = 0; s < STEPS; ++s) {
   const uint4 words_up = next_up;
   const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
   const uint k_next = k0 + SPAN;
-  if (s + 1 < STEPS && k_next < uint(D)) {
+  if (live && s + 1 < STEPS && k_next < uint(D)) {
     next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
     next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
     next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
