@@ -24,6 +24,19 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Hello"
 TOKENS = 32
 
 
+def assert_caches_equal(first, second):
+    """Two prompt caches hold the same tokens: KV caches the same keys and
+    values up to their offsets, DeltaNet caches the same states, bit for bit."""
+    assert len(first) == len(second)
+    for a, b in zip(first, second):
+        if isinstance(a, KVCache):
+            assert a.offset == b.offset
+            assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+            assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
+        else:
+            assert all(mx.array_equal(x, y) for x, y in zip(a.cache, b.cache))
+
+
 @pytest.fixture(scope="module")
 def models(demo_checkpoint, tmp_path_factory):
     draft_path = make_checkpoint(tmp_path_factory.mktemp("draft") / "draft", seed=1)
@@ -107,13 +120,7 @@ def test_trim_restores_the_caches_bit_for_bit(models):
 
     alone = run([prompt[:-1], [prompt[-1]], [5], [7]])
     drafted = run([prompt[:-1], [prompt[-1], 5, 7, 9, 11]], trim=2)
-    for a, b in zip(alone, drafted):
-        if isinstance(a, KVCache):
-            assert a.offset == b.offset
-            assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
-            assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :])
-        else:
-            assert all(mx.array_equal(x, y) for x, y in zip(a.cache, b.cache))
+    assert_caches_equal(alone, drafted)
 
 
 def test_trim_into_a_prompt_is_refused(models):
