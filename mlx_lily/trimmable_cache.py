@@ -79,6 +79,15 @@ class TrimmableArraysCache(ArraysCache):
             # kept, so nothing before its end can be restored.
             self._past.clear()
 
+    def push_steps(self, states: List[tuple]) -> None:
+        """Take the states after each of several tokens, in order (lily's
+        verification pass, ``layers/verify_step.py``, computes them): each
+        token's state before it is kept, as ``advance(1)`` keeps it."""
+        for conv, state in states:
+            self._before = None
+            self[0], self[1] = conv, state
+            self.advance(1)
+
     def keeps_steps(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens should run one token at a
         time, leaving a state per token (lily's Gated DeltaNet asks)."""

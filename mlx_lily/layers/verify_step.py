@@ -1,0 +1,263 @@
+"""Speculative verification on the decode kernels: k + 1 positions of one
+stream in one pass, each position given the bits a decode step alone gives it.
+
+A speculative round feeds the model the pending token and k drafts. Lily's
+prompt (several-token) ops would run that call, and their bits differ from
+the one-token decode kernels', so greedy output with drafts could drift from
+greedy output without. Here the P = k + 1 positions run on the decode
+kernels, as P rows of the server's batched ones (docs/serving.md, "Batch
+invariance": a row's result is the same bits alone or in a batch of 1..16):
+
+* every GEMV (projections, router, shared-expert gate) and the MoE chain
+  (``moe_decode``) take the P positions as P rows: each weight is read once
+  for all positions, each row reduced as a one-row decode step reduces it;
+* Gated DeltaNet: the recurrence is sequential, so its decode kernel runs
+  once per position, in order, one row each (P small launches; the state is
+  small), and the state after each position is kept: the rollback of a
+  rejected draft puts one of them back (``TrimmableArraysCache.push_steps``);
+* attention: the P keys and values are written into the stream's KV cache,
+  then position i attends to the cache up to itself with the one-row decode
+  kernel (P launches reading the cache in place, no copy), over the very view
+  a decode step alone would read: the cache's filled rows (the layer's fused
+  step and the compiled segments) or the buffer at the capacity the compiled
+  whole step would hold, bounded by ``length`` (``form="whole"``). The
+  batched attention kernel is not used: its key blocks follow each row's
+  span, the one-row kernel's follow the view, so at long contexts their bits
+  differ.
+
+``verify_form`` says whether (and in which form) the pass takes a call:
+lily's kernels on, every layer on its fused decode path, one stream's
+KVCaches and Gated DeltaNet caches. Elsewhere (the reference path, a sharded
+model, other caches) the caller runs the model's own call, as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .. import kernels as K
+from ..toolchain.registry import kernel_backend
+from ..trimmable_cache import LILY_ARRAYS_CACHES
+from .batch_step import MAX_BATCH
+from .decoder import LilyDecoderLayer, _triple, compile_enabled, compiled_step
+from .sharded import group_of
+from .stock_gate import record
+
+
+class _Rows:
+    """Stands in for a hidden state's shape in the layers' checks."""
+
+    def __init__(self, rows: int, tokens: int):
+        self.shape = (rows, tokens)
+
+
+def verify_form(text_model: Any, cache: List[Any], positions: int) -> Optional[str]:
+    """"whole" or "view" (which attention view a decode step alone would
+    read: the compiled whole step's, or the filled rows') where the
+    verification pass takes ``positions`` positions on these caches, else
+    None (the caller runs the model's own call)."""
+    if not 1 <= positions <= MAX_BATCH or kernel_backend()[0] is None:
+        return None
+    layers = getattr(text_model, "layers", None)
+    if layers is None or getattr(text_model, "pipeline_size", 1) != 1 or len(cache) != len(layers):
+        return None
+    one = _Rows(1, 1)
+    for layer, c in zip(layers, cache):
+        if type(layer) is not LilyDecoderLayer:
+            return None
+        if layer.is_linear:
+            if not (type(c) in LILY_ARRAYS_CACHES and c.left_padding is None and c.lengths is None
+                    and c[0] is not None and c[1] is not None and layer.linear_attn.sharding_group is None):
+                return None
+        elif not (type(c) is KVCache and c.keys is not None and group_of(layer.self_attn) is None):
+            return None
+        # The fused decode step takes this layer's one-token call (its parts
+        # fit, it has not failed), so a decode step alone runs these kernels.
+        if not layer._takes_decode(one, None, c) or layer.mlp.sharding_group is not None:
+            return None
+    if compile_enabled() and text_model.__dict__.get("_lily_whole_ok") is not False \
+            and text_model._whole_takes(cache, None, None):
+        return "whole"
+    return "view"
+
+
+def verify(text_model: Any, tokens: mx.array, cache: List[Any], form: Optional[str] = None) -> Optional[mx.array]:
+    """The final (normed) hidden states [P, 1, D] of ``tokens`` [P] fed after
+    ``cache``'s tokens, each row the bits of a decode step alone; the caches
+    advance by P (KV caches by their offsets; each Gated DeltaNet cache holds
+    the state after the last position and, where it keeps steps, the state
+    before each). None, with nothing done, where the pass does not take the
+    call (``verify_form``)."""
+    P = int(tokens.size)
+    form = form or verify_form(text_model, cache, P)
+    if form is None:
+        return None
+    layers = text_model.layers
+    attn = [i for i, layer in enumerate(layers) if not layer.is_linear]
+    shape = _Rows(P, 1)
+    if text_model.ssm_idx is not None:
+        record("Gated DeltaNet", "lily verify pass", shape, None, cache[text_model.ssm_idx])
+    if attn:
+        record("full attention", "lily verify pass", shape, None, cache[attn[0]])
+    record("MoE", "lily verify pass", shape, None, None)
+    offset = cache[attn[0]].offset if attn else 0
+    if any(cache[i].offset != offset for i in attn):
+        return None
+    spans = _spans(text_model, cache, attn, offset, P, form)
+    args = [tokens.reshape(P, 1).astype(mx.uint32)]
+    for layer, c in zip(layers, cache):
+        args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
+    args.append(mx.array([offset], dtype=mx.int32))
+    step = _step(text_model, P, tuple(spans), form)
+    outputs = step(*args)
+    del args
+    at = 0
+    for layer, c in zip(layers, cache):
+        if layer.is_linear:
+            convs, states = outputs[at:at + P], outputs[at + P:at + 2 * P]
+            at += 2 * P
+            if hasattr(c, "push_steps"):
+                c.push_steps(list(zip(convs, states)))
+            else:
+                c[0], c[1] = convs[-1], states[-1]
+                c.advance(1)
+        else:
+            c.keys, c.values = outputs[at], outputs[at + 1]
+            c.offset += P
+            at += 2
+    return outputs[-1]
+
+
+def _spans(text_model: Any, cache: List[Any], attn: List[int], offset: int, P: int, form: str) -> List[int]:
+    """Per position, the rows of the KV view its attention reads: the filled
+    rows ("view"), or the capacity the compiled whole step would hold then
+    ("whole"; every buffer is first given room for all P rows)."""
+    if form == "view":
+        for i in attn:
+            _room(cache[i], offset + P)
+        return [offset + i + 1 for i in range(P)]
+    from .text_model import reserve_rows, whole_capacity
+
+    # The whole step grows its buffers to whole_capacity(max(rows, capacity))
+    # as tokens come; a rejected draft may have grown this buffer past what
+    # the stream's kept tokens needed, so the capacity the stream had before
+    # its first verified token stands for the history.
+    base = text_model.__dict__.get("_lily_verify_base")
+    first = cache[attn[0]]
+    if base is None or base[0] is not first or base[1] > offset:
+        base = (first, offset, first.keys.shape[2])
+        text_model.__dict__["_lily_verify_base"] = base
+    for i in attn:
+        reserve_rows(cache[i], offset + P)
+    return [whole_capacity(max(offset + i + 1, base[2])) for i in range(P)]
+
+
+def _room(cache: KVCache, rows: int) -> None:
+    """Room for ``rows`` rows in a KVCache's buffers, in stock's steps (the
+    attention reads the filled rows in place, whatever the capacity)."""
+    capacity = cache.keys.shape[2]
+    if rows <= capacity:
+        return
+    grow = -(-(rows - capacity) // cache.step) * cache.step
+
+    def grown(a: mx.array) -> mx.array:
+        B, H, _, D = a.shape
+        return mx.concatenate([a, mx.zeros((B, H, grow, D), dtype=a.dtype)], axis=2)
+
+    cache.keys, cache.values = grown(cache.keys), grown(cache.values)
+
+
+def _step(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
+    """The pass for P positions and these views: compiled per weights'
+    version in the whole step's form where compilation is on (its views are
+    fixed until a capacity step); as plain ops otherwise (the filled rows'
+    views change every round)."""
+    if form != "whole" or not compile_enabled():
+        return verify_fn(text_model, P, spans, form)
+    version = text_model._weights_version()
+    store = text_model.__dict__.setdefault("_lily_verify", {})
+    return compiled_step(store, (P, spans, form), version, lambda: verify_fn(text_model, P, spans, form))
+
+
+def write_rows(buffer: mx.array, rows: mx.array, position: mx.array) -> mx.array:
+    """``buffer`` [1, H, capacity, D] with ``rows`` [1, H, P, D] at sequence
+    indices position .. position + P - 1 (``position`` an int32 array [1])."""
+    P = rows.shape[2]
+    index = (position + mx.arange(P, dtype=mx.int32)).reshape(1, 1, P, 1)
+    return mx.put_along_axis(buffer, mx.broadcast_to(index, rows.shape), rows, axis=2)
+
+
+def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
+    """(tokens [P, 1], each layer's two states or KV buffers, the stream's
+    offset [1]) -> (per DeltaNet layer: P conv states, then P recurrent
+    states, each after its position; per attention layer: the KV buffers with
+    the P rows written; the final norm's output [P, 1, D])."""
+    layers = text_model.layers
+
+    def step(tokens, *rest):
+        position = rest[-1]
+        h = text_model.embed_tokens(tokens)
+        outputs = []
+        for i, layer in enumerate(layers):
+            if layer.is_linear:
+                h, convs, states = _linear_rows(layer, h, rest[2 * i], rest[2 * i + 1])
+                outputs += convs + states
+            else:
+                h, keys, values = _attention_rows(layer, h, rest[2 * i], rest[2 * i + 1], position, spans, form)
+                outputs += [keys, values]
+        return (*outputs, text_model.norm(h))
+
+    return step
+
+
+def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array):
+    """``LilyDecoderLayer._linear_step`` for P positions [P, 1, D] of one
+    stream: the GEMVs and the MoE chain on P rows, the DeltaNet decode kernel
+    once per position, in order."""
+    la, norm = layer.linear_attn, layer.input_layernorm
+    qkv, z, b, a = K.quantized_matvec(
+        x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
+        norm.weight, norm.eps,
+    )
+    P = x.shape[0]
+    z = z.reshape(P, 1, la.num_v_heads, la.head_v_dim)
+    ys, convs, states = [], [], []
+    for p in range(P):
+        y, conv_state, state = K.gated_delta_decode(
+            qkv[p:p + 1], z[p:p + 1], a[p:p + 1], b[p:p + 1], conv_state, la.conv1d.weight, la.A_log,
+            la.dt_bias, state, la.norm.weight, la.norm.eps, la.num_k_heads,
+        )
+        ys.append(y)
+        convs.append(conv_state)
+        states.append(state)
+    y = mx.concatenate(ys, axis=0)
+    (h,) = K.quantized_matvec(y.reshape(P, 1, -1), (_triple(la.out_proj),), residual=x)
+    return layer._moe_step(h), convs, states
+
+
+def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,
+                    spans: tuple, form: str):
+    """The attention layer for P positions [P, 1, D] of one stream: the
+    q/k/v GEMVs, RoPE (each row at its own position), the output projection
+    and the MoE chain on P rows; the P keys/values written at the stream's
+    offset; position i's attention by the one-row decode kernel over the
+    view a decode step alone reads at that position (``spans[i]`` rows)."""
+    P = x.shape[0]
+    rows = position + mx.arange(P, dtype=mx.int32)
+    queries, keys, values, gate = layer._attention_in(x, rows)
+    # [P, Hkv, 1, D] -> the stream's [1, Hkv, P, D]
+    keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position)
+    values_cache = write_rows(values_cache, values.transpose(2, 1, 0, 3), position)
+    scale = layer.self_attn.scale
+    outs = []
+    for i in range(P):
+        k, v = keys_cache[..., : spans[i], :], values_cache[..., : spans[i], :]
+        if form == "whole":
+            outs.append(K.attention(queries[i:i + 1], k, v, scale, None, length=position + (i + 1)))
+        else:
+            outs.append(K.attention(queries[i:i + 1], k, v, scale, None))
+    out = mx.concatenate(outs, axis=0)
+    return layer._attention_out(out, gate, x), keys_cache, values_cache
