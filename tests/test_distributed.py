@@ -56,6 +56,10 @@ def test_tensor_parallel_lily_gives_stocks_text(demo_checkpoint):
         assert _kinds(r, "lily") == KINDS
         assert {p["layer"] for p in r["paths"] if p["step"] == "decode" and p["batch"] == 1
                 and p["path"] in ("lily decode segments", "lily whole decode step", "lily fused decode")} == KINDS
+        # The MoE decode inside them: the fused chain without the residual,
+        # all_sum, then the residual (not lily's unfused MoE ops).
+        assert {"layer": "MoE", "path": sharded.SHARDED_MOE_DECODE, "batch": 1, "step": "decode", "mask": "none",
+                "cache": "none"} in r["paths"], f"rank {r['rank']}"
 
 
 def test_pipeline_lily_gives_stocks_text(demo_checkpoint):

@@ -223,6 +223,9 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
             mx.zeros((1, k + 1, max(I, IS)), dt), inds, mx.zeros((1, k), dt), mx.zeros((1, 1, 1), dt), glu, shared)
         units[f"combine_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
             h, mx.zeros((1, k + 1, D), dt))
+        # The no-residual form (a tensor-parallel rank's partial sum).
+        units[f"combine_partial_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
+            h, mx.zeros((1, k + 1, D), dt), False)
     for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
         # Top-k ranks, activations and accumulators stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name

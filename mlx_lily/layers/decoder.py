@@ -20,7 +20,6 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
@@ -29,7 +28,7 @@ from ..toolchain.registry import kernel_backend
 from ..trimmable_cache import LILY_ARRAYS_CACHES
 from .attention import attention_heads
 from .decode_tiers import LAYER_TIERS, Declined, DecodeCall, decode, kv_position
-from .sharded import QUANTIZED_LINEARS, all_sum, group_of
+from .sharded import QUANTIZED_LINEARS, SHARDED_MOE_DECODE, all_sum, group_of
 from .stock_gate import record, why_stock
 
 COMPILE_ENV = "MLX_LILY_COMPILE_DECODE"
@@ -271,9 +270,6 @@ class LilyDecoderLayer(DecoderLayer):
             projections = (mixer.in_proj_qkv, mixer.in_proj_z, mixer.in_proj_b, mixer.in_proj_a, mixer.out_proj)
         else:
             projections = (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj)
-        if mlp.sharding_group is not None:  # the sharded MoE step reads the shared expert's GEMVs itself
-            se = mlp.shared_expert
-            projections += (se.gate_proj, se.up_proj, se.down_proj)
         return _plain_quantized(*projections, mlp.gate, mlp.shared_expert_gate)
 
     # -- the fused step ----------------------------------------------------------
@@ -346,17 +342,14 @@ class LilyDecoderLayer(DecoderLayer):
         return self._moe_step(h), conv_state, state
 
     def _sharded_moe_step(self, h: mx.array, logits: mx.array, shared_logit: mx.array) -> mx.array:
-        """The MoE chain of a rank's slice (sharded.py): ``moe_decode`` ends
-        in the residual, so the rank's partial sum comes from lily's unfused
-        MoE ops; summed across the group, then the residual, as stock."""
+        """The MoE chain of a rank's slice (sharded.py): ``moe_decode``
+        without the residual gives the rank's partial sum; summed across the
+        group, then the residual, as stock."""
         mlp, norm = self.mlp, self.post_attention_layernorm
-        xn = norm(h)
-        inds, scores = K.router_topk(logits, mlp.top_k, mlp.norm_topk_prob)
-        y = K.moe_experts(xn, inds, mlp.switch_mlp)
-        se = mlp.shared_expert
-        gate, up = K.quantized_matvec(xn, (_triple(se.gate_proj), _triple(se.up_proj)))
-        (shared,) = K.quantized_matvec(swiglu(gate, up), (_triple(se.down_proj),))
-        return h + all_sum(K.moe_combine(y, scores, shared, shared_logit), mlp.sharding_group)
+        record("MoE", SHARDED_MOE_DECODE, h)
+        partial = K.moe_decode(h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
+                               mlp.switch_mlp, mlp.shared_expert, residual=False)
+        return h + all_sum(partial, mlp.sharding_group)
 
     def _attention_in(self, x: mx.array, position: mx.array):
         """Norm + q/k/v GEMV, q/k norm + RoPE at ``position`` (an array, so a

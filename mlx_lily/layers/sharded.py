@@ -26,10 +26,10 @@ Lily mirrors that: each op runs on the rank's slice (its head counts, its
 hidden rows), and the partial sums are summed across the group exactly
 where stock sums them, then the residual is added, as stock adds it. The
 fused decode step and the compiled segments / whole step keep the
-``all_sum`` inside their compiled graphs (MLX compiles collectives). The
-fused MoE decode chain (``moe_decode``) ends in the residual, so a sharded
-layer's MoE runs lily's unfused MoE ops (router, experts, combine) up to
-the sum instead. ``MLX_LILY_SHARDED=0`` gives sharded layers stock's code
+``all_sum`` inside their compiled graphs (MLX compiles collectives). A
+sharded layer's MoE decode runs the fused chain (``moe_decode``) in its
+no-residual form (``residual=False``: the rank's partial MoE output), then
+the ``all_sum``, then the residual. ``MLX_LILY_SHARDED=0`` gives sharded layers stock's code
 (one notice per kind of layer). Details: docs/distributed.md.
 """
 
@@ -45,6 +45,9 @@ from mlx.nn.layers.distributed import (
 )
 
 SHARDED_ENV = "MLX_LILY_SHARDED"
+# call_trace's path for a sharded layer's MoE decode: moe_decode without the
+# residual, all_sum, then the residual.
+SHARDED_MOE_DECODE = "lily moe_decode (no residual), all_sum, residual"
 
 # Quantized linears whose (weight, scales, biases) lily's GEMV reads as the
 # rank's slice: a sharded-to-all one yields the rank's partial sum.
@@ -143,7 +146,7 @@ def rank_paths(model: Any) -> list:
                 if group_of(module) is not None:
                     path += ", all_sum where stock sums"
                     if kind == "MoE":
-                        path += " (decode: lily's unfused MoE ops up to it)"
+                        path += " (decode: moe_decode without the residual up to it)"
             kinds.setdefault(kind, set()).add(path)
     for kind, paths in kinds.items():
         lines.append(f"  {kind}: {'; '.join(sorted(paths))}")

@@ -11,7 +11,9 @@ and entry: the shared expert, and each distinct expert of the rows' picks,
 found from the picks by its first occurrence; each selected expert's
 weights, and the shared expert's, read once for every row that uses them),
 and ``moe_decode_combine`` (per row its slots in its own order, the shared
-term and the residual). Batch invariant: each row's result is the same bits
+term and the residual; with ``residual=False``, a tensor-parallel rank's
+partial sum, not the residual: ``h + out(residual=False)`` is
+``out(residual=True)`` to the bit). Batch invariant: each row's result is the same bits
 whatever B is and whatever the other rows hold (the bodies' comments say
 why). The reference is stock's op sequence, to the bit.
 
@@ -67,14 +69,18 @@ STOCK_TOLERANCE = 6e-2
 
 
 def moe_decode_reference(
-    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
+    *, residual=True,
 ):
-    """h [B, 1, D] -> h + moe(rms_norm(h)) [B, 1, D], stock's ops in stock's order."""
+    """h [B, 1, D] -> h + moe(rms_norm(h)) [B, 1, D], stock's ops in stock's
+    order; ``residual=False``: moe(rms_norm(h)) alone (a tensor-parallel
+    rank's partial sum, which stock sums across ranks before adding h)."""
     xn = mx.fast.rms_norm(h, norm_weight, eps)
     inds, scores = router_topk_reference(router_logits, top_k, norm_topk_prob)
     y = switch_mlp(xn, inds)
     shared = shared_expert(xn)
-    return h + moe_combine_reference(y, scores, shared, shared_gate_logit)
+    moe = moe_combine_reference(y, scores, shared, shared_gate_logit)
+    return h + moe if residual else moe
 
 
 def _linear_as_kernel_takes(layer, dtype=mx.bfloat16) -> Optional[str]:
@@ -87,7 +93,8 @@ def _dims(layer) -> tuple[int, int]:
 
 
 def moe_decode_supports(
-    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
+    *, residual=True,
 ) -> Optional[str]:
     """None when the kernels take this call, else why not."""
     if h.ndim != 3 or h.shape[1] != 1:
@@ -217,7 +224,7 @@ def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert
     )
 
 
-def _launch_combine(h, terms) -> Launch:
+def _launch_combine(h, terms, residual=True) -> Launch:
     B, k1, D = terms.shape
     return Launch(
         inputs=[h, terms],
@@ -225,7 +232,7 @@ def _launch_combine(h, terms) -> Launch:
         threadgroup=(COMBINE_THREADS, 1, 1),
         output_shapes=[(B, 1, D)],
         output_dtypes=[h.dtype],
-        template=[("T", h.dtype), ("K", k1 - 1), ("D", D)],
+        template=[("T", h.dtype), ("K", k1 - 1), ("D", D), ("RESIDUAL", bool(residual))],
         finish=lambda outputs: outputs[0],
     )
 
@@ -271,15 +278,17 @@ moe_decode_combine_kernel = Kernel(
 
 
 def run_moe_decode(
-    backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
+    *, residual=True,
 ):
-    """The kernel path on ``backend``: four launches (route, gate/up, down, combine)."""
+    """The kernel path on ``backend``: four launches (route, gate/up, down,
+    combine; the combine adds h unless ``residual=False``)."""
     xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, router_logits, norm_weight, eps, top_k,
                                                       norm_topk_prob)
     act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
     terms = moe_decode_down_kernel.run_on(backend, act, inds, scores, shared_gate_logit, switch_mlp,
                                           shared_expert)
-    return moe_decode_combine_kernel.run_on(backend, h, terms)
+    return moe_decode_combine_kernel.run_on(backend, h, terms, residual)
 
 # -- the contract ----------------------------------------------------------------
 
@@ -295,24 +304,26 @@ def _dequantized(weight, scales, biases) -> mx.array:
 
 
 def moe_decode_precise(
-    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert
+    h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
+    *, residual=True,
 ):
     """(out [B, 1, D] in h's dtype, magnitudes [B * D] fp32): stock's math with
     fp32 accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
     and stock's bf16 roundings, row by row; magnitudes is what the tolerance
-    scales with (module docstring). Dequantizes each row's k experts only."""
+    scales with (module docstring). Dequantizes each row's k experts only.
+    ``residual=False``: the MoE output without h (nor |h| in the magnitudes)."""
     B = h.shape[0]
     outs, magnitudes = [], []
     for b in range(B):
         out, magnitude = _precise_row(h[b:b + 1], router_logits[b:b + 1], shared_gate_logit[b:b + 1], norm_weight,
-                                      eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
+                                      eps, top_k, norm_topk_prob, switch_mlp, shared_expert, residual)
         outs.append(out)
         magnitudes.append(magnitude)
     return mx.concatenate(outs, axis=0), mx.concatenate(magnitudes, axis=0)
 
 
 def _precise_row(h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp,
-                 shared_expert):
+                 shared_expert, residual=True):
     """``moe_decode_precise`` of one row: h [1, 1, D]."""
     D = h.shape[-1]
     k = int(top_k)
@@ -334,7 +345,7 @@ def _precise_row(h, router_logits, shared_gate_logit, norm_weight, eps, top_k, n
         return rounded(rounded(g * sig) * u)
 
     routed = mx.zeros((D,), mx.float32)
-    magnitude = mx.abs(hf)
+    magnitude = mx.abs(hf) if residual else mx.zeros((D,), mx.float32)
     for j, e in enumerate(order[0].tolist()):
         a = activations(*([p[e] for p in part] for part in (gate, up)))
         wd = _dequantized(*(p[e] for p in down))
@@ -346,7 +357,8 @@ def _precise_row(h, router_logits, shared_gate_logit, norm_weight, eps, top_k, n
     open_ = rounded(mx.sigmoid(shared_gate_logit.reshape(1).astype(mx.float32)))
     gated = rounded(open_ * rounded(wsd @ a_s))
     magnitude = magnitude + open_ * (mx.abs(wsd) @ mx.abs(a_s))
-    out = rounded(hf + rounded(rounded(routed) + gated))
+    moe = rounded(rounded(routed) + gated)
+    out = rounded(hf + moe) if residual else moe
     return out.astype(h.dtype).reshape(1, 1, D), magnitude
 
 
@@ -394,7 +406,8 @@ def _sample():
 def _fuzz(rng):
     """A random decode call: 1 to 4 rows (now and then MAX_BATCH), D, E, k, I
     and the shared I, renormalised or not, logits rows with ties, -inf and
-    NaN among the plain ones, bf16 or fp16."""
+    NaN among the plain ones, bf16 or fp16, with the residual or (a quarter
+    of calls) without."""
     from .testing import moe_decode_inputs
 
     rows = int(rng.choice([1, 1, 2, 3, 4, MAX_BATCH]))
@@ -413,8 +426,11 @@ def _fuzz(rng):
         elif kind == "nan":
             row[int(rng.integers(E))] = np.nan
     dtype = ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))]
-    return moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
-                             dtype=dtype, rows=rows)
+    args, kwargs = moe_decode_inputs(D, E, k, I, IS, normalize=bool(rng.random() < 0.6), rng=rng, logits=logits,
+                                     dtype=dtype, rows=rows)
+    if rng.random() < 0.25:  # a tensor-parallel rank's form: no residual
+        kwargs = {**kwargs, "residual": False}
+    return args, kwargs
 
 
 # The four kernels as one KernelLike, self-checked together once per backend
