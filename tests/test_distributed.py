@@ -53,7 +53,11 @@ def test_tensor_parallel_lily_gives_stocks_text(demo_checkpoint):
         assert r["split"]["tensor"] == 2 and r["split"]["pipeline"] == 1
         # Prompts on lily's layers, decode tokens in the compiled segments
         # (with their all_sums inside), every kind of layer on each rank.
-        assert _kinds(r, "lily") == KINDS
+        assert _kinds(r, "lily") - {"head"} == KINDS
+        # The server's decode (batch caches): the head's vocabulary slice on
+        # lily's GEMV, gathered as stock gathers it.
+        assert {p["batch"] for p in r["paths"] if p["layer"] == "head" and p["path"] == sharded.SHARDED_HEAD
+                and p["step"] == "decode"} == {2}, f"rank {r['rank']}"
         assert {p["layer"] for p in r["paths"] if p["step"] == "decode" and p["batch"] == 1
                 and p["path"] in ("lily decode segments", "lily whole decode step", "lily fused decode")} == KINDS
         # The MoE decode inside them: the fused chain without the residual,

@@ -5,9 +5,12 @@ MLX runs with a kernel it picks by the number of rows; the choice can change
 a row's bits with the batch size. For a decode token on the server's batch
 caches (1 to 16 rows) lily runs the head on its quantized GEMV instead, which
 reduces every row in the same order whatever the batch: with the batched
-decode step, a stream's logits are the same alone or in a batch. Everything
-else (prompts, ``mlx_lm.generate``'s caches, tied embeddings, a sharded
-head) is stock's code.
+decode step, a stream's logits are the same alone or in a batch. A head
+sharded by mlx-lm's ``shard()`` (a ``QuantizedAllToShardedLinear``: the
+rank's slice of the vocabulary) runs the same GEMV on the slice, then
+stock's ``gather_last_axis`` (sharded.py). Everything else (prompts,
+``mlx_lm.generate``'s caches, tied embeddings, ``MLX_LILY_SHARDED=0``) is
+stock's code.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import QuantizedAllToShardedLinear
 from mlx_lm.models.qwen3_5 import TextModel, gather_last_axis
 
 from .. import kernels as K
 from .batch_step import MAX_BATCH, batch_rows
+from .sharded import SHARDED_HEAD, sharded_enabled
+from .stock_gate import record
 
 
-def _plain_head(head: Any) -> bool:
-    return isinstance(head, nn.QuantizedLinear) and "bias" not in head and getattr(head, "mode", "affine") == "affine"
+def _plain_head(head: Any, sharded: bool) -> bool:
+    """A quantized head without a bias: whole, or (``sharded``) the rank's
+    slice of the vocabulary."""
+    kind = QuantizedAllToShardedLinear if sharded else nn.QuantizedLinear
+    return isinstance(head, kind) and "bias" not in head and getattr(head, "mode", "affine") == "affine"
 
 
 class LilyLanguageModel(TextModel):
@@ -36,6 +45,9 @@ class LilyLanguageModel(TextModel):
         if self._lily_head_takes(out, cache):
             head = self.lm_head
             (logits,) = K.quantized_matvec(out, ((head.weight, head.scales, head.biases),))
+            if self.sharding_group is not None:  # the rank's vocabulary slice: gathered as stock
+                record("head", SHARDED_HEAD, out)
+                logits = gather_last_axis(logits, self.sharding_group)
             return logits
         # Stock's head.
         if self.args.tie_word_embeddings:
@@ -46,8 +58,9 @@ class LilyLanguageModel(TextModel):
         return out
 
     def _lily_head_takes(self, out: mx.array, cache: Any) -> bool:
-        if self.args.tie_word_embeddings or self.sharding_group is not None or cache is None:
+        sharded = self.sharding_group is not None
+        if self.args.tie_word_embeddings or (sharded and not sharded_enabled()) or cache is None:
             return False
         if out.ndim != 3 or out.shape[1] != 1 or not 1 <= out.shape[0] <= MAX_BATCH:
             return False
-        return batch_rows(cache) == out.shape[0] and _plain_head(self.lm_head)
+        return batch_rows(cache) == out.shape[0] and _plain_head(self.lm_head, sharded)

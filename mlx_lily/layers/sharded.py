@@ -21,6 +21,8 @@ subclasses stay in place); per layer:
   stock's call ends in ``all_sum`` of (routed + gated shared).
 * Dense MLP (no ``num_experts``): gate/up ``QuantizedAllToShardedLinear``,
   down ``QuantizedShardedToAllLinear`` (its call sums).
+* Head (untied): ``lm_head`` a ``QuantizedAllToShardedLinear`` (1/N of the
+  vocabulary), the logits gathered along the last axis (``all_gather``).
 
 Lily mirrors that: each op runs on the rank's slice (its head counts, its
 hidden rows), and the partial sums are summed across the group exactly
@@ -48,6 +50,9 @@ SHARDED_ENV = "MLX_LILY_SHARDED"
 # call_trace's path for a sharded layer's MoE decode: moe_decode without the
 # residual, all_sum, then the residual.
 SHARDED_MOE_DECODE = "lily moe_decode (no residual), all_sum, residual"
+# call_trace's path for a sharded head on lily's GEMV (language_model.py):
+# the rank's vocabulary slice, then stock's gather of the last axis.
+SHARDED_HEAD = "lily GEMV of the vocabulary slice, all_gather"
 
 # Quantized linears whose (weight, scales, biases) lily's GEMV reads as the
 # rank's slice: a sharded-to-all one yields the rank's partial sum.
@@ -150,6 +155,8 @@ def rank_paths(model: Any) -> list:
             kinds.setdefault(kind, set()).add(path)
     for kind, paths in kinds.items():
         lines.append(f"  {kind}: {'; '.join(sorted(paths))}")
+    if getattr(text, "sharding_group", None) is not None:
+        lines.append("  head: the rank's vocabulary slice, all_gather; server decode on lily's GEMV")
     if split["pipeline"] > 1:
         lines.append("  decode: each layer's compiled fused step (the stack's compiled segments "
                      "and whole step run unpipelined models only)")
