@@ -11,9 +11,12 @@ of drafts the model agrees with is kept, plus the model's own next token:
             emit d_1..d_n, t_n; the model's caches go back k - n tokens
 
 The model's Gated DeltaNet caches are ``TrimmableArraysCache``s for the loop
-(``mlx_lily.trimmable_cache``): the verify call runs them a token at a time,
-each as a decode step alone, so a rejection puts back the state of the last
-kept token without recomputing it, and the KV caches move their offsets back.
+(``mlx_lily.trimmable_cache``): the verify call leaves the state after each
+position, so a rejection puts back the state of the last kept token without
+recomputing it, and the KV caches move their offsets back. On lily's kernels
+the verify call is ``layers/verify_step.py``'s pass (every position the bits
+of a decode step alone, each weight read once); elsewhere the model's own
+call, whose DeltaNet layers run such a cache a token at a time.
 
 The head keeps its own KV cache, one entry per position of the model's
 verified tokens: position t holds (h_t, x_{t+1}), h_t the model's final
@@ -25,7 +28,8 @@ Greedy (no sampler, or mlx-lm's greedy one): the emitted tokens are the
 model's greedy tokens (the argmax at every position), so the output is
 ``mlx_lm.generate_step``'s greedy output token for token, where the model's
 verify call gives each position the bits a decode step alone gives it
-(lily's reference path does; see docs/speculative.md for kernels). With a
+(the verification pass on the kernels, and lily's reference path; see
+docs/speculative.md). With a
 sampler: rejection sampling (``mlx_lily.mtp_sampling``), so each token is
 distributed as ``generate_step``'s with that sampler.
 
@@ -68,6 +72,21 @@ def _head_logits(model: Any, hidden: mx.array, cache: Any = None) -> mx.array:
 def _hidden(model: Any, tokens: mx.array, cache: List[Any]) -> mx.array:
     """The model's final (normed) hidden states for ``tokens`` [S]."""
     return model.language_model.model(tokens[None], cache=cache)
+
+
+def _verify(model: Any, ys: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.array]:
+    """The model over a round's k + 1 positions: (final hidden states [1, k +
+    1, D], logits [k + 1, V]). On lily's decode kernels where every layer
+    takes them (``layers/verify_step.py``): each position the bits of a
+    decode step alone, its head's row as a decode step's [1, 1, D] call;
+    elsewhere the model's own call of k + 1 tokens."""
+    from .layers.verify_step import verify
+
+    out = verify(model.language_model.model, ys, cache)  # [k + 1, 1, D]
+    if out is None:
+        out = _hidden(model, ys, cache)
+        return out, _head_logits(model, out)[0]
+    return out.reshape(1, ys.size, -1), _head_logits(model, out)[:, 0]
 
 
 def mtp_generate_step(
@@ -191,8 +210,8 @@ def mtp_generate_step(
             if draft_hook is not None:
                 drafts, q = mx.array(draft_hook(ntoks, drafts.tolist()), dtype=mx.uint32), None
             ys = mx.concatenate([x[None], drafts])
-            out = _hidden(model, ys, cache)  # [1, k + 1, D]
-            logprobs = process(_head_logits(model, out)[0], ys)
+            out, logits = _verify(model, ys, cache)  # [1, k + 1, D], [k + 1, V]
+            logprobs = process(logits, ys)
             mx.eval(logprobs, drafts)
             n, last = accept(logprobs, drafts, q)
             emitted = drafts.tolist()[:n] + [last]

@@ -17,7 +17,10 @@ Gated DeltaNet layer runs such a call one token at a time when its cache
 ``keeps_steps`` (up to ``depth + 1`` tokens; longer calls, prompts, are run
 whole and cannot be trimmed into). Each token then runs as it does in a
 decode step alone, so a trimmed cache is the cache a run that never drafted
-would hold.
+would hold. On lily's kernels the verify call is instead lily's verification
+pass (``layers/verify_step.py``: each position on the decode kernels, the
+states after each handed over by ``push_steps``); the wrapper below gives
+mlx-lm's loop lily's model as a ``VerifyingModel`` for that.
 
 It costs only where it is installed: ``install()`` (called by
 ``mlx_lily.enable()``) wraps mlx-lm's speculative loop so that, for lily's
@@ -176,6 +179,12 @@ def speculative_generate_step(prompt, model, draft_model, *args, prompt_cache=No
         if is_lily:
             make_trimmable(part, depth)
     prompt_cache[:] = parts[0] + parts[1]  # in place: the caller's list is the loop's
+    if lily[0]:
+        # The verify calls on the decode kernels where they take them
+        # (layers/verify_step.py): each position the bits of a decode step.
+        from .layers.verify_step import VerifyingModel
+
+        model = VerifyingModel(model, prompt.size - 1)
     try:
         yield from _stock_speculative(prompt, model, draft_model, *args, prompt_cache=prompt_cache, **kwargs)
     finally:

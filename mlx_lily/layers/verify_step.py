@@ -97,15 +97,15 @@ def verify(text_model: Any, tokens: mx.array, cache: List[Any], form: Optional[s
         return None
     layers = text_model.layers
     attn = [i for i, layer in enumerate(layers) if not layer.is_linear]
+    offset = cache[attn[0]].offset if attn else 0
+    if any(cache[i].offset != offset for i in attn):
+        return None
     shape = _Rows(P, 1)
     if text_model.ssm_idx is not None:
         record("Gated DeltaNet", "lily verify pass", shape, None, cache[text_model.ssm_idx])
     if attn:
         record("full attention", "lily verify pass", shape, None, cache[attn[0]])
     record("MoE", "lily verify pass", shape, None, None)
-    offset = cache[attn[0]].offset if attn else 0
-    if any(cache[i].offset != offset for i in attn):
-        return None
     spans = _spans(text_model, cache, attn, offset, P, form)
     args = [tokens.reshape(P, 1).astype(mx.uint32)]
     for layer, c in zip(layers, cache):
@@ -145,14 +145,14 @@ def _spans(text_model: Any, cache: List[Any], attn: List[int], offset: int, P: i
     # as tokens come; a rejected draft may have grown this buffer past what
     # the stream's kept tokens needed, so the capacity the stream had before
     # its first verified token stands for the history.
-    base = text_model.__dict__.get("_lily_verify_base")
+    # (Kept on the stream's first KV cache: (offset, capacity) then.)
     first = cache[attn[0]]
-    if base is None or base[0] is not first or base[1] > offset:
-        base = (first, offset, first.keys.shape[2])
-        text_model.__dict__["_lily_verify_base"] = base
+    base = getattr(first, "_lily_verify_base", None)
+    if base is None or base[0] > offset:
+        base = first._lily_verify_base = (offset, first.keys.shape[2])
     for i in attn:
         reserve_rows(cache[i], offset + P)
-    return [whole_capacity(max(offset + i + 1, base[2])) for i in range(P)]
+    return [whole_capacity(max(offset + i + 1, base[1])) for i in range(P)]
 
 
 def _room(cache: KVCache, rows: int) -> None:
@@ -261,3 +261,27 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
             outs.append(K.attention(queries[i:i + 1], k, v, scale, None))
     out = mx.concatenate(outs, axis=0)
     return layer._attention_out(out, gate, x), keys_cache, values_cache
+
+
+class VerifyingModel:
+    """Lily's model as mlx-lm's speculative loop (``--draft-model``) sees it:
+    its calls after the prompt's first ``prefill`` tokens (the loop's
+    prefill, all but the prompt's last token) run the verification pass
+    where it takes them, their logits each position's as a decode step's;
+    everything else is the model's own."""
+
+    def __init__(self, model: Any, prefill: int):
+        self.__dict__.update(_model=model, _prefill_left=int(prefill))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, inputs: mx.array, cache: Optional[Any] = None, **kwargs: Any) -> mx.array:
+        model = self._model
+        if self._prefill_left > 0 or kwargs or cache is None or inputs.ndim != 2 or inputs.shape[0] != 1:
+            self.__dict__["_prefill_left"] -= inputs.shape[-1]
+            return model(inputs, cache=cache, **kwargs)
+        hidden = verify(model.language_model.model, inputs[0], cache)
+        if hidden is None:
+            return model(inputs, cache=cache)
+        return model.language_model.head(hidden, None).reshape(1, inputs.shape[1], -1)

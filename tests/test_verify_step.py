@@ -1,0 +1,165 @@
+"""The verification pass on the decode kernels (mlx_lily/layers/verify_step.py),
+every kernel on in the CPU emulator: k + 1 positions in one pass give, bit
+for bit, the hidden states, logits and caches of k + 1 decode steps one at a
+time (the layers' fused steps; the whole step's form, run eagerly), so
+speculative greedy output (the MTP loop, --draft-model) is plain greedy
+decoding's token for token, and a rollback leaves the caches of a run that
+never drafted."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import mlx_lily
+from mlx_lily import call_trace
+from mlx_lily.layers import text_model as T
+from mlx_lily.layers import verify_step
+from mlx_lily.mtp_decode import mtp_generate_step
+from mlx_lily.random_checkpoints import make_checkpoint
+from mlx_lily.toolchain.registry import BACKEND_ENV
+from mlx_lily.trimmable_cache import make_trimmable
+
+from test_draft_model import assert_caches_equal
+
+PROMPT = [5, 17, 301, 45, 499, 2, 77]
+DRAFTS = [212, 8, 64, 123]
+TOKENS = 9
+VERIFY = "lily verify pass"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BACKEND_ENV, "emulator")
+        mp.delenv("MLX_LILY_KERNELS", raising=False)
+        path = make_checkpoint(tmp_path_factory.mktemp("verify") / "head", shape="demo", mtp=True)
+        model, _ = mlx_lily.load(str(path))
+        prompt = mx.array(PROMPT)
+        greedy = [int(t) for t, _ in generate_step(prompt, model, max_tokens=TOKENS)]
+        yield dict(model=model, prompt=prompt, greedy=greedy)
+
+
+@pytest.fixture
+def emulated(setup, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+    return setup
+
+
+def _paths(fn):
+    call_trace.start()
+    try:
+        out = fn()
+        return out, {r["path"] for r in call_trace.seen()}
+    finally:
+        call_trace.stop()
+
+
+def _prefilled(model):
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    make_trimmable(cache, depth=len(DRAFTS) + 1)
+    return cache
+
+
+def _compare(model, positions, form):
+    """(one at a time: hidden, logits, cache, paths), (the pass: the same)."""
+    text, language = model.language_model.model, model.language_model
+    tokens = DRAFTS[:positions]
+    alone = _prefilled(model)
+
+    def steps():
+        hidden = [text(mx.array([[t]]), cache=alone) for t in tokens]
+        return hidden, [language.head(h, alone) for h in hidden]
+
+    (hidden, logits), alone_paths = _paths(steps)
+    passed = _prefilled(model)
+    assert verify_step.verify_form(text, passed, positions) == form
+    got, pass_paths = _paths(lambda: verify_step.verify(text, mx.array(tokens), passed))
+    assert pass_paths == {VERIFY}
+    want = mx.concatenate(hidden, axis=0)
+    assert got.shape == want.shape and mx.array_equal(got, want).item()
+    assert mx.array_equal(language.head(got, None), mx.concatenate(logits, axis=0)).item()
+    assert_caches_equal(passed, alone)
+    return alone_paths, passed, alone
+
+
+def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
+    positions = len(DRAFTS)
+    paths, passed, alone = _compare(emulated["model"], positions, "view")
+    assert paths == {"lily fused decode"}
+    # Back one position: the states of the run that fed one token fewer.
+    for c in passed:
+        c.trim(1)
+    shorter = _prefilled(emulated["model"])
+    for t in DRAFTS[: positions - 1]:
+        emulated["model"].language_model.model(mx.array([[t]]), cache=shorter)
+    assert_caches_equal(passed, shorter)
+
+
+def test_the_pass_in_the_whole_steps_form(emulated, monkeypatch):
+    """Where the compiled whole step decodes (run eagerly here), the pass
+    reads the attention's keys at the whole step's capacity, bounded."""
+    monkeypatch.setattr(T, "compile_enabled", lambda: True)
+    monkeypatch.setattr(verify_step, "compile_enabled", lambda: True)
+    monkeypatch.setattr(mx, "compile", lambda fn: fn)
+    model = emulated["model"]
+    model.language_model.model.__dict__.pop("_lily_whole_ok", None)
+    paths, passed, _ = _compare(model, 3, "whole")
+    assert paths == {"lily whole decode step"}
+    assert all(c.keys.shape[2] % T.CAPACITY_STEP == 0 for c in passed if type(c) is KVCache)
+
+
+def _oracle(greedy, k):
+    """Drafts from greedy decoding's continuation, every other round's
+    second (for k = 1: first) draft wrong: accepted and rejected drafts."""
+    rounds = [0]
+
+    def hook(done, drafts):
+        rounds[0] += 1
+        out = [greedy[done + i] if done + i < len(greedy) else 0 for i in range(k)]
+        if rounds[0] % 2 == 0:
+            out[min(1, k - 1)] = (out[min(1, k - 1)] + 1) % 500
+        return out
+
+    return hook
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_is_greedy_decoding_on_the_kernels(emulated, k):
+    """The head's drafts (k = 1), else partly wrong ones; at k = 3 the
+    caches after the rollbacks are those of a run that never drafted."""
+    model, prompt, greedy = emulated["model"], emulated["prompt"], emulated["greedy"]
+    stats, cache = {}, make_prompt_cache(model)
+    out, paths = _paths(lambda: [t for t, _, _ in mtp_generate_step(
+        prompt, model, num_draft_tokens=k, max_tokens=TOKENS, stats=stats, prompt_cache=cache,
+        draft_hook=_oracle(greedy, k) if k > 1 else None)])
+    assert out == greedy
+    assert VERIFY in paths
+    if k == 1:
+        return
+    assert 0 < stats["accepted"] < stats["rounds"] * k
+    if k == 3:
+        plain = make_prompt_cache(model)
+        model(prompt[None, :-1], cache=plain)
+        for t in [int(prompt[-1])] + out[:-1]:
+            model(mx.array([[t]]), cache=plain)
+        mx.eval([c.state for c in plain])
+        assert_caches_equal(cache, plain)
+
+
+def test_draft_model_greedy_is_greedy_decoding_on_the_kernels(emulated):
+    """mlx-lm's speculative loop with the model as its own draft and with
+    the draft's tokens disturbed: the verify calls take the pass."""
+    import importlib
+
+    generate_module = importlib.import_module("mlx_lm.generate")
+    mlx_lily.enable()
+    model, prompt, greedy = emulated["model"], emulated["prompt"], emulated["greedy"]
+    out, paths = _paths(lambda: [int(t) for t, _, _ in generate_module.speculative_generate_step(
+        prompt, model, model, num_draft_tokens=2, max_tokens=TOKENS)])
+    assert out == greedy
+    assert VERIFY in paths
