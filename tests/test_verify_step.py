@@ -58,25 +58,27 @@ def _paths(fn):
         call_trace.stop()
 
 
-def _prefilled(model):
+def _prefilled(model, prompt=PROMPT):
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    mx.eval(model(mx.array([prompt]), cache=cache))
     make_trimmable(cache, depth=len(DRAFTS) + 1)
     return cache
 
 
-def _compare(model, positions, form):
-    """(one at a time: hidden, logits, cache, paths), (the pass: the same)."""
+def _compare(model, positions, form, prompt=PROMPT):
+    """The pass over ``positions`` positions against as many decode steps
+    (hidden states, logits, caches, bit for bit) -> (the decode steps'
+    paths, the pass's caches, the steps' caches)."""
     text, language = model.language_model.model, model.language_model
     tokens = DRAFTS[:positions]
-    alone = _prefilled(model)
+    alone = _prefilled(model, prompt)
 
     def steps():
         hidden = [text(mx.array([[t]]), cache=alone) for t in tokens]
         return hidden, [language.head(h, alone) for h in hidden]
 
     (hidden, logits), alone_paths = _paths(steps)
-    passed = _prefilled(model)
+    passed = _prefilled(model, prompt)
     assert verify_step.verify_form(text, passed, positions) == form
     got, pass_paths = _paths(lambda: verify_step.verify(text, mx.array(tokens), passed))
     assert pass_paths == {VERIFY}
@@ -163,3 +165,27 @@ def test_draft_model_greedy_is_greedy_decoding_on_the_kernels(emulated):
         prompt, model, model, num_draft_tokens=2, max_tokens=TOKENS)])
     assert out == greedy
     assert VERIFY in paths
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_pass_gives_the_compiled_whole_steps_bits(tmp_path, monkeypatch):
+    """On a GPU (compiled steps, the real kernels): the pass against the
+    compiled whole step across a capacity step (the prompt ends 3 rows short
+    of 1024: the attention split, positions on both sides), then greedy
+    output with drafts against greedy decoding. Run with
+    ``python -m pytest tests/test_verify_step.py -m gpu``."""
+    from mlx_lily.toolchain.registry import gpu_backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+    if gpu_backend() is None:
+        pytest.skip("no GPU: the default device is not a Metal or CUDA GPU")
+    model, _ = mlx_lily.load(str(make_checkpoint(tmp_path / "head", shape="demo", mtp=True)))
+    prompt = [(37 * i) % 500 + 1 for i in range(1021)]
+    paths, _, _ = _compare(model, 4, "whole", prompt)
+    assert paths == {"lily whole decode step"}
+    greedy = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=2 * TOKENS)]
+    for k in (1, 3):
+        out = [t for t, _, _ in mtp_generate_step(mx.array(prompt), model, num_draft_tokens=k,
+                                                   max_tokens=2 * TOKENS, draft_hook=_oracle(greedy, k))]
+        assert out == greedy
