@@ -123,7 +123,7 @@ def verify(text_model: Any, tokens: mx.array, cache: List[Any], form: Optional[s
                 c.push_steps(list(zip(convs, states)))
             else:
                 c[0], c[1] = convs[-1], states[-1]
-                c.advance(1)
+                c.advance(P)
         else:
             c.keys, c.values = outputs[at], outputs[at + 1]
             c.offset += P
