@@ -7,7 +7,7 @@ kinds of drafts: the checkpoint's head (random weights: about nothing
 accepted), an *oracle* (the baseline's own continuation: every draft
 accepted) and an *adversarial* draft (the oracle's token + 1: none
 accepted); every run's tokens are compared with the baseline's. Then the
-cost of one model call over 2, 3 and 4 positions (a verify pass) relative to
+cost of a verify pass over 2, 3 and 4 positions (``mtp_decode._verify``) relative to
 one decode step, from which it projects the speedup at any acceptance rate:
 a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
 tokens at per-draft acceptance a (the head's own k calls not counted).
@@ -72,10 +72,13 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
 
 
 def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, float]]:
-    """ms of one model call over 1..4 positions after the prompt (the caches
-    trimmed back after each), and its ratio to the 1-position call."""
+    """ms of a verify pass over 2..4 positions after the prompt, as the MTP
+    loop runs it (``mtp_decode._verify``: on lily's decode kernels where every
+    layer takes them), against one decode step (the model's one-token call);
+    the caches trimmed back after each."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    from mlx_lily.mtp_decode import _verify
     from mlx_lily.trimmable_cache import make_plain, make_trimmable
 
     cache = make_prompt_cache(model)
@@ -85,11 +88,11 @@ def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, floa
     ms = {}
     try:
         for positions in (1, 2, 3, 4):
-            ys = prompt[:positions][None]
+            ys = prompt[:positions]
             samples = []
             for rep in range(reps + 1):
                 tic = time.perf_counter()
-                mx.eval(model(ys, cache=cache))
+                mx.eval(model(ys[None], cache=cache) if positions == 1 else _verify(model, ys, cache))
                 if rep:  # the first call builds and warms
                     samples.append(time.perf_counter() - tic)
                 for c in cache:
