@@ -43,6 +43,17 @@ def _triple(linear) -> tuple:
     return (linear.weight, linear.scales, linear.biases)
 
 
+def _projected_onto(y: mx.array, linear: Any, x: mx.array, group: Any, gate: Optional[mx.array] = None) -> mx.array:
+    """x + linear(y) (y gated first where ``gate`` is given) on the GEMV. A
+    rank's slice of a sharded layer (``group``) gives a partial sum, summed
+    across the group before the residual, in stock's order."""
+    if group is None:
+        (h,) = K.quantized_matvec(y, (_triple(linear),), gate=gate, residual=x)
+        return h
+    (partial,) = K.quantized_matvec(y, (_triple(linear),), gate=gate)
+    return x + all_sum(partial, group)
+
+
 def _plain_quantized(*linears) -> bool:
     """Quantized linears without bias (what the fused GEMV reads), whole or
     a rank's slice (sharded.py)."""
@@ -314,15 +325,11 @@ class LilyDecoderLayer(DecoderLayer):
         return compiled_step(self.__dict__, name, key, lambda: fn)
 
     def _linear_step(self, x: mx.array, conv_state: mx.array, state: mx.array, mask: Optional[mx.array] = None):
-        la, norm = self.linear_attn, self.input_layernorm
-        qkv, z, b, a = K.quantized_matvec(
-            x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
-            norm.weight, norm.eps,
-        )
+        la = self.linear_attn
+        qkv, z, b, a = self._linear_in(x)
         B = x.shape[0]
         if mask is not None:  # a padding step enters the convolution as zeros (stock) ...
             qkv = mx.where(mask[..., None], qkv, 0)
-        z = z.reshape(B, 1, la.num_v_heads, la.head_v_dim)
         if conv_state is None:
             conv_state = mx.zeros((B, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
         y, conv_state, new_state = K.gated_delta_decode(
@@ -333,13 +340,22 @@ class LilyDecoderLayer(DecoderLayer):
         # mask would keep the conv state too, which stock does only for
         # length-limited caches.
         state = new_state if mask is None else mx.where(mask.reshape(-1, 1, 1, 1), new_state, state)
-        group = la.sharding_group
-        if group is None:
-            (h,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),), residual=x)
-        else:  # the rank's heads: a partial sum, summed before the residual (stock's order)
-            (partial,) = K.quantized_matvec(y.reshape(B, 1, -1), (_triple(la.out_proj),))
-            h = x + all_sum(partial, group)
-        return self._moe_step(h), conv_state, state
+        return self._linear_out(y, x), conv_state, state
+
+    def _linear_in(self, x: mx.array):
+        """Norm + the DeltaNet's four input projections in one GEMV -> qkv,
+        z [B, 1, Hv, Dv], b, a."""
+        la, norm = self.linear_attn, self.input_layernorm
+        qkv, z, b, a = K.quantized_matvec(
+            x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
+            norm.weight, norm.eps,
+        )
+        return qkv, z.reshape(x.shape[0], 1, la.num_v_heads, la.head_v_dim), b, a
+
+    def _linear_out(self, y: mx.array, x: mx.array) -> mx.array:
+        """The DeltaNet's output projection + residual, then the MoE chain."""
+        la = self.linear_attn
+        return self._moe_step(_projected_onto(y.reshape(x.shape[0], 1, -1), la.out_proj, x, la.sharding_group))
 
     def _sharded_moe_step(self, h: mx.array, logits: mx.array, shared_logit: mx.array) -> mx.array:
         """The MoE chain of a rank's slice (sharded.py): ``moe_decode``
@@ -379,14 +395,7 @@ class LilyDecoderLayer(DecoderLayer):
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""
         out = out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)
-        o_proj = self.self_attn.o_proj
-        group = group_of(self.self_attn)
-        if group is None:
-            (h,) = K.quantized_matvec(out, (_triple(o_proj),), gate=gate, residual=x)
-        else:  # the rank's heads: o_proj's partial sum, summed as its own call sums it
-            (partial,) = K.quantized_matvec(out, (_triple(o_proj),), gate=gate)
-            h = x + all_sum(partial, group)
-        return self._moe_step(h)
+        return self._moe_step(_projected_onto(out, self.self_attn.o_proj, x, group_of(self.self_attn), gate))
 
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm

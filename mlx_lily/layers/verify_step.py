@@ -42,7 +42,7 @@ from .. import kernels as K
 from ..toolchain.registry import kernel_backend
 from ..trimmable_cache import LILY_ARRAYS_CACHES
 from .batch_step import MAX_BATCH
-from .decoder import LilyDecoderLayer, _triple, compile_enabled, compiled_step
+from .decoder import LilyDecoderLayer, compile_enabled, compiled_step
 from .sharded import group_of
 from .stock_gate import record
 
@@ -217,15 +217,10 @@ def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array)
     """``LilyDecoderLayer._linear_step`` for P positions [P, 1, D] of one
     stream: the GEMVs and the MoE chain on P rows, the DeltaNet decode kernel
     once per position, in order."""
-    la, norm = layer.linear_attn, layer.input_layernorm
-    qkv, z, b, a = K.quantized_matvec(
-        x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
-        norm.weight, norm.eps,
-    )
-    P = x.shape[0]
-    z = z.reshape(P, 1, la.num_v_heads, la.head_v_dim)
+    la = layer.linear_attn
+    qkv, z, b, a = layer._linear_in(x)
     ys, convs, states = [], [], []
-    for p in range(P):
+    for p in range(x.shape[0]):
         y, conv_state, state = K.gated_delta_decode(
             qkv[p:p + 1], z[p:p + 1], a[p:p + 1], b[p:p + 1], conv_state, la.conv1d.weight, la.A_log,
             la.dt_bias, state, la.norm.weight, la.norm.eps, la.num_k_heads,
@@ -233,9 +228,7 @@ def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array)
         ys.append(y)
         convs.append(conv_state)
         states.append(state)
-    y = mx.concatenate(ys, axis=0)
-    (h,) = K.quantized_matvec(y.reshape(P, 1, -1), (_triple(la.out_proj),), residual=x)
-    return layer._moe_step(h), convs, states
+    return layer._linear_out(mx.concatenate(ys, axis=0), x), convs, states
 
 
 def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,
