@@ -101,6 +101,7 @@ def run_engine(engine: str, model_path: str, args) -> Dict[str, Any]:
     # Warmup (not timed): a cold request of the first turn's length, and one
     # of the last's, so kernels and traces exist before anything is timed.
     request(model, None, messages[0], step, 2)
+    request(model, None, sum(messages, [])[: args.history_tokens], step, 2)
     turns: List[Dict[str, Any]] = []
     history: List[int] = []
     try:
