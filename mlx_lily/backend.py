@@ -57,6 +57,10 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
         from . import prefix_reuse
 
         prefix_reuse.install()
+        # Each token's log-prob read off the decode stream (served_logprobs.py).
+        from . import served_logprobs
+
+        served_logprobs.install()
     if program in ("mlx_lm.generate", "mlx_lm.cache_prompt"):
         # Prompt cache files: checked against the model; written with checkpoints.
         from . import cache_prompt

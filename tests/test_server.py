@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import os
 import socket
 import subprocess
@@ -100,6 +101,21 @@ def test_streamed_chat_completion(server):
     # Greedy: the stream spells the same text as the non-streamed answer.
     _, whole = request(port, "POST", "/v1/chat/completions", CHAT)
     assert streamed == json.loads(whole)["choices"][0]["message"]["content"]
+
+
+def test_token_logprobs_are_the_greedy_tokens_own(server):
+    """Each streamed token's log-prob (read off the decode stream for lily,
+    mlx_lily/served_logprobs.py) is the largest among the top log-probs at
+    its position: greedy picks the most likely token."""
+    port, _ = server
+    _, plain = request(port, "POST", "/v1/chat/completions", {**CHAT, "logprobs": True})
+    _, top = request(port, "POST", "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3})
+    chosen = json.loads(plain)["choices"][0]["logprobs"]["content"]
+    tops = json.loads(top)["choices"][0]["logprobs"]["content"]
+    assert len(chosen) == len(tops) == json.loads(plain)["usage"]["completion_tokens"]
+    for mine, best in zip(chosen, tops):
+        assert math.isfinite(mine["logprob"]) and mine["logprob"] <= 0
+        assert mine["logprob"] == max(t["logprob"] for t in best["top_logprobs"])
 
 
 def test_malformed_request_gets_4xx_and_server_keeps_serving(server):

@@ -1,0 +1,67 @@
+"""The server's read of each streamed token's log-probability, off the decode stream.
+
+``mlx_lm.server`` answers every generated token with its log-probability,
+``r.logprobs[r.token].item()``, on the stream its ``BatchGenerator`` decodes
+on. By then the generator has already queued the next decode step on that
+stream (so that the GPU runs it while the host handles this token), and the
+read is a new op queued behind it: ``.item()`` waits for the whole next step,
+and the host builds the step after it only once the GPU is idle. Host and
+GPU then take turns instead of overlapping; on the H200 the host's share of a
+step (building and launching ~370 kernels, ~7 ms) is as large as the GPU's.
+
+For a lily model the generator's responses carry each row's log-probs as a
+``RowLogprobs``: the same array (no copy), whose integer and list indexing
+runs on the CPU stream. The row was evaluated with its own step, so the read
+waits for nothing queued after it; the CPU reads it in place (unified memory
+on Apple GPUs, managed memory under MLX's CUDA backend). The values are the
+same bits as the GPU's read. Installed by the lily backend when
+``mlx_lm.server`` loads a lily model (``install``)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict
+
+import mlx.core as mx
+
+_stock: Dict[str, Any] = {}
+
+
+class RowLogprobs(mx.array):
+    """A response row's log-probs; ``row[token]`` and ``row[[ids]]`` read on the CPU stream."""
+
+    def __getitem__(self, index: Any) -> mx.array:
+        if isinstance(index, (int, list)) and not isinstance(index, bool):
+            with mx.stream(mx.cpu):
+                return mx.array.__getitem__(self, index)
+        return mx.array.__getitem__(self, index)
+
+
+def _next(self: Any):
+    """``GenerationBatch.next``; a lily model's rows as ``RowLogprobs``."""
+    responses = _stock["next"](self)
+    if responses and type(self.model).__module__.startswith("mlx_lily"):
+        for r in responses:
+            if type(r.logprobs) is mx.array:
+                r.logprobs = RowLogprobs(r.logprobs)
+    return responses
+
+
+def install() -> None:
+    """Wrap mlx-lm's ``GenerationBatch.next`` (idempotent)."""
+    if _stock:
+        return
+    gen = importlib.import_module("mlx_lm.generate")
+    _stock["next"] = gen.GenerationBatch.next
+    gen.GenerationBatch.next = _next
+
+
+def uninstall() -> None:
+    if not _stock:
+        return
+    gen = importlib.import_module("mlx_lm.generate")
+    gen.GenerationBatch.next = _stock.pop("next")
+
+
+def installed() -> bool:
+    return bool(_stock)
