@@ -9,8 +9,8 @@ and the host builds the step after it only once the GPU is idle. Host and
 GPU then take turns instead of overlapping; on the H200 the host's share of a
 step (building and launching ~370 kernels, ~7 ms) is as large as the GPU's.
 
-For a lily model the generator's responses carry each row's log-probs as a
-``RowLogprobs``: the same array (no copy), whose integer and list indexing
+For a lily model the generator's responses (and those of the server's
+one-request path) carry each row's log-probs as a ``RowLogprobs``: the same array (no copy), whose integer and list indexing
 runs on the CPU stream. The row was evaluated with its own step, so the read
 waits for nothing queued after it; the CPU reads it in place (unified memory
 on Apple GPUs, managed memory under MLX's CUDA backend). The values are the
@@ -37,23 +37,45 @@ class RowLogprobs(mx.array):
         return mx.array.__getitem__(self, index)
 
 
+def _is_lily(model: Any) -> bool:
+    return type(model).__module__.startswith("mlx_lily")
+
+
 def _next(self: Any):
     """``GenerationBatch.next``; a lily model's rows as ``RowLogprobs``."""
     responses = _stock["next"](self)
-    if responses and type(self.model).__module__.startswith("mlx_lily"):
+    if responses and _is_lily(self.model):
         for r in responses:
             if type(r.logprobs) is mx.array:
                 r.logprobs = RowLogprobs(r.logprobs)
     return responses
 
 
+def _stream_generate(model: Any, *args: Any, **kwargs: Any):
+    """The server's ``stream_generate`` (its one-request path: a request with
+    a seed, a draft model, a quantized KV cache), which reads each token's
+    log-prob the same way; a lily model's as ``RowLogprobs``."""
+    lily = _is_lily(model)
+    for response in _stock["stream_generate"](model, *args, **kwargs):
+        if lily and type(response.logprobs) is mx.array:
+            response.logprobs = RowLogprobs(response.logprobs)
+        yield response
+
+
 def install() -> None:
-    """Wrap mlx-lm's ``GenerationBatch.next`` (idempotent)."""
+    """Wrap mlx-lm's ``GenerationBatch.next`` and the server's
+    ``stream_generate`` (idempotent)."""
     if _stock:
         return
     gen = importlib.import_module("mlx_lm.generate")
     _stock["next"] = gen.GenerationBatch.next
     gen.GenerationBatch.next = _next
+    try:
+        server = importlib.import_module("mlx_lm.server")
+        _stock["stream_generate"] = server.stream_generate
+        server.stream_generate = _stream_generate
+    except (ImportError, AttributeError):
+        pass
 
 
 def uninstall() -> None:
@@ -61,6 +83,8 @@ def uninstall() -> None:
         return
     gen = importlib.import_module("mlx_lm.generate")
     gen.GenerationBatch.next = _stock.pop("next")
+    if "stream_generate" in _stock:
+        importlib.import_module("mlx_lm.server").stream_generate = _stock.pop("stream_generate")
 
 
 def installed() -> bool:

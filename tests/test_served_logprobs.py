@@ -63,6 +63,19 @@ def test_lily_rows_read_on_the_cpu_stream_with_the_same_values(demo_checkpoint, 
         assert mx.argmax(r.logprobs).item() == mx.argmax(plain).item()
 
 
+def test_the_servers_one_request_path_too(demo_checkpoint, installed):
+    from mlx_lm import server
+
+    model, tokenizer = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    seen = 0
+    for response in server.stream_generate(model, tokenizer, PROMPTS[0], max_tokens=3):
+        assert type(response.logprobs) is sl.RowLogprobs
+        plain = mx.array.__getitem__(response.logprobs, slice(None))
+        assert response.logprobs[response.token].item() == plain[response.token].item()
+        seen += 1
+    assert seen == 3 and server.stream_generate is sl._stream_generate
+
+
 def test_stock_models_and_uninstall_leave_mlx_lm_as_it_was(demo_checkpoint, installed):
     stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
     assert all(type(r.logprobs) is mx.array for r in responses(stock, steps=2))
@@ -70,4 +83,7 @@ def test_stock_models_and_uninstall_leave_mlx_lm_as_it_was(demo_checkpoint, inst
     wrapped = GenerationBatch.next
     sl.uninstall()
     assert GenerationBatch.next is not wrapped and not sl.installed()
+    from mlx_lm import server
+
+    assert server.stream_generate is not sl._stream_generate
     sl.install()  # the fixture uninstalls it again
