@@ -62,8 +62,10 @@ _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_pr
 
 
 class MTPHead(nn.Module):
-    """The head's parameters and its forward pass (stock mlx-lm's layers, the
-    reference math). ``args``: the language model's TextModelArgs."""
+    """The head's parameters and its forward pass. Built with stock mlx-lm's
+    layer; lily's model switches it to lily's classes as it does its own
+    layers (``models/qwen3_5_moe.specialize``), so a draft step of one token
+    runs the fused decode step. ``args``: the language model's TextModelArgs."""
 
     def __init__(self, args: TextModelArgs, num_layers: int = 1):
         super().__init__()

@@ -81,6 +81,42 @@ def test_lily_keeps_the_head_quantized_like_the_rest(checkpoints):
     assert not mtp.has_head(plain)
 
 
+def test_the_heads_draft_step_runs_lilys_fused_decode(checkpoints, emulator_backend, record_op_paths):
+    """Lily's model switches the head's layer to lily's classes with its own:
+    a one-token draft step takes the fused decode step on kernels, close to
+    the same head on stock's classes; switching the model back to stock's
+    classes switches the head too."""
+    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    from mlx_lily.layers import LilyDecoderLayer
+    from mlx_lily.models.qwen3_5_moe import specialize
+
+    model, _ = mlx_lily.load(str(checkpoints["head"]))
+    head = mtp.head_of(model)
+    assert type(head.layers[0]) is LilyDecoderLayer
+    embed = model.language_model.model.embed_tokens
+    D = head.fc.weight.shape[0]
+    hidden = mx.random.normal((1, 6, D), key=mx.random.key(3)).astype(mx.bfloat16)
+    tokens = mx.array([[5, 17, 2, 9, 30, 11]])
+
+    def draft(cache):
+        out = [head(hidden[:, :5], embed(tokens[:, :5]), cache)]
+        paths = record_op_paths()
+        out.append(head(hidden[:, 5:], embed(tokens[:, 5:]), cache))
+        return out, {k: set(v) for k, v in paths.items()}
+
+    (lily_prompt, lily_step), paths = draft([KVCache()])
+    assert paths["moe_decode"] == {"kernel"}, paths
+    specialize(model, lily=False)
+    assert type(head.layers[0]) is DecoderLayer
+    (stock_prompt, stock_step), stock_paths = draft([KVCache()])
+    assert "moe_decode" not in stock_paths
+    for got, want in ((lily_prompt, stock_prompt), (lily_step, stock_step)):
+        scale = mx.abs(want.astype(mx.float32)).max().item()
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=0.05 * scale).item()
+
+
 def test_stock_drops_the_head(checkpoints):
     model, _ = mlx_lily.load(str(checkpoints["head"]), backend="mlx")
     assert not any(k.startswith(mtp.PREFIX) for k in _params(model))

@@ -131,8 +131,8 @@ class ModelArgs(stock.ModelArgs):
 
 
 def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
-    """Switch a built qwen3_5_moe model's layers to lily's classes (or back to
-    stock's) in place. The weights are shared, not copied, so one model can be
+    """Switch a built qwen3_5_moe model's layers (its MTP head's included) to
+    lily's classes (or back to stock's) in place. The weights are shared, not copied, so one model can be
     measured both ways in one process (bench/)."""
     table = _SPECIALIZE if lily else {v: k for k, v in _SPECIALIZE.items()}
     language = getattr(model, "language_model", None)
@@ -140,7 +140,8 @@ def specialize(model: stock.Model, lily: bool = True) -> stock.Model:
     for module in (language, text):
         if type(module) in table:
             module.__class__ = table[type(module)]
-    for layer in model.layers:
+    head = mtp.head_of(model)
+    for layer in [*model.layers, *(head.layers if head is not None else [])]:
         if type(layer) in table:
             layer.__class__ = table[type(layer)]
         for name in ("linear_attn", "self_attn", "mlp"):
@@ -163,6 +164,7 @@ class Model(stock.Model):
         # where the checkpoint has one, built here so mlx-lm quantizes it
         # with the rest (mlx_lily/mtp.py).
         weights = mtp.keep_head(self, raw, weights)
+        specialize(self)  # the head's layer too: its drafts on lily's ops
         if not is_moe(self.args.text_config):
             _check_dense_weights(self, weights)
         declared = getattr(self.args, "declared_quantization", None)
