@@ -100,7 +100,7 @@ def mtp_generate_step(
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 2048,
     stats: Optional[dict] = None,
-    draft_hook: Optional[Callable[[int, List[int]], List[int]]] = None,
+    draft_hook: Optional[Callable[[int, mx.array], List[int]]] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Yield (token, logprobs, from_draft) as ``speculative_generate_step``
     does, drafting with ``model``'s MTP head. ``sampler``: None or mlx-lm's
@@ -111,9 +111,10 @@ def mtp_generate_step(
     (``make_prompt_cache(model)``; updated in place: when the generator ends
     they hold the prompt and every token yielded but the last). ``stats``,
     where given, gets ``rounds`` and ``accepted``. ``draft_hook(tokens_so_far,
-    drafts) -> drafts``, where given, replaces each round's drafts (the head
-    still runs; they count as drawn from a point mass): the tests' and the
-    bench's oracle (always accepted) and adversarial (never) drafts."""
+    drafts) -> drafts`` (a list of k tokens), where given, replaces each
+    round's drafts (the head still runs: ``drafts`` is its output, an array
+    not yet evaluated; they count as drawn from a point mass): the tests' and
+    the bench's oracle (always accepted) and adversarial (never) drafts."""
     head = mtp.head_of(model)
     if head is None:
         raise ValueError(NO_HEAD)
@@ -169,11 +170,13 @@ def mtp_generate_step(
                 g = head(g, embed(d[None]), head_cache)
         return mx.concatenate(drafts).astype(mx.uint32), (mx.concatenate(qs) if qs else None)
 
-    def accept(logprobs: mx.array, drafts: mx.array, q: Optional[mx.array]) -> Tuple[int, int]:
-        """The round's accepted count n and the token after them."""
+    def accept(logprobs: mx.array, drafts: mx.array, q: Optional[mx.array],
+               targets: Optional[mx.array]) -> Tuple[int, int]:
+        """The round's accepted count n and the token after them (greedy: the
+        model's ``targets``, evaluated with the round)."""
         d = drafts.tolist()
         if kind == "greedy":
-            return mtp_sampling.point_mass_step(mx.argmax(logprobs, axis=-1).tolist(), d)
+            return mtp_sampling.point_mass_step(targets.tolist(), d)
         if kind == "opaque":
             return mtp_sampling.point_mass_step(sampler(logprobs).tolist(), d)
         if q is None:  # the hook's drafts: a point mass each
@@ -207,13 +210,16 @@ def mtp_generate_step(
         after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
         while True:
             drafts, q = draft(verified, after)
-            if draft_hook is not None:
-                drafts, q = mx.array(draft_hook(ntoks, drafts.tolist()), dtype=mx.uint32), None
+            # The head runs on the GPU while the host builds the verify pass.
+            mx.async_eval(drafts)
+            if draft_hook is not None:  # the head still runs (its cost counts)
+                drafts, q = mx.array(draft_hook(ntoks, drafts), dtype=mx.uint32), None
             ys = mx.concatenate([x[None], drafts])
             out, logits = _verify(model, ys, cache)  # [1, k + 1, D], [k + 1, V]
             logprobs = process(logits, ys)
-            mx.eval(logprobs, drafts)
-            n, last = accept(logprobs, drafts, q)
+            targets = mx.argmax(logprobs, axis=-1) if kind == "greedy" else None
+            mx.eval(logprobs, drafts, targets)
+            n, last = accept(logprobs, drafts, q, targets)
             emitted = drafts.tolist()[:n] + [last]
             stats["rounds"] += 1
             stats["accepted"] += n
