@@ -98,8 +98,7 @@ def launch_local(command: Sequence[str], n: int = 2, timeout: float = 120.0, bac
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad:
-                rank, code = bad[0]
-                failure = f"rank {rank} of {n} exited with status {code}:\n{_tail(errs[rank])}"
+                failure = _failed_ranks(procs, errs, n, bad)
                 break
             if all(c == 0 for c in codes):
                 break
@@ -119,6 +118,23 @@ def launch_local(command: Sequence[str], n: int = 2, timeout: float = 120.0, bac
     if failure is not None:
         raise RankFailed(failure)
     return [o.read_text() for o in outs]
+
+
+# A rank that fails takes its peers down with it (their collectives lose the
+# connection); seconds given them to exit, so every failed rank is named with
+# its own output, not only the first one polled.
+PEER_EXIT_S = 2.0
+
+
+def _failed_ranks(procs: list, errs: List[Path], n: int, bad: list) -> str:
+    """Every rank that exited non-zero, each with its output's tail: those
+    seen first (``bad``) first, then peers that exited within PEER_EXIT_S."""
+    seen = [r for r, _ in bad]
+    until = time.monotonic() + PEER_EXIT_S
+    while time.monotonic() < until and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    seen += [r for r, p in enumerate(procs) if r not in seen and p.poll() not in (None, 0)]
+    return "\n".join(f"rank {r} of {n} exited with status {procs[r].poll()}:\n{_tail(errs[r])}" for r in seen)
 
 
 # -- the A/B (one rank's part) -------------------------------------------------------
