@@ -13,7 +13,9 @@ a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
 tokens at per-draft acceptance a (the head's own k calls not counted).
 
 Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps,
-baseline_decode_tps, speedup, tokens_identical, accepted, rounds},
+baseline_decode_tps, speedup, tokens_identical, accepted, rounds, round_ms: the
+host's ms per round building the drafts, building the verify pass, waiting
+for the GPU, accepting},
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
 {acceptance, k, speedup}) under --out and prints the tables.
 
@@ -62,7 +64,7 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
         out = [want[done + i] if done + i < len(want) else 0 for i in range(k)]
         return out if draft == "oracle" else [(t + 1) % vocab for t in out]
 
-    stats: Dict[str, int] = {}
+    stats: Dict[str, Any] = {"seconds": {}}
     tokens, times = [], []
     for token, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=steps, stats=stats,
                                          draft_hook=None if draft == "mtp" else oracle):
@@ -151,10 +153,14 @@ def main(argv: List[str] | None = None) -> int:
             row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
                    "speedup": round(tps / base_tps, 4) if base_tps else None,
                    "tokens_identical": tokens == want_steps,
-                   "accepted": stats["accepted"], "rounds": stats["rounds"]}
+                   "accepted": stats["accepted"], "rounds": stats["rounds"],
+                   "round_ms": {part: round(1e3 * t / max(1, stats["rounds"]), 4)
+                                for part, t in stats["seconds"].items()}}
             summary.append(row)
+            parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
             print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}  "
-                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  identical {row['tokens_identical']}")
+                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  identical {row['tokens_identical']}  "
+                  f"round ms: {parts}")
     costs = verify_costs(model, prompt, args.reps)
     for row in costs:
         print(f"verify {row['positions']} positions: {row['ms']:.3f} ms, x{row['ratio']} of one decode step")

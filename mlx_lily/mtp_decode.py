@@ -43,6 +43,7 @@ passed to ``stream_generate`` / ``generate`` (``mtp_stream_generate`` and
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Generator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -54,6 +55,10 @@ from . import mtp, mtp_sampling
 from .trimmable_cache import make_plain, make_trimmable
 
 MAX_DRAFT = 3
+# A round's parts, as ``stats["seconds"]`` sums them where asked: building
+# and submitting the head's drafts, building the verify pass, waiting for the
+# GPU (the round's one wait), accepting and rolling the caches back.
+ROUND_PARTS = ("draft", "verify_build", "wait", "accept")
 NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
            "python -m mlx_lily graft-mtp CHECKPOINT ORIGINAL adds one)")
 
@@ -110,7 +115,8 @@ def mtp_generate_step(
     ``generate_step`` applies them. ``prompt_cache``: the model's caches
     (``make_prompt_cache(model)``; updated in place: when the generator ends
     they hold the prompt and every token yielded but the last). ``stats``,
-    where given, gets ``rounds`` and ``accepted``. ``draft_hook(tokens_so_far,
+    where given, gets ``rounds`` and ``accepted`` (and, where it holds a
+    ``seconds`` dict, the host's seconds per ``ROUND_PARTS``). ``draft_hook(tokens_so_far,
     drafts) -> drafts`` (a list of k tokens), where given, replaces each
     round's drafts (the head still runs: ``drafts`` is its output, an array
     not yet evaluated; they count as drawn from a point mass): the tests' and
@@ -208,17 +214,22 @@ def mtp_generate_step(
         # The head's prompt: position t pairs h_t with token t + 1.
         verified = mx.concatenate(hidden, axis=1)
         after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
+        timing = stats.get("seconds")  # where given: the host's time per part of the rounds
         while True:
+            t0 = time.perf_counter()
             drafts, q = draft(verified, after)
             # The head runs on the GPU while the host builds the verify pass.
             mx.async_eval(drafts)
             if draft_hook is not None:  # the head still runs (its cost counts)
                 drafts, q = mx.array(draft_hook(ntoks, drafts), dtype=mx.uint32), None
+            t1 = time.perf_counter()
             ys = mx.concatenate([x[None], drafts])
             out, logits = _verify(model, ys, cache)  # [1, k + 1, D], [k + 1, V]
             logprobs = process(logits, ys)
             targets = mx.argmax(logprobs, axis=-1) if kind == "greedy" else None
+            t2 = time.perf_counter()
             mx.eval(logprobs, drafts, targets)
+            t3 = time.perf_counter()
             n, last = accept(logprobs, drafts, q, targets)
             emitted = drafts.tolist()[:n] + [last]
             stats["rounds"] += 1
@@ -229,6 +240,9 @@ def mtp_generate_step(
                 c.trim(k - n)
             for c in head_cache:
                 c.trim(k - 1)
+            if timing is not None:
+                for part, dt in zip(ROUND_PARTS, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
+                    timing[part] = timing.get(part, 0.0) + dt
             for i in range(n + 1):
                 ntoks += 1
                 yield emitted[i], logprobs[i], i < n

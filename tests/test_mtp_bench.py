@@ -24,6 +24,9 @@ def test_spec_bench_writes_its_rows(tmp_path):
         assert set(row) >= {"draft", "k", "decode_tps", "baseline_decode_tps", "speedup", "tokens_identical"}
         assert row["tokens_identical"] is True and row["decode_tps"] > 0
         assert abs(row["speedup"] - row["decode_tps"] / row["baseline_decode_tps"]) < 1e-2 * row["speedup"] + 1e-3
+        # The host's time per round, by part.
+        assert set(row["round_ms"]) == {"draft", "verify_build", "wait", "accept"}
+        assert all(ms >= 0 for ms in row["round_ms"].values()) and sum(row["round_ms"].values()) > 0
     for k in (1, 2, 3):
         assert rows[("adversarial", k)]["accepted"] == 0
         oracle = rows[("oracle", k)]
