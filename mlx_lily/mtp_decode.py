@@ -56,8 +56,9 @@ from .trimmable_cache import make_plain, make_trimmable
 
 MAX_DRAFT = 3
 # A round's parts, as ``stats["seconds"]`` sums them where asked: building
-# and submitting the head's drafts, building the verify pass, waiting for the
-# GPU (the round's one wait), accepting and rolling the caches back.
+# and submitting the head's drafts, building the verify pass (both also for a
+# round built ahead and backed out), waiting for the GPU (the round's one
+# wait), accepting and rolling the caches back.
 ROUND_PARTS = ("draft", "verify_build", "wait", "accept")
 NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
            "python -m mlx_lily graft-mtp CHECKPOINT ORIGINAL adds one)")
@@ -92,6 +93,25 @@ def _verify(model: Any, ys: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.ar
         out = _hidden(model, ys, cache)
         return out, _head_logits(model, out)[0]
     return out.reshape(1, ys.size, -1), _head_logits(model, out)[:, 0]
+
+
+class _Round:
+    """A speculative round's arrays: the tokens fed (the pending token and
+    the drafts), the drafts, their distributions (sampling with a Sampler),
+    the verified hidden states, the log-probs and the greedy targets."""
+
+    def __init__(self, ys, drafts, q, out, logprobs, targets):
+        self.ys, self.drafts, self.q, self.out, self.logprobs, self.targets = ys, drafts, q, out, logprobs, targets
+
+
+def _end(cache: List[Any], ahead: Optional[_Round], unyielded: int, back_out: Callable) -> None:
+    """The caches when the generator ends: the round built ahead backed out,
+    then the tokens past the last one yielded (the caches hold what was
+    yielded but its last token, as when max_tokens ends it)."""
+    if ahead is not None:
+        back_out()
+    for c in cache:
+        c.trim(unyielded)
 
 
 def mtp_generate_step(
@@ -130,7 +150,6 @@ def mtp_generate_step(
     kind = mtp_sampling.kind_of(sampler)
     max_tokens = max_tokens if max_tokens >= 0 else float("inf")  # -1: no limit, as mlx-lm
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    make_trimmable(cache, depth=k + 1)
     head_cache = [KVCache() for _ in head.layers]
     embed = model.language_model.model.embed_tokens
     stats = stats if stats is not None else {}
@@ -211,51 +230,91 @@ def mtp_generate_step(
             return
         if history is not None:
             history = prompt.astype(mx.uint32)
-        # The head's prompt: position t pairs h_t with token t + 1.
-        verified = mx.concatenate(hidden, axis=1)
-        after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
+        # Greedy rounds are pipelined: the next round is built and submitted,
+        # as if every draft of the current one is kept, before the current
+        # one's accepted count is read; a rejection backs out of it (its k + 1
+        # positions), so the caches go back up to 2k + 1 tokens.
+        pipelined = kind == "greedy" and not logits_processors
+        # Trimmable after the prompt: its calls run whole, as generate_step's.
+        make_trimmable(cache, depth=2 * (k + 1) if pipelined else k + 1)
         timing = stats.get("seconds")  # where given: the host's time per part of the rounds
-        while True:
+
+        def build(verified: mx.array, after: mx.array, x: mx.array, done: int) -> _Round:
+            """A round after ``done`` tokens: the head's drafts from the
+            verified positions ``verified`` and the tokens after them
+            (submitted), then the verify pass over ``x`` and the drafts (the
+            model's caches advance k + 1; the head keeps its entries for the
+            verified positions only)."""
             t0 = time.perf_counter()
             drafts, q = draft(verified, after)
             # The head runs on the GPU while the host builds the verify pass.
             mx.async_eval(drafts)
             if draft_hook is not None:  # the head still runs (its cost counts)
-                drafts, q = mx.array(draft_hook(ntoks, drafts), dtype=mx.uint32), None
+                drafts, q = mx.array(draft_hook(done, drafts), dtype=mx.uint32), None
+            for c in head_cache:  # its entries for d_2..d_k, drafted from its own outputs
+                c.trim(k - 1)
             t1 = time.perf_counter()
             ys = mx.concatenate([x[None], drafts])
             out, logits = _verify(model, ys, cache)  # [1, k + 1, D], [k + 1, V]
             logprobs = process(logits, ys)
             targets = mx.argmax(logprobs, axis=-1) if kind == "greedy" else None
-            t2 = time.perf_counter()
-            mx.eval(logprobs, drafts, targets)
-            t3 = time.perf_counter()
-            n, last = accept(logprobs, drafts, q, targets)
-            emitted = drafts.tolist()[:n] + [last]
+            if timing is not None:
+                timing["draft"] = timing.get("draft", 0.0) + t1 - t0
+                timing["verify_build"] = timing.get("verify_build", 0.0) + time.perf_counter() - t1
+            return _Round(ys, drafts, q, out, logprobs, targets)
+
+        def back_out() -> None:
+            """Undo the round built ahead: its k + 1 positions in the model's
+            caches and its verified entries in the head's."""
+            for c in cache:
+                c.trim(k + 1)
+            for c in head_cache:
+                c.trim(k + 1)
+
+        # The head's prompt: position t pairs h_t with token t + 1.
+        verified = mx.concatenate(hidden, axis=1)
+        after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
+        current = build(verified, after, x, ntoks)
+        while True:
+            ahead = None
+            if pipelined:
+                mx.async_eval(current.logprobs, current.targets)
+                ahead = build(current.out, mx.concatenate([current.drafts, current.targets[k:]]),
+                              current.targets[k], ntoks + k + 1)
+                mx.async_eval(ahead.logprobs, ahead.targets)
+            t0 = time.perf_counter()
+            mx.eval(current.logprobs, current.drafts, current.targets)
+            t1 = time.perf_counter()
+            n, last = accept(current.logprobs, current.drafts, current.q, current.targets)
+            emitted = current.drafts.tolist()[:n] + [last]
             stats["rounds"] += 1
             stats["accepted"] += n
-            # Back k - n tokens: the model keeps x, d_1..d_n; the head drops
-            # its entries for d_2..d_k.
+            if ahead is not None and n < k:  # built on a draft the model rejected
+                back_out()
+                ahead = None
+            # Back k - n tokens: the model keeps x, d_1..d_n.
             for c in cache:
                 c.trim(k - n)
-            for c in head_cache:
-                c.trim(k - 1)
             if timing is not None:
-                for part, dt in zip(ROUND_PARTS, (t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)):
-                    timing[part] = timing.get(part, 0.0) + dt
+                timing["wait"] = timing.get("wait", 0.0) + t1 - t0
+                timing["accept"] = timing.get("accept", 0.0) + time.perf_counter() - t1
             for i in range(n + 1):
                 ntoks += 1
-                yield emitted[i], logprobs[i], i < n
+                try:
+                    yield emitted[i], current.logprobs[i], i < n
+                except GeneratorExit:
+                    _end(cache, ahead, n - i, back_out)
+                    raise
                 if ntoks >= max_tokens:
-                    # The caches hold what was yielded but its last token.
-                    for c in cache:
-                        c.trim(n - i)
+                    _end(cache, ahead, n - i, back_out)
                     return
-            after = mx.array(emitted, dtype=mx.uint32)
-            x = after[-1]
-            verified = out[:, : n + 1]
+            if ahead is not None:
+                current = ahead
+                continue
             if history is not None:
-                history = mx.concatenate([history, ys[: n + 1]])
+                history = mx.concatenate([history, current.ys[: n + 1]])
+            after = mx.array(emitted, dtype=mx.uint32)
+            current = build(current.out[:, : n + 1], after, after[-1], ntoks)
     finally:
         make_plain(cache)
 

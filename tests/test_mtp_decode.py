@@ -68,14 +68,36 @@ def test_rollback_leaves_the_caches_of_a_run_that_never_drafted(setup, k):
     out = [t for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=TOKENS,
                                                prompt_cache=cache,
                                                draft_hook=_oracle(setup["greedy"], k, 2, setup["vocab"]))]
-    # The run that never drafted: generate_step's prefill, then each token alone.
-    plain = make_prompt_cache(model)
-    model(prompt[None, :-1], cache=plain)
-    for t in [int(prompt[-1])] + out[:-1]:
-        model(mx.array([[t]]), cache=plain)
-    mx.eval([c.state for c in plain])
+    plain = _plain_caches(model, prompt, out[:-1])
     assert [type(c) for c in cache] == [type(c) for c in plain]  # plain ArraysCache again
     assert_caches_equal(cache, plain)
+
+
+def _plain_caches(model, prompt, fed):
+    """The caches of a run that never drafted: generate_step's prefill, then
+    each of ``fed`` alone."""
+    plain = make_prompt_cache(model)
+    model(prompt[None, :-1], cache=plain)
+    for t in [int(prompt[-1])] + fed:
+        model(mx.array([[t]]), cache=plain)
+    mx.eval([c.state for c in plain])
+    return plain
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("stop", [4, 9])
+def test_a_consumer_that_stops_early_leaves_the_caches_of_what_it_took(setup, k, stop):
+    """Closing the generator mid-round (a stop token, say), with the next
+    round already built: the caches hold the prompt and every token taken
+    but the last, as when max_tokens ends the run."""
+    model, prompt = setup["model"], setup["prompt"]
+    cache = make_prompt_cache(model)
+    run = mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=TOKENS, prompt_cache=cache,
+                            draft_hook=_oracle(setup["greedy"], k, 3, setup["vocab"]))
+    out = [next(run)[0] for _ in range(stop)]
+    run.close()
+    assert out == setup["greedy"][:stop]
+    assert_caches_equal(cache, _plain_caches(model, prompt, out[:-1]))
 
 
 def test_a_model_without_a_head_says_how_to_graft(demo_checkpoint):
