@@ -57,7 +57,7 @@ and conv states). ``ratio_to_must_read`` = bytes_per_decode_token / that.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -174,11 +174,10 @@ def _write_bytes(node: Node) -> int:
     return sum(_nbytes(o) for o in node["outputs"])
 
 
-def count_nodes(nodes: List[Node]) -> Dict[str, Any]:
-    """Kernels and bytes of a traced graph (``trace``'s nodes)."""
+def kernel_nodes(nodes: List[Node]) -> Iterator[Tuple[Node, int, int]]:
+    """(node, bytes read, bytes written) for each node of a traced graph
+    that runs a kernel (views are followed, not counted)."""
     view_bytes: Dict[str, int] = {}  # a view's output -> bytes a reader reads
-    kernels, read, write = 0, 0, 0
-    by_primitive: Dict[str, int] = {}
     for node in nodes:
         if node["name"] in VIEW_PRIMITIVES:
             source = node["inputs"][0] if node["inputs"] else None
@@ -186,10 +185,41 @@ def count_nodes(nodes: List[Node]) -> Dict[str, Any]:
             for out in node["outputs"]:
                 view_bytes[out[0]] = min(_nbytes(out), src) if source else _nbytes(out)
             continue
+        yield node, _read_bytes(node, view_bytes), _write_bytes(node)
+
+
+def kernel_label(node: Node) -> str:
+    """What names a kernel node's launches: a custom kernel's built name
+    (``custom_kernel_<name>_<digest>``, as the GPU's profiler shows it), else
+    the primitive's name."""
+    if node["name"] == "CustomKernel":
+        stack = list(node.get("arguments") or [])
+        while stack:
+            a = stack.pop(0)
+            if isinstance(a, str):
+                return a if a.startswith(CUSTOM_KERNEL_PREFIX) else CUSTOM_KERNEL_PREFIX + a
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+    return node["name"]
+
+
+def bytes_by_kernel(nodes: List[Node]) -> Dict[str, List[int]]:
+    """{kernel label: bytes each of its nodes moves (read + written)}."""
+    out: Dict[str, List[int]] = {}
+    for node, read, write in kernel_nodes(nodes):
+        out.setdefault(kernel_label(node), []).append(read + write)
+    return out
+
+
+def count_nodes(nodes: List[Node]) -> Dict[str, Any]:
+    """Kernels and bytes of a traced graph (``trace``'s nodes)."""
+    kernels, read, write = 0, 0, 0
+    by_primitive: Dict[str, int] = {}
+    for node, r, w in kernel_nodes(nodes):
         kernels += 1
         by_primitive[node["name"]] = by_primitive.get(node["name"], 0) + 1
-        read += _read_bytes(node, view_bytes)
-        write += _write_bytes(node)
+        read += r
+        write += w
     return {
         "kernels": kernels,
         "bytes": read + write,

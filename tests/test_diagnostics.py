@@ -152,3 +152,37 @@ def test_decode_graph_lists_the_nodes_of_one_decode_step(tmp_path):
     assert lines[0].endswith(" nodes") and int(lines[0].split()[0]) > 100
     assert "SliceUpdate" in lines[1]  # the KV caches' writes
     assert len(lines) == 2 + 3 and " -> " in lines[2]
+
+
+def test_decode_profile_gives_lily_kernels_their_bytes_and_bandwidth():
+    """The profile's table: each custom kernel's bytes per launch from the
+    step's traced graph (bench/counts.py), matched to the profiler's name by
+    its built name, GB/s from its device time, and the share of the peak."""
+    from bench.diagnostics.decode.decode_profile import _report, call_bytes, custom_kernel_bytes
+
+    def kernel(name):
+        return mx.fast.metal_kernel(name=name, input_names=["a"], output_names=["o"], source="")
+
+    small, large = kernel("small_1"), kernel("small_12")
+    x = mx.zeros((4, 8))
+    mx.eval(x)
+
+    def step(a):
+        run = lambda k, shape: k(inputs=[a], grid=(32, 1, 1), threadgroup=(32, 1, 1),  # noqa: E731
+                                 output_shapes=[shape], output_dtypes=[mx.float32])[0]
+        return run(small, (4, 8)).sum() + run(large, (1000, 1000)).sum()
+
+    per_call = custom_kernel_bytes(step, x)
+    assert per_call == {"custom_kernel_small_1_float_float": (32 + 32) * 4,
+                        "custom_kernel_small_12_float_float": (32 + 10**6) * 4}
+    # The longest built name the profiler's name contains; MLX's own kernels have none.
+    assert call_bytes("mlx::core::cu::custom_kernel_small_12_float_float<1>", per_call) == (32 + 10**6) * 4
+    assert call_bytes("mlx::core::cu::custom_kernel_small_1_float_float", per_call) == 64 * 4
+    assert call_bytes("void mlx::core::cu::gather<float>", per_call) is None
+    kernels = {"mlx::core::cu::custom_kernel_small_12_float_float": [2.0, 2.0],  # 4 MB in 2 us: 2000 GB/s
+               "void mlx::core::cu::gather<float>": [1.0, 1.0]}
+    lines = _report("lily", 1.0, kernels, 2, per_call, peak=4000.0)
+    row = next(line for line in lines if "small_12" in line)
+    assert row.split()[-3:] == ["4.00", "2000", "50%"]
+    gather = next(line for line in lines if "gather" in line)
+    assert gather.split()[-1] == "0.001"  # ms per step, no bytes or rate

@@ -7,7 +7,10 @@ One model, one prompt of CONTEXT tokens per engine, then STEPS decode steps
 recorded with PyTorch's profiler (CUPTI: it sees every kernel the process
 launches, MLX's included). Per engine: the wall time of a step, the device
 time its kernels took (their sum: MLX runs them on one stream), the kernels
-per step, and the kernels that took the most time. Where the kernels' time
+per step, and the kernels that took the most time, with, for lily's
+kernels, the bytes a launch moves (read and written, as bench/counts.py
+counts them from the step's traced graph), the GB/s that makes and its share
+of the GPU's HBM bandwidth (``PEAK_GBPS``). Where the kernels' time
 is far below the wall time, launching (the host, MLX's encoding) bounds
 decode; where it is close, the kernels do.
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -56,16 +59,52 @@ def _profile_steps(model, cache, steps: int) -> Tuple[float, Dict[str, List[floa
     return statistics.median(walls), kernels
 
 
-def _report(title: str, wall: float, kernels: Dict[str, List[float]], steps: int) -> List[str]:
+# HBM bandwidth by GPU (GB/s, the vendors' figures), for the "of peak" column.
+PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "B200": 8000.0, "A100": 2039.0}
+
+
+def peak_gbps() -> Optional[float]:
+    """This GPU's HBM bandwidth from PEAK_GBPS, None where not listed."""
+    import torch
+
+    name = torch.cuda.get_device_name()
+    return next((gbps for gpu, gbps in PEAK_GBPS.items() if gpu in name), None)
+
+
+def custom_kernel_bytes(step: Any, *args: mx.array) -> Dict[str, float]:
+    """{custom kernel's built name: bytes one launch moves (read + written,
+    as ``bench/counts.py`` counts them: only the experts picked)} over
+    ``step(*args)``'s graph, traced (not run): lily's kernels, whose names
+    the profiler shows."""
+    from bench.counts import CUSTOM_KERNEL_PREFIX, bytes_by_kernel, trace
+
+    return {label: statistics.median(sizes) for label, sizes in bytes_by_kernel(trace(step, *args)).items()
+            if label.startswith(CUSTOM_KERNEL_PREFIX)}
+
+
+def call_bytes(name: str, per_call: Dict[str, float]) -> Optional[float]:
+    """The bytes of a profiled kernel's launch: the longest built name in
+    ``per_call`` that its profiler name contains (MLX's own kernels: None)."""
+    found = [label for label in per_call if label in name]
+    return per_call[max(found, key=len)] if found else None
+
+
+def _report(title: str, wall: float, kernels: Dict[str, List[float]], steps: int,
+            per_call: Optional[Dict[str, float]] = None, peak: Optional[float] = None) -> List[str]:
     calls = sum(len(v) for v in kernels.values())
     busy = sum(sum(v) for v in kernels.values()) / 1e3
     lines = [f"{title}: {wall:.2f} ms per step (wall, median); kernels {busy / steps:.2f} ms per step "
              f"(device time, sum); {calls / steps:.0f} kernels per step", "",
-             f"  {'kernel':70s} {'per step':>8s} {'us/call':>8s} {'ms/step':>8s}"]
+             f"  {'kernel':70s} {'per step':>8s} {'us/call':>8s} {'ms/step':>8s} {'MB/call':>8s} {'GB/s':>7s}"
+             f" {'of peak':>7s}"]
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))
     for name, times in ranked[:TOP]:
-        lines.append(f"  {name[:70]:70s} {len(times) / steps:8.1f} {statistics.mean(times):8.2f} "
-                     f"{sum(times) / steps / 1e3:8.3f}")
+        us = statistics.mean(times)
+        size = call_bytes(name, per_call or {})
+        rate = size / (us * 1e3) if size is not None and us > 0 else None  # bytes per ns = GB/s
+        lines.append(f"  {name[:70]:70s} {len(times) / steps:8.1f} {us:8.2f} {sum(times) / steps / 1e3:8.3f} "
+                     f"{'' if size is None else f'{size / 1e6:.2f}':>8s} {'' if rate is None else f'{rate:.0f}':>7s} "
+                     f"{'' if rate is None or not peak else f'{rate / peak:.0%}':>7s}")
     rest = ranked[TOP:]
     if rest:
         rest_calls = sum(len(t) for _, t in rest) / steps
@@ -115,7 +154,8 @@ def profile_batch(model, vocab: int, engine: str, context: int, steps: int, rows
     builds.clear(), walls.clear()
     kernels = kernel_times(lambda: [step() for _ in range(steps)])
     title = f"{engine}, B = {rows} (host {statistics.median(builds):.2f} ms building the step)"
-    return _report(title, statistics.median(walls), kernels, steps)
+    per_call = custom_kernel_bytes(lambda t: model(t, cache=cache), tok)  # last: the trace rebinds the cache
+    return _report(title, statistics.median(walls), kernels, steps, per_call, peak_gbps())
 
 
 def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> List[str]:
@@ -125,7 +165,8 @@ def profile_engine(model, vocab: int, engine: str, context: int, steps: int) -> 
     switch(model, engine)
     cache = prefilled_cache(model, vocab, context)
     wall, kernels = _profile_steps(model, cache, steps)
-    return _report(engine, wall, kernels, steps)
+    per_call = custom_kernel_bytes(lambda t: model(t, cache=cache), mx.array([[1]]))  # last: the trace rebinds the cache
+    return _report(engine, wall, kernels, steps, per_call, peak_gbps())
 
 
 def main(argv=None) -> int:
