@@ -186,3 +186,18 @@ def test_decode_profile_gives_lily_kernels_their_bytes_and_bandwidth():
     assert row.split()[-3:] == ["4.00", "2000", "50%"]
     gather = next(line for line in lines if "gather" in line)
     assert gather.split()[-1] == "0.001"  # ms per step, no bytes or rate
+
+
+def test_decode_split_times_the_servers_batched_step(tmp_path, monkeypatch):
+    """--batch: the server's step on its batch caches, split (the batched
+    step is its own part) and pipelined, one column per stream count."""
+    from bench.diagnostics.decode import decode_split
+
+    emulator_or_skip()
+    monkeypatch.setenv(BACKEND_ENV, "emulator")
+    assert decode_split.main(["--shape", "demo", "--context", "12", "--steps", "2", "--batch", "1,2",
+                              "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "decode_split_batch.txt").read_text()
+    assert "| phase | B = 1 | B = 2 |" in text and "Pipelined" in text
+    row = next(line for line in text.splitlines() if line.startswith("| - batched step |"))
+    assert all(float(v) > 0 for v in row.strip("|").split("|")[1:])

@@ -2,6 +2,7 @@
 
     python3 -m bench.diagnostics.decode.decode_split [--shape qwen3.6-35b-a3b] [--context 4096] [--steps 32] [--rounds 1]
         [--gpu-clocks] [--segments] [--out DIR]
+    python3 -m bench.diagnostics.decode.decode_split --batch 1,4,8,16 [--context 256] [--out DIR]
 
 The real model's layer stack (random weights at ``--shape``), a prompt of
 CONTEXT tokens, then STEPS decode steps on lily's path. Each step is timed in
@@ -26,7 +27,10 @@ token, the host bounds decode. ``--rounds N`` repeats the split steps and the
 decode after them N times on the same cache: whether decode slows as the
 process goes on, and in which phase. ``--gpu-clocks`` adds the GPU's clocks,
 power and load during each decode run (``bench.gpu_clocks``, NVIDIA): whether
-a slow run had a slow GPU.
+a slow run had a slow GPU. ``--batch 1,4`` times the server's batched step
+instead, on its batch caches (``decode_split_batch.txt``): the same phases,
+then the step pipelined as mlx-lm's loops run it (build and launch, then
+the wait for the token before).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from bench.gpu_clocks import sampled_clocks
 from bench.diagnostics.decode.host_cost import held
 
 PARTS = ("eligibility and masks", "weights check", "whole-step call", "KV capacity", "segment calls",
-         "KV-cache writes", "attention ops")
+         "KV-cache writes", "attention ops", "batched step")
 
 
 @contextlib.contextmanager
@@ -97,6 +101,8 @@ def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
         stack.enter_context(held(cls, "_segment", timed_segment))
         stack.enter_context(held(cls, "_whole", timed_whole))
         stack.enter_context(held(cls, "_whole_takes", timing("eligibility and masks", cls._whole_takes)))
+        stack.enter_context(held(cls, "_batch_takes", timing("eligibility and masks", cls._batch_takes)))
+        stack.enter_context(held(cls, "_decode_batch", timing("batched step", cls._decode_batch)))
         stack.enter_context(held(text_model, "reserve_rows", timing("KV capacity", text_model.reserve_rows)))
         stack.enter_context(held(text_model, "K", TimedKernels()))
         for c in cache:
@@ -105,10 +111,11 @@ def timed_parts(cache: Any, spent: Dict[str, float]) -> Iterator[None]:
         yield
 
 
-def split_steps(model: Any, cache: Any, steps: int) -> Dict[str, float]:
-    """Median ms per step of each phase and part."""
+def split_steps(model: Any, cache: Any, steps: int, batch: int = 1) -> Dict[str, float]:
+    """Median ms per step of each phase and part (``batch`` rows a step: the
+    server's batch caches)."""
     rows: Dict[str, List[float]] = defaultdict(list)
-    tok = mx.array([[1]])
+    tok = mx.ones((batch, 1), dtype=mx.int32)
     for _ in range(steps):
         spent: Dict[str, float] = defaultdict(float)
         with timed_parts(cache, spent):
@@ -128,6 +135,32 @@ def split_steps(model: Any, cache: Any, steps: int) -> Dict[str, float]:
         rows["wait"].append(done - launched)
         rows["step"].append(done - start)
     return {name: 1e3 * statistics.median(v) for name, v in rows.items()}
+
+
+def pipelined_ms(model: Any, cache: Any, steps: int, batch: int = 1) -> Dict[str, float]:
+    """Median ms per step of decode steps run as mlx-lm's loops run them:
+    each step built and submitted, then the token before it read (so the
+    host builds a step while the GPU runs the one before): the build, the
+    launch, the wait for the previous token, and the step."""
+    rows: Dict[str, List[float]] = defaultdict(list)
+    tok = mx.ones((batch, 1), dtype=mx.int32)
+    previous = None
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = model(tok, cache=cache)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        built = time.perf_counter()
+        mx.async_eval(tok)
+        launched = time.perf_counter()
+        if previous is not None:
+            previous.tolist()
+        done = time.perf_counter()
+        previous = tok
+        for name, seconds in (("build", built - start), ("launch", launched - built), ("wait", done - launched),
+                              ("step", done - start)):
+            rows[name].append(seconds)
+    mx.eval(tok)
+    return {name: 1e3 * statistics.median(v[1:] or v) for name, v in rows.items()}
 
 
 @contextlib.contextmanager
@@ -196,10 +229,14 @@ def main(argv=None) -> int:
                    help="the GPU's clocks, power and load during each decode run (nvidia-smi)")
     p.add_argument("--segments", action="store_true",
                    help="decode in compiled segments (the server's path, and the path before the whole step)")
+    p.add_argument("--batch", help="comma-separated stream counts: the server's batched step on its batch caches "
+                                   "(split and pipelined steps) instead of generate_step's decode")
     p.add_argument("--out", help="also write DIR/decode_split.txt")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps < 1:
         p.error("--rounds and --steps: at least 1")
+    if args.batch:
+        return batch_main(args)
 
     from bench.engines import load_shared, switch
     from bench.measure import prefilled_cache
@@ -240,6 +277,35 @@ def main(argv=None) -> int:
     for r, after in enumerate(afters):
         lines.append(f"generate_step after round {r + 1}'s split steps: {described(after)}")
     write_report(args.out, "decode_split.txt", "\n".join(lines) + "\n")
+    return 0
+
+
+def batch_main(args) -> int:
+    """--batch: per stream count B, the server's step of B streams on its
+    batch caches (each stream's prompt prefilled alone, then merged as
+    BatchGenerator merges them), split into phases, then pipelined."""
+    from bench.diagnostics.decode.decode_profile import batch_cache
+    from bench.engines import load_shared, switch
+
+    model, vocab, _, _ = load_shared({"model": None, "shape": args.shape, "seed": 0, "conditioned": False})
+    switch(model, "lily")
+    batches = [int(b) for b in args.batch.split(",")]
+    splits, piped = [], []
+    for rows in batches:
+        cache = batch_cache(model, vocab, args.context, rows)
+        split_steps(model, cache, 3, rows)  # traces and first-use checks
+        splits.append(split_steps(model, cache, args.steps, rows))
+        piped.append(pipelined_ms(model, cache, args.steps, rows))
+    heads = " | ".join(f"B = {b}" for b in batches)
+    lines = [f"The server's decode step at about {args.context} tokens of context ({args.shape}, lily), "
+             f"median ms over {args.steps} steps", "", f"| phase | {heads} |", "|---|" + "---:|" * len(batches)]
+    for phase in ("build", *(f"- {part}" for part in PARTS + ("rest of build",)), "launch", "wait", "step"):
+        lines.append(f"| {phase} | " + " | ".join(f"{s[phase.lstrip('- ')]:.2f}" for s in splits) + " |")
+    lines += ["", "Pipelined (each step built and submitted before the token before it is read, as "
+              "mlx-lm's loops run decode):", "", f"| phase | {heads} |", "|---|" + "---:|" * len(batches)]
+    for phase in ("build", "launch", "wait", "step"):
+        lines.append(f"| {phase} | " + " | ".join(f"{p[phase]:.2f}" for p in piped) + " |")
+    write_report(args.out, "decode_split_batch.txt", "\n".join(lines) + "\n")
     return 0
 
 
