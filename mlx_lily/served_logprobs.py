@@ -24,17 +24,36 @@ from typing import Any, Dict
 
 import mlx.core as mx
 
+from ._notice import notice_once
+
 _stock: Dict[str, Any] = {}
 
 
 class RowLogprobs(mx.array):
-    """A response row's log-probs; ``row[token]`` and ``row[[ids]]`` read on the CPU stream."""
+    """A response row's log-probs; ``row[token]`` and ``row[[ids]]`` read on
+    the CPU stream (evaluated there at once: the server reads them next).
+    Where that read fails, it is made as stock makes it, after one notice."""
 
     def __getitem__(self, index: Any) -> mx.array:
-        if isinstance(index, (int, list)) and not isinstance(index, bool):
-            with mx.stream(mx.cpu):
-                return mx.array.__getitem__(self, index)
+        if isinstance(index, (int, list)) and not isinstance(index, bool) and not _cpu_read_failed:
+            try:
+                with mx.stream(mx.cpu):
+                    out = mx.array.__getitem__(self, index)
+                    mx.eval(out)
+                return out
+            except Exception as exc:  # noqa: BLE001 - the stock read below always works
+                _cpu_read_fails(exc)
         return mx.array.__getitem__(self, index)
+
+
+_cpu_read_failed = False
+
+
+def _cpu_read_fails(exc: Exception) -> None:
+    global _cpu_read_failed
+    _cpu_read_failed = True
+    notice_once("served-logprobs-cpu", f"reading log-probs on the CPU stream failed ({type(exc).__name__}: "
+                                       f"{str(exc)[:160]}); the server reads them on its decode stream")
 
 
 def _is_lily(model: Any) -> bool:

@@ -63,6 +63,24 @@ def test_lily_rows_read_on_the_cpu_stream_with_the_same_values(demo_checkpoint, 
         assert mx.argmax(r.logprobs).item() == mx.argmax(plain).item()
 
 
+def test_a_failing_cpu_read_falls_back_to_stocks_read_after_one_notice(monkeypatch, fresh_notices, capsys):
+    row = sl.RowLogprobs(mx.log(mx.softmax(mx.arange(8, dtype=mx.float32))))
+    real_stream = mx.stream
+
+    def broken(where):
+        if where == mx.cpu:
+            raise RuntimeError("no CPU stream here")
+        return real_stream(where)
+
+    monkeypatch.setattr(mx, "stream", broken)
+    monkeypatch.setattr(sl, "_cpu_read_failed", False)
+    plain = mx.array.__getitem__(row, slice(None))
+    assert row[3].item() == plain[3].item() and row[[1, 2]].tolist() == plain[mx.array([1, 2])].tolist()
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "RuntimeError: no CPU stream here" in said and "decode stream" in said
+    assert sl._cpu_read_failed
+
+
 def test_the_servers_one_request_path_too(demo_checkpoint, installed):
     from mlx_lm import server
 
