@@ -29,13 +29,14 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from . import prefix_files, prefix_reuse
+from ._patches import Patches
 from .prefix_reuse import Checkpoint
 
 DEFAULT_STEP = 2048
 STEP_FLAG = "--prefill-step-size"
 
 _settings = {"step": DEFAULT_STEP}
-_stock: dict = {}
+_stock = Patches()
 
 
 def take_step_flag(argv: List[str]) -> None:
@@ -130,16 +131,15 @@ def install_cache_prompt() -> None:
     if _stock:
         return
     module = importlib.import_module("mlx_lm.cache_prompt")
-    _stock["generate_step"], _stock["save_prompt_cache"] = module.generate_step, module.save_prompt_cache
-    module.generate_step, module.save_prompt_cache = _generate_step, _save_prompt_cache
+    _stock.set("generate_step", module, "generate_step", _generate_step)
+    _stock.set("save_prompt_cache", module, "save_prompt_cache", _save_prompt_cache)
 
 
 def uninstall() -> None:
     _settings.pop("checked", None)
     if not _stock:
         return
-    module = importlib.import_module("mlx_lm.cache_prompt")
-    module.generate_step, module.save_prompt_cache = _stock.pop("generate_step"), _stock.pop("save_prompt_cache")
+    _stock.undo()
     _last.clear()
 
 

@@ -44,6 +44,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 from ._notice import notice_once
+from ._patches import Patches
 
 POLICY_ENV = "MLX_LILY_PREFIX_REUSE"
 BUDGET_ENV = "MLX_LILY_CHECKPOINT_BYTES"
@@ -461,7 +462,7 @@ def checkpoint_bytes(prompt_cache: LRUPromptCache) -> int:
 # ------------------------------------------------------------------ install
 
 
-_stock: Dict[str, Any] = {}
+_stock = Patches()
 # mlx-lm's own methods, which the installed ones call.
 _ORIGINAL = {"fetch": LRUPromptCache.fetch_nearest_cache, "insert": LRUPromptCache.insert_cache}
 
@@ -495,17 +496,13 @@ def install() -> None:
         return
     gen = importlib.import_module("mlx_lm.generate")
 
-    _stock["prompt"] = gen.PromptProcessingBatch.prompt
-    _stock["fetch"] = LRUPromptCache.fetch_nearest_cache
-    _stock["insert"] = LRUPromptCache.insert_cache
-    gen.PromptProcessingBatch.prompt = _prompt
-    LRUPromptCache.fetch_nearest_cache = fetch_nearest_cache
-    LRUPromptCache.insert_cache = insert_cache
+    _stock.set("prompt", gen.PromptProcessingBatch, "prompt", _prompt)
+    _stock.set("fetch", LRUPromptCache, "fetch_nearest_cache", fetch_nearest_cache)
+    _stock.set("insert", LRUPromptCache, "insert_cache", insert_cache)
     try:
         server = importlib.import_module("mlx_lm.server")
 
-        _stock["tokenize"] = server.ResponseGenerator._tokenize
-        server.ResponseGenerator._tokenize = _tokenize
+        _stock.set("tokenize", server.ResponseGenerator, "_tokenize", _tokenize)
     except (ImportError, AttributeError):
         pass
 
@@ -513,16 +510,7 @@ def install() -> None:
 def uninstall() -> None:
     if not _stock:
         return
-    gen = importlib.import_module("mlx_lm.generate")
-
-    gen.PromptProcessingBatch.prompt = _stock.pop("prompt")
-    LRUPromptCache.fetch_nearest_cache = _stock.pop("fetch")
-    LRUPromptCache.insert_cache = _stock.pop("insert")
-    if "tokenize" in _stock:
-        server = importlib.import_module("mlx_lm.server")
-
-        server.ResponseGenerator._tokenize = _stock.pop("tokenize")
-    _stock.clear()
+    _stock.undo()
     RECORDER.clear()
 
 

@@ -20,13 +20,14 @@ same bits as the GPU's read. Installed by the lily backend when
 from __future__ import annotations
 
 import importlib
-from typing import Any, Dict
+from typing import Any
 
 import mlx.core as mx
 
 from ._notice import notice_once
+from ._patches import Patches
 
-_stock: Dict[str, Any] = {}
+_stock = Patches()
 
 
 class RowLogprobs(mx.array):
@@ -87,23 +88,16 @@ def install() -> None:
     if _stock:
         return
     gen = importlib.import_module("mlx_lm.generate")
-    _stock["next"] = gen.GenerationBatch.next
-    gen.GenerationBatch.next = _next
+    _stock.set("next", gen.GenerationBatch, "next", _next)
     try:
         server = importlib.import_module("mlx_lm.server")
-        _stock["stream_generate"] = server.stream_generate
-        server.stream_generate = _stream_generate
+        _stock.set("stream_generate", server, "stream_generate", _stream_generate)
     except (ImportError, AttributeError):
         pass
 
 
 def uninstall() -> None:
-    if not _stock:
-        return
-    gen = importlib.import_module("mlx_lm.generate")
-    gen.GenerationBatch.next = _stock.pop("next")
-    if "stream_generate" in _stock:
-        importlib.import_module("mlx_lm.server").stream_generate = _stock.pop("stream_generate")
+    _stock.undo()
 
 
 def installed() -> bool:
