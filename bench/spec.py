@@ -13,9 +13,10 @@ a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
 tokens at per-draft acceptance a (the head's own k calls not counted).
 
 Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps,
-baseline_decode_tps, speedup, tokens_identical, accepted, rounds, round_ms: the
-host's ms per round building the drafts, building the verify pass, waiting
-for the GPU, accepting},
+baseline_decode_tps, speedup, tokens_identical, accepted, rounds, plain (tokens
+decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``),
+round_ms: the host's ms per round building the drafts, building the verify
+pass, waiting for the GPU, accepting},
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
 {acceptance, k, speedup}) under --out and prints the tables.
 
@@ -153,13 +154,14 @@ def main(argv: List[str] | None = None) -> int:
             row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
                    "speedup": round(tps / base_tps, 4) if base_tps else None,
                    "tokens_identical": tokens == want_steps,
-                   "accepted": stats["accepted"], "rounds": stats["rounds"],
+                   "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
                    "round_ms": {part: round(1e3 * t / max(1, stats["rounds"]), 4)
                                 for part, t in stats["seconds"].items()}}
             summary.append(row)
             parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
             print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}  "
-                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  identical {row['tokens_identical']}  "
+                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}  "
+                  f"identical {row['tokens_identical']}  "
                   f"round ms: {parts}")
     costs = verify_costs(model, prompt, args.reps)
     for row in costs:

@@ -1,6 +1,7 @@
 """bench --spec on CPU at a tiny shape: the JSON's rows for every draft kind
 and k, tokens identical to the baseline on the reference path, the oracle's
-drafts all accepted and the adversarial's none, verify costs for 2-4
+drafts all accepted and the adversarial's none (drafting paused after two
+such rounds), verify costs for 2-4
 positions and the projection computed from them."""
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ def test_spec_bench_writes_its_rows(tmp_path):
         assert set(row["round_ms"]) == {"draft", "verify_build", "wait", "accept"}
         assert all(ms >= 0 for ms in row["round_ms"].values()) and sum(row["round_ms"].values()) > 0
     for k in (1, 2, 3):
-        assert rows[("adversarial", k)]["accepted"] == 0
+        adversarial = rows[("adversarial", k)]
+        assert adversarial["accepted"] == 0
+        # 6 tokens: the prompt's, 2 rounds that keep nothing, then drafting pauses.
+        assert adversarial["plain"] > 0 and adversarial["rounds"] + adversarial["plain"] == 5
         oracle = rows[("oracle", k)]
-        assert oracle["rounds"] > 0 and oracle["accepted"] == oracle["rounds"] * k
+        assert oracle["rounds"] > 0 and oracle["accepted"] == oracle["rounds"] * k and oracle["plain"] == 0
     costs = {r["positions"]: r for r in data["verify_cost"]}
     assert set(costs) == {2, 3, 4} and all(r["ratio"] > 0 for r in costs.values())
     at = next(r for r in data["projected"] if r["acceptance"] == 0.85 and r["k"] == 1)

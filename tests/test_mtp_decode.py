@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lily
-from mlx_lily.mtp_decode import mtp_generate_step
+from mlx_lily.mtp_decode import PAUSE_AFTER_MISSES, PAUSE_FIRST, mtp_generate_step
 from mlx_lily.random_checkpoints import make_checkpoint
 
 from test_draft_model import assert_caches_equal
@@ -97,6 +97,67 @@ def test_a_consumer_that_stops_early_leaves_the_caches_of_what_it_took(setup, k,
     out = [next(run)[0] for _ in range(stop)]
     run.close()
     assert out == setup["greedy"][:stop]
+    assert_caches_equal(cache, _plain_caches(model, prompt, out[:-1]))
+
+
+def _wrong(greedy, k, vocab, right_from=None):
+    """Drafts the model never keeps (each the greedy token plus one), until
+    ``right_from`` tokens are out; from there the greedy continuation."""
+
+    def hook(done, drafts):
+        right = [greedy[done + i] if done + i < len(greedy) else 0 for i in range(k)]
+        if right_from is not None and done >= right_from:
+            return right
+        return [(t + 1) % vocab for t in right]
+
+    return hook
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
+    """Rejected drafts pause drafting: after PAUSE_AFTER_MISSES rounds that
+    keep nothing, PAUSE_FIRST tokens without drafts, then a round, then twice
+    as many; the tokens are still greedy's, and the plain tokens come from the
+    model's own step (no draft)."""
+    stats = {}
+    out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=TOKENS,
+                                 stats=stats, draft_hook=_wrong(setup["greedy"], k, setup["vocab"])))
+    assert [t for t, _, _ in out] == setup["greedy"]
+    assert stats["accepted"] == 0 and not any(d for _, _, d in out)
+    # TOKENS = 24: the first token, 2 rounds, 4 plain, a round, 8 plain, a round, 7 of 16 plain.
+    assert PAUSE_AFTER_MISSES == 2 and PAUSE_FIRST == 4
+    assert (stats["rounds"], stats["plain"], stats["pauses"]) == (4, 19, 3)
+
+
+def test_drafting_resumes_once_drafts_are_kept_again(setup):
+    stats = {}
+    out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=2, max_tokens=TOKENS,
+                                 stats=stats, draft_hook=_wrong(setup["greedy"], 2, setup["vocab"], right_from=6)))
+    assert [t for t, _, _ in out] == setup["greedy"]
+    assert stats["pauses"] == 1 and stats["plain"] == PAUSE_FIRST
+    # After the pause every round keeps both drafts (but where the run ends).
+    assert stats["accepted"] >= 2 * (stats["rounds"] - PAUSE_AFTER_MISSES) - 2
+
+
+@pytest.mark.parametrize("stop", [5, 7, 9])
+def test_a_run_ended_inside_a_pause_leaves_the_caches_of_what_it_took(setup, stop):
+    """Closing the generator while drafting is paused (the next plain step
+    already submitted), and max_tokens ending it there: the caches hold the
+    prompt and every token taken but the last."""
+    model, prompt = setup["model"], setup["prompt"]
+    hook = _wrong(setup["greedy"], 1, setup["vocab"])
+    cache = make_prompt_cache(model)
+    run = mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=TOKENS, prompt_cache=cache,
+                            draft_hook=hook)
+    out = [next(run)[0] for _ in range(stop)]
+    run.close()
+    assert out == setup["greedy"][:stop]
+    assert_caches_equal(cache, _plain_caches(model, prompt, out[:-1]))
+    cache = make_prompt_cache(model)
+    stats = {}
+    out = [t for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=stop,
+                                               prompt_cache=cache, stats=stats, draft_hook=hook)]
+    assert out == setup["greedy"][:stop] and stats["plain"] > 0
     assert_caches_equal(cache, _plain_caches(model, prompt, out[:-1]))
 
 
