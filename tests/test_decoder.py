@@ -380,3 +380,53 @@ def _tracing(x: mx.array) -> bool:
         return False
     except ValueError:
         return True
+
+
+def test_the_weights_check_sees_every_way_a_module_entry_changes():
+    """weights_version compares entries again only when an nn.Module entry
+    was set or removed somewhere: each of mlx's ways of changing a weight or
+    a submodule moves the version; reading and plain attributes do not."""
+    from mlx_lily.layers.decoder import _MODULE_CHANGES, weights_version
+
+    root = nn.Module()
+    root.proj, root.norm = nn.Linear(32, 32), nn.RMSNorm(32)
+    store = {}
+    version, _ = weights_version(store, [root])
+    changes = [
+        lambda: setattr(root.proj, "weight", mx.ones((32, 32))),
+        lambda: root.proj.update({"bias": mx.ones((32,))}),
+        lambda: root.load_weights([("norm.weight", mx.ones((32,)))], strict=False),
+        lambda: root.norm.pop("weight"),
+        lambda: root.norm.setdefault("weight", mx.ones((32,))),
+        lambda: root.update_modules({"proj": nn.Linear(32, 32)}),
+        lambda: delattr(root.proj, "bias"),
+        lambda: nn.quantize(root, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear)),
+    ]
+    for change in changes:
+        change()
+        new, changed = weights_version(store, [root])
+        assert changed and new == version + 1
+        version = new
+    before = _MODULE_CHANGES[0]
+    root.proj.training_note = "not an entry"  # a plain attribute: mlx pops its name, no entry goes
+    _ = root.proj.weight, root.parameters()
+    root.norm.pop("missing", None)
+    assert _MODULE_CHANGES[0] == before and weights_version(store, [root]) == (version, False)
+
+
+def test_a_decode_step_changes_no_module_entry(demo_checkpoint):
+    """In steady decoding the weights check is one comparison: neither the
+    one-stream step nor the server's batched step sets or removes an entry of
+    any module."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily.layers.decoder import _MODULE_CHANGES
+
+    model, _ = mlx_lily.load(str(demo_checkpoint))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
+    mx.eval(model(mx.array([[5]]), cache=cache))
+    before = _MODULE_CHANGES[0]
+    for token in (6, 7, 8):
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    assert _MODULE_CHANGES[0] == before
