@@ -166,6 +166,10 @@ class Server:
         # bench.serve_process also writes the server's peak memory (peak_memory_gb()).
         self.peak_file = out / f"peak-{engine}.json"
         self.peak_file.unlink(missing_ok=True)
+        # ... and where the decode steps' time goes (bench.serve_split).
+        self.split_file = out / f"split-{engine}.json"
+        self.split_file.unlink(missing_ok=True)
+        env["LILY_BENCH_SERVER_SPLIT"] = str(self.split_file)
         self.cmd = [
             sys.executable, "-m", "bench.serve_process", str(self.peak_file),
             "serve", "--model", model, "--backend", engine,
@@ -208,6 +212,15 @@ class Server:
             return round(json.loads(self.peak_file.read_text())["peak_memory_gb"], 3)
         except (OSError, ValueError, KeyError):
             return None
+
+    def host_split(self) -> Dict[str, Any]:
+        """{B: {part: median ms}} of the server's decode steps so far, as its
+        watcher last wrote them (bench.serve_split), or {}."""
+        time.sleep(1.2)
+        try:
+            return json.loads(self.split_file.read_text())["ms_by_batch"]
+        except (OSError, ValueError, KeyError):
+            return {}
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -525,6 +538,7 @@ def run_engine(
             return result
         alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
         alone["peak_memory_gb_after"] = server.peak_memory_gb()
+        alone["host_split_ms"] = server.host_split().get("1")
         result["waves"]["1"] = alone
         log(f"{engine}: {len(alone['streams'])} single runs, TTFT median {alone['ttft_median_s']}")
         # One request's prefill at --prefill-tokens: once to warm that shape up,
@@ -552,6 +566,7 @@ def run_engine(
             result["waves"][str(n)] = w
             log(f"{engine}: {n} streams, {w['aggregate_tps']} tok/s aggregate, same as single {w['same_as_single']}")
         result["peak_memory_gb"] = server.peak_memory_gb()
+        result["host_split_ms_by_batch"] = server.host_split()
     finally:
         server.stop()
         if server.paths_file is not None and server.paths_file.exists():
@@ -724,6 +739,30 @@ def _fmt(x: Any, digits: int = 1) -> str:
     return str(x)
 
 
+def split_table(report: Dict[str, Any]) -> List[str]:
+    """The servers' decode steps by part (bench.serve_split): the one-stream
+    wave's, then each batch size's over the whole run."""
+    from .serve_split import PARTS
+
+    rows = []
+    for name, e in report["engines"].items():
+        one = e.get("waves", {}).get("1", {}).get("host_split_ms")
+        if one:
+            rows.append((name, "1 (one-stream wave)", one))
+        for b, split in (e.get("host_split_ms_by_batch") or {}).items():
+            rows.append((name, b, split))
+    if not rows:
+        return []
+    lines = ["", "Decode steps inside each server, median ms per step (bench/serve_split.py; `server`: the "
+             "server's loop between two steps):", "",
+             "| engine | B | " + " | ".join(PARTS) + " | token | steps |",
+             "|---|---|" + "---:|" * (len(PARTS) + 2)]
+    for name, b, split in rows:
+        lines.append(f"| {name} | {b} | " + " | ".join(_fmt(split.get(p), 2) for p in (*PARTS, "token"))
+                     + f" | {split.get('steps', '-')} |")
+    return lines + [""]
+
+
 def markdown(report: Dict[str, Any]) -> str:
     s = report["settings"]
     acc = report["machine"].get("accelerator", {})
@@ -762,6 +801,7 @@ def markdown(report: Dict[str, Any]) -> str:
     for name, d in (report.get("decode_vs_generate") or {}).items():
         lines.append(f"Decode, one stream, {name}: server {d['server_decode_tps']:.1f} tok/s vs mlx_lm generate "
                      f"{d['generate_decode_tps']:.1f} tok/s: ratio {d['ratio']:.2f}.")
+    lines += split_table(report)
     for name, e in report["engines"].items():
         if e.get("peak_memory_gb") is not None:
             lines.append(f"Peak memory of the {name} server: {e['peak_memory_gb']:.2f} GiB.")

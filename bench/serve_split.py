@@ -1,0 +1,141 @@
+"""Where a server's decode time goes, timed inside ``mlx_lm.server``'s process.
+
+``bench.serve_process`` installs this when ``bench --serve`` names a file in
+``LILY_BENCH_SERVER_SPLIT``. On the generation thread it times each decode step
+of mlx-lm's ``GenerationBatch`` (one token for every row of the batch), by
+batch size B:
+
+* ``build``: the step up to MLX's launch, chiefly the model's call (building
+  the step's graph);
+* ``launch``: ``mx.async_eval`` of the step (MLX encoding and launching its
+  kernels);
+* ``wait``: ``mx.eval`` of the token before (waiting for the GPU);
+* ``rest``: the rest of the step (reading the tokens back, bookkeeping);
+* ``generator``: ``BatchGenerator.next`` outside the step (its responses,
+  stop checks, the prompt queue);
+* ``server``: the time from one ``next`` returning to the next one starting:
+  the server's own work per token (detokenizing, the log-prob read, the
+  queues) and whatever holds the generation thread up (the HTTP threads'
+  turns with the interpreter lock).
+
+The parts of one token sum to ``token``: one decode step as the server runs
+it. Medians over the last ``KEEP`` steps of each B, written as JSON by
+``write`` (the process's watcher calls it once a second). It wraps mlx-lm's
+methods and MLX's two eval functions for the process, which only a bench
+server runs; the wrappers add well under a microsecond a call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Any, Callable, Dict
+
+PARTS = ("build", "launch", "wait", "rest", "generator", "server")
+KEEP = 2000
+
+_samples: Dict[int, Dict[str, deque]] = defaultdict(lambda: {p: deque(maxlen=KEEP) for p in (*PARTS, "token")})
+_lock = threading.Lock()
+_local = threading.local()
+
+
+def _timed_eval(name: str, base: Callable) -> Callable:
+    """MLX's eval function ``name``, timing its calls made inside a step."""
+
+    def call(*args: Any, **kwargs: Any):
+        step = getattr(_local, "step", None)
+        if step is None:
+            return base(*args, **kwargs)
+        start = time.perf_counter()
+        if name == "async_eval" and "launch_at" not in step:
+            step["launch_at"] = start
+        try:
+            return base(*args, **kwargs)
+        finally:
+            part = "launch" if name == "async_eval" else "wait"
+            step[part] = step.get(part, 0.0) + time.perf_counter() - start
+
+    call.__name__ = name
+    return call
+
+
+def install() -> None:
+    """Wrap ``GenerationBatch._step``, ``BatchGenerator.next`` and MLX's
+    ``eval`` / ``async_eval`` (once)."""
+    import importlib
+
+    import mlx.core as mx
+
+    generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
+    if getattr(generate.GenerationBatch._step, "_lily_split", False):
+        return
+    for name in ("eval", "async_eval"):
+        setattr(mx, name, _timed_eval(name, getattr(mx, name)))
+    base_step, base_next = generate.GenerationBatch._step, generate.BatchGenerator.next
+
+    def _step(self, *args: Any, **kwargs: Any):
+        _local.step = step = {"start": time.perf_counter()}
+        try:
+            return base_step(self, *args, **kwargs)
+        finally:
+            _local.step = None
+            step["end"] = time.perf_counter()
+            step["rows"] = len(self.uids)
+            _local.last_step = step
+
+    def next_(self, *args: Any, **kwargs: Any):
+        start = time.perf_counter()
+        _local.last_step = None
+        try:
+            return base_next(self, *args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            _record(_local.last_step, start, end, getattr(_local, "returned", None))
+            _local.returned = end
+
+    _step._lily_split = True
+    generate.GenerationBatch._step = _step
+    generate.BatchGenerator.next = next_
+
+
+def _record(step: Any, start: float, end: float, previous_end: Any) -> None:
+    """One ``next`` call that ran a decode step: its parts by the step's B."""
+    if step is None:
+        return
+    launch_at = step.get("launch_at", step["end"])
+    parts = {
+        "build": launch_at - step["start"],
+        "launch": step.get("launch", 0.0),
+        "wait": step.get("wait", 0.0),
+        "generator": (end - start) - (step["end"] - step["start"]),
+        "server": start - previous_end if previous_end is not None else None,
+    }
+    parts["rest"] = (step["end"] - step["start"]) - parts["build"] - parts["launch"] - parts["wait"]
+    if parts["server"] is None:  # the first step: no token before it
+        return
+    parts["token"] = sum(parts[p] for p in PARTS)
+    with _lock:
+        kept = _samples[step["rows"]]
+        for part, seconds in parts.items():
+            kept[part].append(seconds)
+
+
+def summary() -> Dict[str, Dict[str, Any]]:
+    """{B: {"steps": n, part: median ms, ...}} over the steps kept."""
+    with _lock:
+        return {
+            str(rows): {"steps": len(kept["token"]),
+                        **{part: round(1e3 * statistics.median(kept[part]), 4) for part in (*PARTS, "token")}}
+            for rows, kept in sorted(_samples.items()) if kept["token"]
+        }
+
+
+def write(path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"ms_by_batch": summary(), "at": time.time()}, f)
+    os.replace(tmp, path)
