@@ -366,6 +366,13 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert all(row[v]["agrees"] for v in variants)
     assert row["copy"]["gb_s"] > 0 and row["one_eval_us"] > 0
     assert "| small |" in (tmp_path / "gemv-sweep.md").read_text()
+    # Batches of x: every choice checked against the contract at B rows.
+    assert gemv_sweep.main(["--out", str(tmp_path / "b5"), "--backend", "emulator", "--batch", "5"]) == 0
+    data = __import__("json").loads((tmp_path / "b5" / "gemv-sweep.json").read_text())
+    (row,) = data["rows"]
+    assert data["settings"]["batch"] == row["batch"] == 5 and all(row[v]["agrees"] for v in variants)
+    with pytest.raises(SystemExit):
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "17"])
 
 
 def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, monkeypatch):
@@ -376,7 +383,7 @@ def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, 
     monkeypatch.setattr(gemv_sweep, "CALLS", calls)
     done = []
 
-    def sweep(name, spec, backend, device_time=False):
+    def sweep(name, spec, backend, device_time=False, batch=1):
         if len(done) == 1:
             raise KeyboardInterrupt  # the run is cut during its second call
         done.append(name)

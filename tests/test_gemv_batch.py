@@ -292,6 +292,29 @@ def test_the_tile_forms():
 KT = 2112
 
 
+@pytest.mark.parametrize("batch", [1, 5, 16])
+def test_more_simdgroups_than_the_default_give_the_same_bits(batch):
+    """A launch with more SIMD groups per threadgroup than the B = 1 launch's
+    (sharing the staging of x among more weight rows, a tuning choice for
+    large batches) gives every row the default's bits: the norm's sum of
+    squares keeps the B = 1 launch's order (NORM_SG), and the dot products
+    never depended on the SIMD groups. Fewer still meet the contract."""
+    emulator_or_skip()
+    (x, weights), kwargs = gemv_call(KD, (40, 9), (4, 8), "norm", seed=7, batch=batch)
+    launch = quantized_matvec_kernel.launch(x, weights, **kwargs)
+    default = dict(launch.template)["NSG"]
+    assert dict(launch.template)["NORM_SG"] == default
+    want = quantized_matvec_kernel.emulate(x, weights, **kwargs)
+    for nsg in (2 * default, 4 * default):
+        more = quantized_matvec_kernel.launch(x, weights, **kwargs, simdgroups=nsg)
+        assert (dict(more.template)["NSG"], dict(more.template)["NORM_SG"]) == (nsg, default)
+        got = quantized_matvec_kernel.emulate(x, weights, **kwargs, simdgroups=nsg)
+        assert all(same_bits(g, w) for g, w in zip(got, want)), nsg
+    fewer = quantized_matvec_kernel.emulate(x, weights, **kwargs, simdgroups=1)
+    reference = quantized_matvec_reference(x, weights, **kwargs)
+    assert quantized_matvec_agree(fewer, reference, x, weights, **kwargs) is None
+
+
 @pytest.mark.parametrize("norm_dtype", [None, mx.float32])
 def test_tiled_and_whole_k_staging_give_the_same_bits(norm_dtype):
     """B = 2 (1 with fp32 xin; the whole of K fits): whole-K staging and tiles of 256, 512

@@ -8,7 +8,13 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B]
+
+``--batch B`` sweeps calls of B rows of x (the server's decode batches, the
+verification pass's positions): every variant gives each row the default's
+bits where its SIMD groups are at least the default's (the norm keeps the
+B = 1 launch's order), so the fastest of those can become the bucket's
+default without changing any output.
 
 By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``
@@ -65,9 +71,9 @@ def copy_floor(args) -> dict:
     return {"us": us, "gb_s": 2 * sum(w.nbytes for w in words) / us / 1e3}
 
 
-def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> dict:
+def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch: int = 1) -> dict:
     K, rows, bits, prologue, residual = spec
-    args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows))
+    args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows), batch=batch)
     mx.eval(args, kwargs)
     nbytes = weight_bytes(args)
     want = quantized_matvec_reference(*args, **kwargs)
@@ -79,7 +85,7 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False) -> di
     else:
         timed = time_in_graph
 
-    row = {"call": name, "weight_bytes": nbytes, "timing": "device" if device_time else "graph",
+    row = {"call": name, "batch": batch, "weight_bytes": nbytes, "timing": "device" if device_time else "graph",
            "stock_us": timed(quantized_matvec_reference, args, kwargs),
            "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
            "copy": copy_floor(args)}
@@ -132,8 +138,11 @@ def main(argv=None) -> int:
                              + "; ".join(CALLS))
     parser.add_argument("--device-time", action="store_true",
                         help="time each kernel alone on the device (NVIDIA, needs PyTorch; see above)")
+    parser.add_argument("--batch", type=int, default=1, help="rows of x per call, 1 to 16 (default 1)")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
+    if not 1 <= args.batch <= 16:
+        parser.error(f"--batch {args.batch}: 1 to 16 rows")
     backend = args.backend or gpu_backend()
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
@@ -147,12 +156,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"--calls {args.calls!r} matches none of: {'; '.join(CALLS)}")
     rows: list = []
     for name, spec in calls.items():
-        rows.append(sweep(name, spec, backend, args.device_time))
+        rows.append(sweep(name, spec, backend, args.device_time, args.batch))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
                "software": software_info(),
-               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS},
+               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "batch": args.batch},
                "calls_done": len(rows), "calls_asked": len(calls), "rows": rows}
         write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
         write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)

@@ -38,11 +38,13 @@
 // last step's zeros) are the last tile's.
 //
 // Batch invariance: row b's outputs are the same bits whatever B and BATCH
-// are and whatever the other rows hold. NSG (which orders the norm's sum of
-// squares) never depends on the batch; ROWS may (the launcher takes fewer for
-// large buckets, so that BATCH x ROWS accumulators stay in registers): a
-// weight row's dot product is summed by the same lanes in the same order
-// whatever ROWS is. Every accumulator takes the same sequence of operations
+// are and whatever the other rows hold. NORM_SG (which orders the norm's sum
+// of squares: its first NORM_SG SIMD groups sum it, the others wait) never
+// depends on the batch; ROWS and NSG may (the launcher takes fewer rows per
+// SIMD group for large buckets, so that BATCH x ROWS accumulators stay in
+// registers; a tuning choice may take more SIMD groups, over which the
+// staging of x is shared): a weight row's dot product is summed by the same
+// lanes in the same order whatever ROWS and NSG are. Every accumulator takes the same sequence of operations
 // in the same order for every b and every BATCH, and the multiply-adds are
 // explicit fma() calls, so no compiler contracts them differently per
 // instance. xin is the same value in every tile form (the same operations on
@@ -65,6 +67,7 @@
 //           promoted with the norm weight's as rms_norm promotes it), OutT (the
 //           output's dtype), K (a multiple of 64), S (segments, 1..4),
 //           BITS0..BITS3 (4 or 8; 0 past S), NSG (SIMD groups per threadgroup),
+//           NORM_SG (the SIMD groups that sum the norm's squares, <= NSG),
 //           ROWS (weight rows per SIMD group), PROLOGUE (0, 1, 2), RESIDUAL
 //           (bool), BATCH (the bucket of B: 1, 2, 4, 8 or 16, gemv.py's
 //           BATCH_BUCKETS), TILE (values of K staged per row at a time: K or
@@ -116,7 +119,7 @@ constexpr uint ROW_VALUES = WHOLE ? K : TILE;
 // (slot / 64) % 16, so that the 32 lanes reading "value i of their own 32
 // (or 16)" touch 32 different banks.
 threadgroup XT xin[BATCH * ROW_VALUES];
-threadgroup float partial[BATCH * NSG];
+threadgroup float partial[BATCH * NORM_SG];
 threadgroup float row_inv_rms[BATCH];
 
 const uint tid = thread_index_in_threadgroup;
@@ -132,25 +135,28 @@ if (PROLOGUE == 1) {
   for (uint b = 0; b < BATCH; ++b) {
     squares[b] = 0.0f;
   }
-  for (uint k = tid; k < K; k += THREADS) {
-    for (uint b = 0; b < BATCH; ++b) {
-      if (b < batch_rows) {
-        float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
-        squares[b] = fma(v, v, squares[b]);
+  constexpr uint NORM_THREADS = NORM_SG * SIMD_WIDTH;
+  if (sg < NORM_SG) {  // uniform within a SIMD group
+    for (uint k = tid; k < K; k += NORM_THREADS) {
+      for (uint b = 0; b < BATCH; ++b) {
+        if (b < batch_rows) {
+          float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+          squares[b] = fma(v, v, squares[b]);
+        }
       }
     }
-  }
-  for (uint b = 0; b < BATCH; ++b) {
-    float sum = simd_sum(squares[b]);
-    if (lane == 0) {
-      partial[b * NSG + sg] = sum;
+    for (uint b = 0; b < BATCH; ++b) {
+      float sum = simd_sum(squares[b]);
+      if (lane == 0) {
+        partial[b * NORM_SG + sg] = sum;
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid < BATCH) {
     float total = 0.0f;
-    for (uint i = 0; i < NSG; ++i) {
-      total += partial[tid * NSG + i];
+    for (uint i = 0; i < NORM_SG; ++i) {
+      total += partial[tid * NORM_SG + i];
     }
     row_inv_rms[tid] = metal::precise::rsqrt(total / float(K) + scalars[0]);
   }

@@ -283,26 +283,32 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             rows_per_simdgroup: Optional[int] = None, simdgroups: Optional[int] = None,
             stage_x: Optional[bool] = None, tile: Optional[int] = None) -> Launch:
     """The call's launch; ``rows_per_simdgroup`` (ROWS_CHOICES) and
-    ``simdgroups`` (per threadgroup, 1-32) are tuning choices that compute
-    the same values (default: ``launch_choice``; given rows without
-    simdgroups, NSG_FOR_BLOCKS); so are ``stage_x`` (True: the whole of K
-    staged at once, where it fits; False: K in tiles even where the whole
-    fits) and ``tile`` (values of K per tile, ``valid_tile``, within the
-    budget; default ``tile_values``). None of them changes a row's sums: the
-    simdgroups (which order the norm's sum of squares) never depend on B,
-    the default rows per SIMD group only through the bucket's registers
-    (MAX_ACCUMULATORS), and every tile form multiplies a lane's chunks in
-    the same order, so each row is the same bits whatever B is (batch
-    invariance)."""
+    ``simdgroups`` (per threadgroup, 1-32) are tuning choices (default:
+    ``launch_choice``; given rows without simdgroups, NSG_FOR_BLOCKS); so
+    are ``stage_x`` (True: the whole of K staged at once, where it fits;
+    False: K in tiles even where the whole fits) and ``tile`` (values of K
+    per tile, ``valid_tile``, within the budget; default ``tile_values``).
+    None of them changes a row's sums, so each row is the same bits whatever
+    B is (batch invariance): a weight row's dot product is the same lanes'
+    in the same order whatever the rows per SIMD group (which the default
+    lowers for large buckets, MAX_ACCUMULATORS) or the SIMD groups, every
+    tile form multiplies a lane's chunks in the same order, and the norm's
+    sum of squares is ordered by the B = 1 launch's SIMD groups (NORM_SG)
+    whatever the launch's, so more SIMD groups (sharing the staging of x
+    among more weight rows, for large B) give the same bits. Fewer than the
+    B = 1 launch's sum the squares in fewer, another order."""
     B, K = x.shape[0], x.shape[-1]
     bucket = batch_bucket(B)
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     blocks_of = lambda per_block: sum(-(-n // per_block) for n in rows)  # noqa: E731
+    # The B = 1 launch's SIMD groups: the default at every B, and what orders
+    # the norm's sum of squares (NORM_SG) whatever the launch.
+    single_rows, chosen = launch_choice(sum(rows), gpu_backend())
+    single_nsg = simdgroups_for(blocks_of(single_rows)) if chosen is None else chosen
     if rows_per_simdgroup is None:
-        single_rows, chosen = launch_choice(sum(rows), gpu_backend())
         rows_per_simdgroup, _ = launch_choice(sum(rows), gpu_backend(), B)
         if simdgroups is None:
-            simdgroups = simdgroups_for(blocks_of(single_rows)) if chosen is None else chosen
+            simdgroups = single_nsg
     if rows_per_simdgroup not in ROWS_CHOICES:
         raise ValueError(f"rows_per_simdgroup {rows_per_simdgroup}: one of {ROWS_CHOICES}")
     S = len(weights)
@@ -349,6 +355,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("S", S),
             *((f"BITS{s}", bits[s] if s < S else 0) for s in range(MAX_SEGMENTS)),
             ("NSG", nsg),
+            ("NORM_SG", min(nsg, single_nsg)),
             ("ROWS", rows_per_simdgroup),
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
