@@ -44,11 +44,11 @@
 // SIMD group for large buckets, so that BATCH x ROWS accumulators stay in
 // registers; a tuning choice may take more SIMD groups, over which the
 // staging of x is shared): a weight row's dot product is summed by the same
-// lanes in the same order whatever ROWS and NSG are. Every accumulator takes the same sequence of operations
-// in the same order for every b and every BATCH, and the multiply-adds are
-// explicit fma() calls, so no compiler contracts them differently per
-// instance. xin is the same value in every tile form (the same operations on
-// the same inputs).
+// lanes in the same order whatever ROWS and NSG are. Every accumulator takes
+// the same sequence of operations in the same order for every b and every
+// BATCH, and the multiply-adds are explicit fma() calls, so no compiler
+// contracts them differently per instance. xin is the same value in every
+// tile form (the same operations on the same inputs).
 //
 // Rows b >= B of the bucket (B = layout[8], a runtime value, so that one
 // build serves every B of its bucket) read nothing and write nothing: every
