@@ -61,13 +61,14 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
         assert 0 < engine["waves"]["1"]["peak_memory_gb_after"] <= engine["waves"]["3"]["peak_memory_gb_after"]
         assert engine["peak_memory_gb"] >= engine["waves"]["3"]["peak_memory_gb_after"]
     # Each server's decode steps split into parts that add up to a token, the
-    # one-stream wave's and each batch size's.
+    # one-stream wave's and each batch size's, at least one batch of streams.
     from bench.serve_split import PARTS
 
     for e in ("lily", "mlx"):
         engine = report["engines"][e]
         one, by_batch = engine["waves"]["1"]["host_split_ms"], engine["host_split_ms_by_batch"]
-        assert one["steps"] >= 3 * 4 and "3" in by_batch
+        # (how the three streams overlap, and so the batch sizes, depends on timing)
+        assert one["steps"] >= 3 * 4 and max(int(b) for b in by_batch) > 1
         for split in (one, *by_batch.values()):
             assert all(split[p] >= 0 for p in PARTS if p != "rest") and split["token"] > 0
     assert "| lily | 1 (one-stream wave) |" in md_file.read_text()
