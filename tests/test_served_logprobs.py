@@ -2,11 +2,13 @@
 
 mlx_lm.server reads ``r.logprobs[r.token].item()`` for every streamed token.
 For a lily model the generator's rows are ``RowLogprobs``: the same values,
-read on the CPU stream (so the read does not queue behind the next decode
-step on the GPU stream). Stock models' responses are left as they are.
+read from the evaluated row's memory on the host (so the read queues nothing
+behind the next decode step). Stock models' responses are left as they are.
 """
 
 from __future__ import annotations
+
+import time
 
 import mlx.core as mx
 import pytest
@@ -36,49 +38,77 @@ def responses(model, steps=4):
     return out
 
 
-def test_lily_rows_read_on_the_cpu_stream_with_the_same_values(demo_checkpoint, installed, monkeypatch):
+def test_lily_rows_read_on_the_host_with_the_same_values(demo_checkpoint, installed):
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     rs = responses(model)
-    streams = []
-    real_stream = mx.stream
-
-    def spy(where):
-        streams.append(where)
-        return real_stream(where)
-
-    monkeypatch.setattr(mx, "stream", spy)
     for r in rs:
         assert type(r.logprobs) is sl.RowLogprobs
         plain = mx.array.__getitem__(r.logprobs, slice(None))  # the row as a plain array
         assert type(plain) is mx.array
-        before = len(streams)
-        value = r.logprobs[r.token].item()
-        assert streams[before:] == [mx.cpu]
-        assert value == plain[r.token].item()
+        value = r.logprobs[r.token]
+        assert value.dtype == plain.dtype and value.shape == ()
+        assert value.item() == plain[r.token].item()
         ids = [r.token, 0, 3]
         assert r.logprobs[ids].tolist() == plain[mx.array(ids)].tolist()
         # Other indexing and ops behave as on the plain array.
         assert mx.array_equal(r.logprobs[:4], plain[:4]).item()
         assert mx.array_equal(-r.logprobs, -plain).item()
         assert mx.argmax(r.logprobs).item() == mx.argmax(plain).item()
+    assert not sl._host_read_failed
 
 
-def test_a_failing_cpu_read_falls_back_to_stocks_read_after_one_notice(monkeypatch, fresh_notices, capsys):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_the_host_read_is_exact_in_each_dtype(dtype):
+    row = (mx.random.normal((300,), key=mx.random.key(1)) * 9).astype(dtype)
+    mx.eval(row)
+    wrapped = sl.RowLogprobs(row)
+    for i in (0, 17, 299, -1):
+        got = wrapped[i]
+        assert got.dtype == dtype and got.item() == row[i].item()
+    assert wrapped[[5, 0, 5]].tolist() == row[mx.array([5, 0, 5])].tolist()
+
+
+def _queued_work(x):
+    y = x
+    for _ in range(12):
+        y = (y @ x) * 1e-3
+    return y
+
+
+def test_the_read_does_not_wait_for_work_queued_after_the_row():
+    # The server reads a row while the next decode step runs on the same
+    # stream. (Wrapping the row as mx.array(row) makes a new node: a read of
+    # that queued a copy behind the step and waited for it.)
+    rows = list(mx.random.normal((2, 1000), key=mx.random.key(2)))
+    x = mx.random.normal((512, 512), key=mx.random.key(3))
+    mx.eval(rows, x)
+    start = time.perf_counter()
+    mx.eval(_queued_work(x))
+    alone = time.perf_counter() - start
+    wrapped = sl.RowLogprobs(rows[0])
+    pending = _queued_work(x)
+    mx.async_eval(pending)
+    start = time.perf_counter()
+    value = wrapped[7].item()
+    read = time.perf_counter() - start
+    mx.eval(pending)
+    assert value == rows[0][7].item()
+    assert read < alone / 4, (read, alone)
+
+
+def test_a_failing_host_read_falls_back_to_stocks_read_after_one_notice(monkeypatch, fresh_notices, capsys):
     row = sl.RowLogprobs(mx.log(mx.softmax(mx.arange(8, dtype=mx.float32))))
-    real_stream = mx.stream
 
-    def broken(where):
-        if where == mx.cpu:
-            raise RuntimeError("no CPU stream here")
-        return real_stream(where)
+    def broken(row, index):
+        raise RuntimeError("no buffer here")
 
-    monkeypatch.setattr(mx, "stream", broken)
-    monkeypatch.setattr(sl, "_cpu_read_failed", False)
+    monkeypatch.setattr(sl, "_host_read", broken)
+    monkeypatch.setattr(sl, "_host_read_failed", False)
     plain = mx.array.__getitem__(row, slice(None))
     assert row[3].item() == plain[3].item() and row[[1, 2]].tolist() == plain[mx.array([1, 2])].tolist()
     said = capsys.readouterr().err
-    assert said.count("\n") == 1 and "RuntimeError: no CPU stream here" in said and "decode stream" in said
-    assert sl._cpu_read_failed
+    assert said.count("\n") == 1 and "RuntimeError: no buffer here" in said and "decode stream" in said
+    assert sl._host_read_failed
 
 
 def test_the_servers_one_request_path_too(demo_checkpoint, installed):
