@@ -375,6 +375,30 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "17"])
 
 
+def test_a_sweep_variant_that_cannot_launch_is_recorded_not_fatal(tmp_path, monkeypatch):
+    # On CUDA a launch of too many threads for the body's registers fails
+    # ("too many resources requested for launch"); the sweep goes on.
+    emulator_or_skip()
+    from bench.diagnostics.tuning import gemv_sweep
+
+    monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False)})
+    monkeypatch.setattr(gemv_sweep, "SIMDGROUPS", (1, 2))
+    monkeypatch.setattr(gemv_sweep, "time_call", lambda fn, args, kwargs: {"ms": 0.01})
+
+    def time_in_graph(fn, args, kwargs):
+        if (fn.__kwdefaults__ or {}).get("options") == {"rows_per_simdgroup": 4, "simdgroups": 2}:
+            raise RuntimeError("too many resources requested for launch")
+        return 10.0
+
+    monkeypatch.setattr(gemv_sweep, "time_in_graph", time_in_graph)
+    assert gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator"]) == 0
+    (row,) = __import__("json").loads((tmp_path / "gemv-sweep.json").read_text())["rows"]
+    assert row["r4x2"]["us"] is None and "too many resources" in row["r4x2"]["error"]
+    assert row["r1x1"]["agrees"] and row["best"] != "r4x2"
+    table = (tmp_path / "gemv-sweep.md").read_text()
+    assert "did not run" in table and "DISAGREES" not in table
+
+
 def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, monkeypatch):
     from bench.diagnostics.tuning import gemv_sweep
 

@@ -67,13 +67,17 @@ MIN_TILE = 256
 ROWS_CHOICES = (1, 2, 4)
 DEFAULT_LAUNCH = (4, None)
 CUDA_LAUNCH_FOR_ROWS = ((4096, 4, None), (1024, 2, 8), (0, 1, 16))
-# A lane holds BATCH x ROWS fp32 accumulators; nvcc (sm_90) keeps 16 in
-# registers at the model's shapes, and from 32 (16 x 2 for the merged input
-# projections) leaves the batch loop rolled, the accumulators in local memory.
-# So large buckets take fewer rows per SIMD group: the same sums per weight
-# row (its dot product is the same lanes' in the same order whatever ROWS
-# is), only the rows' spread over SIMD groups changes. NSG stays the B = 1
-# launch's (it orders the norm's sum of squares).
+# A lane holds BATCH x ROWS fp32 accumulators. On Metal large buckets take
+# fewer rows per SIMD group, at most MAX_ACCUMULATORS a lane (not measured
+# there). On CUDA every bucket keeps the B = 1 rows: nvcc (sm_90) leaves the
+# accumulators past 16 in local memory, yet at 16 rows of x the merged input
+# projections ran 168.8 us at 4 rows a SIMD group against 263.6 at 1, the
+# output projections 48.3 against 67.2, and at 8 rows of x within 1% either
+# way (gemv_sweep --device-time --batch 4/8/16 on the H200,
+# bench/results/2026-12-02-nvidia-h200-23957b8951). Either way a weight
+# row's dot product is the same lanes' in the same order whatever ROWS is,
+# and NSG stays the B = 1 launch's (it orders the norm's sum of squares):
+# the same bits.
 MAX_ACCUMULATORS = 16
 # The body indexes with 32-bit unsigned integers.
 MAX_WORDS = 2**31
@@ -251,12 +255,12 @@ def batch_bucket(batch: int) -> int:
 def launch_choice(total_rows: int, backend: Optional[str], batch: int = 1) -> tuple:
     """(rows per SIMD group, SIMD groups per threadgroup or None for
     NSG_FOR_BLOCKS) for a call of this many rows on ``backend``, at B =
-    ``batch`` rows of x: the B = 1 choice, with at most MAX_ACCUMULATORS /
-    bucket rows per SIMD group."""
+    ``batch`` rows of x: the B = 1 choice, on Metal with at most
+    MAX_ACCUMULATORS / bucket rows per SIMD group."""
     rows, nsg = DEFAULT_LAUNCH
     if backend == "cuda":
-        rows, nsg = next(((r, n) for at_least, r, n in CUDA_LAUNCH_FOR_ROWS if total_rows >= at_least),
-                         CUDA_LAUNCH_FOR_ROWS[-1][1:])
+        return next(((r, n) for at_least, r, n in CUDA_LAUNCH_FOR_ROWS if total_rows >= at_least),
+                    CUDA_LAUNCH_FOR_ROWS[-1][1:])
     return min(rows, max(1, MAX_ACCUMULATORS // batch_bucket(batch))), nsg
 
 
@@ -291,7 +295,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     None of them changes a row's sums, so each row is the same bits whatever
     B is (batch invariance): a weight row's dot product is the same lanes'
     in the same order whatever the rows per SIMD group (which the default
-    lowers for large buckets, MAX_ACCUMULATORS) or the SIMD groups, every
+    on Metal lowers for large buckets, MAX_ACCUMULATORS) or the SIMD groups, every
     tile form multiplies a lane's chunks in the same order, and the norm's
     sum of squares is ordered by the B = 1 launch's SIMD groups (NORM_SG)
     whatever the launch's, so more SIMD groups (sharing the staging of x
