@@ -373,6 +373,33 @@ def test_a_compiled_step_traces_again_after_a_first_use_inside_its_trace(monkeyp
     assert calls.count("eager") == 1 + min(traces_with_first_uses, D.MAX_RETRACES)
 
 
+def test_a_call_whose_trace_met_a_first_use_is_answered_by_the_kernels(monkeypatch):
+    """The reference answers inside a trace that meets a kernel's first use;
+    that call must still get the kernels' bits (a server row meeting a new
+    batch size must get what it gets alone), and a step meeting new shapes
+    all its life (batch sizes 1..16) keeps its kernels in every trace, not
+    only in its first MAX_RETRACES."""
+    from mlx_lily.toolchain import tracing
+
+    checked = set()
+
+    def fn(x):
+        if _tracing(x):
+            if x.shape not in checked:  # this shape's first use, inside a trace: the reference
+                tracing.count_first_use_in_trace()
+                return x * 3
+            return x * 2
+        checked.add(x.shape)  # eager: the kernel's check, then the kernel
+        return x * 2
+
+    store = {}
+    for n in range(1, 3 + 2 * D.MAX_RETRACES):
+        x = mx.arange(n, dtype=mx.float32)
+        for _ in range(2):
+            step = D.compiled_step(store, "step", 0, lambda: fn)
+            assert mx.array_equal(step(x), x * 2).item(), n
+
+
 def _tracing(x: mx.array) -> bool:
     """Whether ``x`` is a tracer of mx.compile (it cannot be evaluated)."""
     try:

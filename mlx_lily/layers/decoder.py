@@ -192,10 +192,16 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
     every token (the first included) comes from the same computation.
 
     A kernel can still meet its first use inside a trace: a trace for new
-    input shapes (a KV capacity), or a check the eager run left for later (its
-    reference was not finite). There the reference answers, and MLX would
-    replay it for good; so the step then runs eagerly once more (the checks)
-    and is traced afresh at its next call, up to MAX_RETRACES times."""
+    input shapes (a KV capacity, a batch size the server meets for the first
+    time), or a check the eager run left for later (its reference was not
+    finite). There the reference answers, and MLX would replay it for good.
+    So the step runs eagerly once more (the checks) and that same call is
+    answered by a fresh trace, with the kernels: the bits every other call
+    gets, which batch invariance needs (an eager answer could differ from a
+    compiled one where MLX fuses elementwise ops). A trace that keeps meeting
+    first uses is traced afresh at most MAX_RETRACES times in a row; a call
+    that meets none renews that allowance, so a server meeting new batch
+    sizes all its life keeps its kernels in every trace."""
     held = store.get(name)
     if held is not None and held[0] == key:
         return held[1]
@@ -203,14 +209,18 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
     state = {"compiled": mx.compile(fn), "retraces": 0}
 
     def step(*args):
-        before = first_uses_in_traces()
-        out = state["compiled"](*args)
-        if first_uses_in_traces() != before and state["retraces"] < MAX_RETRACES:
+        while True:
+            before = first_uses_in_traces()
+            out = state["compiled"](*args)
+            if first_uses_in_traces() == before:
+                state["retraces"] = 0
+                return out
+            if state["retraces"] >= MAX_RETRACES:
+                return out
             state["retraces"] += 1
-            mx.eval(fn(*args))
+            mx.eval(fn(*args))  # the checks
             # A new function object: MLX keys its traces by the function.
             state["compiled"] = mx.compile(lambda *a: fn(*a))
-        return out
 
     store[name] = (key, step)
 
@@ -221,8 +231,9 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
     return first_call
 
 
-# Fresh traces a compiled step makes after kernels' first uses inside its
-# trace; past it, those kernels stay on their references in that step.
+# Fresh traces a compiled step makes in a row after kernels' first uses
+# inside its trace; past it, those kernels stay on their references in that
+# trace (until a later call's first uses trace the step afresh).
 MAX_RETRACES = 3
 
 
