@@ -289,6 +289,11 @@ def mtp_generate_step(
             for c in head_cache:
                 c.trim(k + 1)
 
+        def feed_head(hidden: mx.array, next_tokens: mx.array) -> None:
+            """The head's cache takes verified positions (hidden [1, S, D],
+            the tokens after them [S]) without drafting from them."""
+            mx.async_eval(head(hidden, embed(next_tokens[None]), head_cache))
+
         def plain_step(x: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
             """generate_step's greedy decode step on the pending token x (the
             model's call, as ``LilyLanguageModel.__call__`` makes it): the
@@ -347,10 +352,13 @@ def mtp_generate_step(
             verified, after = current.out[:, : n + 1], mx.array(emitted, dtype=mx.uint32)
             if pipelined and misses >= PAUSE_AFTER_MISSES:
                 # Drafting paused: ``pause`` plain steps, each built and
-                # submitted before the token before it is read; the head
-                # gets their positions with the next round's.
+                # submitted before the token before it is read. The head
+                # takes the positions as they come, one call each (the
+                # shapes a round's drafting takes: a catch-up call of 5 to 65
+                # positions would meet prompt-kernel instances of its own),
+                # all but the last, which opens the next round.
                 stats["pauses"] += 1
-                outs, tokens = [verified], [after]
+                feed_head(verified, after)
                 step = plain_step(after[-1])
                 mx.async_eval(step[1], step[2])
                 for i in range(pause):
@@ -358,8 +366,9 @@ def mtp_generate_step(
                     if upcoming is not None:
                         mx.async_eval(upcoming[1], upcoming[2])
                     out, logprobs, y = step
-                    outs.append(out)
-                    tokens.append(y[None])
+                    if i:
+                        feed_head(verified, after)
+                    verified, after = out, y[None]
                     ntoks += 1
                     stats["plain"] += 1
                     try:
@@ -371,7 +380,6 @@ def mtp_generate_step(
                         _end(cache, None, int(upcoming is not None), back_out)
                         return
                     step = upcoming
-                verified, after = mx.concatenate(outs, axis=1), mx.concatenate(tokens)
                 # The round that follows tries the head again: one more miss
                 # pauses again, for twice as long.
                 pause, misses, full = min(2 * pause, PAUSE_MAX), PAUSE_AFTER_MISSES - 1, False

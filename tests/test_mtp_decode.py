@@ -129,6 +129,42 @@ def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
     assert (stats["rounds"], stats["plain"], stats["pauses"]) == (4, 19, 3)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_paused_positions_reach_the_head_one_call_each(setup, k, monkeypatch):
+    """While drafting pauses, the head takes the plain steps' positions as
+    they come, in calls no wider than a round's (at most k + 1 positions):
+    a catch-up call over a whole pause would be a prompt call whose kernel
+    instances no round meets. Every verified position still reaches it once:
+    its cache ends where the model's does, less the last token (not yet
+    verified) and the prompt's first (no position before it)."""
+    from mlx_lily import mtp
+
+    head = mtp.head_of(setup["model"])
+    widths, caches = [], []
+    real_call = type(head).__call__
+
+    def spy(self, hidden, embedded, cache=None):
+        widths.append(hidden.shape[1])
+        caches.append(cache)
+        return real_call(self, hidden, embedded, cache)
+
+    monkeypatch.setattr(type(head), "__call__", spy)
+    stats = {}
+    prompt_cache = make_prompt_cache(setup["model"])
+    # 2 + 4 + 1 + 8 plain or round tokens after the first: ends on a probe round.
+    steps = 1 + PAUSE_AFTER_MISSES + PAUSE_FIRST + 1 + 2 * PAUSE_FIRST
+    out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=steps,
+                                 stats=stats, prompt_cache=prompt_cache,
+                                 draft_hook=_wrong(setup["greedy"], k, setup["vocab"])))
+    assert [t for t, _, _ in out] == setup["greedy"][:steps]
+    assert stats["pauses"] == 2 and stats["plain"] == 3 * PAUSE_FIRST
+    prompt_width = setup["prompt"].size
+    assert widths[0] == prompt_width and max(widths[1:]) <= k + 1
+    head_cache = caches[-1]
+    model_tokens = prompt_width + steps - 1  # the last token is not fed to the model yet
+    assert head_cache[0].offset == model_tokens - 1
+
+
 def test_drafting_resumes_once_drafts_are_kept_again(setup):
     stats = {}
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=2, max_tokens=TOKENS,
