@@ -373,6 +373,14 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert data["settings"]["batch"] == row["batch"] == 5 and all(row[v]["agrees"] for v in variants)
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "17"])
+    # --tiles: the tile kernel's choices beside, where it takes the call (4-bit here).
+    monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False),
+                                              "four": (128, (9, 16), (4, 4), "norm", False)})
+    assert gemv_sweep.main(["--out", str(tmp_path / "t"), "--backend", "emulator", "--batch", "3", "--tiles"]) == 0
+    small, four = __import__("json").loads((tmp_path / "t" / "gemv-sweep.json").read_text())["rows"]
+    assert not any(v.startswith("tiles") for v in small)
+    assert {"tiles1", "tiles2", "tiles4"} <= set(four) and all(four[v]["agrees"] for v in ("tiles1", "tiles4"))
+    assert "tiles4" in (tmp_path / "t" / "gemv-sweep.md").read_text()
 
 
 def test_a_sweep_variant_that_cannot_launch_is_recorded_not_fatal(tmp_path, monkeypatch):
@@ -407,7 +415,7 @@ def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, 
     monkeypatch.setattr(gemv_sweep, "CALLS", calls)
     done = []
 
-    def sweep(name, spec, backend, device_time=False, batch=1):
+    def sweep(name, spec, backend, device_time=False, batch=1, tiles=False):
         if len(done) == 1:
             raise KeyboardInterrupt  # the run is cut during its second call
         done.append(name)

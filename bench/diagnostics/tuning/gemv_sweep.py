@@ -8,13 +8,17 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B] [--tiles]
 
 ``--batch B`` sweeps calls of B rows of x (the server's decode batches, the
 verification pass's positions): every variant gives each row the default's
 bits where its SIMD groups are at least the default's (the norm keeps the
 B = 1 launch's order), so the fastest of those can become the bucket's
 default without changing any output.
+
+``--tiles`` also times the GEMV on matrix tiles (``gemv_tiles.py``, not yet
+on the model's path) where it takes the call (4-bit weights, bf16): the
+figures that decide whether the model takes it, at every B.
 
 By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``
@@ -43,6 +47,8 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_kernel,
     quantized_matvec_reference,
 )
+from mlx_lily.kernels.linear.gemv_tiles import SIMDGROUP_CHOICES as TILE_SIMDGROUP_CHOICES
+from mlx_lily.kernels.linear.gemv_tiles import quantized_matvec_tiles_kernel, quantized_matvec_tiles_supports
 from mlx_lily.toolchain.registry import gpu_backend
 from mlx_lily.kernels.linear.testing import gemv_call
 
@@ -72,7 +78,8 @@ def copy_floor(args) -> dict:
     return {"us": us, "gb_s": 2 * sum(w.nbytes for w in words) / us / 1e3}
 
 
-def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch: int = 1) -> dict:
+def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch: int = 1,
+          tiles: bool = False) -> dict:
     K, rows, bits, prologue, residual = spec
     args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows), batch=batch)
     mx.eval(args, kwargs)
@@ -90,12 +97,15 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
            "stock_us": timed(quantized_matvec_reference, args, kwargs),
            "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
            "copy": copy_floor(args)}
-    variants = {"chosen": {}}
-    variants.update({f"r{r}x{g}": dict(rows_per_simdgroup=r, simdgroups=g)
+    variants = {"chosen": (quantized_matvec_kernel, {})}
+    variants.update({f"r{r}x{g}": (quantized_matvec_kernel, dict(rows_per_simdgroup=r, simdgroups=g))
                      for r in ROWS_CHOICES for g in SIMDGROUPS})
-    for variant, options in variants.items():
-        def fn(*a, options=options, **k):
-            return quantized_matvec_kernel.run_on(backend, *a, **options, **k)
+    if tiles and quantized_matvec_tiles_supports(*args, **kwargs) is None:
+        variants.update({f"tiles{g}": (quantized_matvec_tiles_kernel, dict(simdgroups=g))
+                         for g in TILE_SIMDGROUP_CHOICES})
+    for variant, (kernel, options) in variants.items():
+        def fn(*a, kernel=kernel, options=options, **k):
+            return kernel.run_on(backend, *a, **options, **k)
         try:
             us = timed(fn, args, kwargs)
             agrees = quantized_matvec_agree(fn(*args, **kwargs), want, *args, **kwargs) is None
@@ -132,12 +142,15 @@ def markdown(rows: list) -> str:
                      f"{r['chosen']['us']:.1f} | {r['best']} | {best['us']:.1f} | {best['gb_s']:.0f} | "
                      f"{r['copy']['gb_s']:.0f} | {r['one_eval_us']:.1f} |")
     lines += ["", "Every variant, us (rows per SIMD group x SIMD groups per threadgroup):", ""]
-    variants = [v for v in rows[0] if isinstance(rows[0][v], dict) and v not in ("chosen", "copy")] if rows else []
+    variants = []
+    for r in rows:
+        variants += [v for v in r if isinstance(r[v], dict) and v not in ("chosen", "copy") and v not in variants]
     lines.append("| call | " + " | ".join(variants) + " |")
     lines.append("|---" * (len(variants) + 1) + "|")
     for r in rows:
         lines.append(f"| {r['call']} | " + " | ".join(
-            "did not run" if r[v]["us"] is None else f"{r[v]['us']:.1f}" for v in variants) + " |")
+            "" if v not in r else "did not run" if r[v]["us"] is None else f"{r[v]['us']:.1f}"
+            for v in variants) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,6 +163,9 @@ def main(argv=None) -> int:
     parser.add_argument("--device-time", action="store_true",
                         help="time each kernel alone on the device (NVIDIA, needs PyTorch; see above)")
     parser.add_argument("--batch", type=int, default=1, help="rows of x per call, 1 to 16 (default 1)")
+    parser.add_argument("--tiles", action="store_true",
+                        help="also time the GEMV on matrix tiles (quantized_matvec_tiles) at each of its "
+                             "SIMD-group choices (tiles1, tiles2, tiles4), where it takes the call")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
     if not 1 <= args.batch <= 16:
@@ -167,12 +183,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"--calls {args.calls!r} matches none of: {'; '.join(CALLS)}")
     rows: list = []
     for name, spec in calls.items():
-        rows.append(sweep(name, spec, backend, args.device_time, args.batch))
+        rows.append(sweep(name, spec, backend, args.device_time, args.batch, args.tiles))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
                "software": software_info(),
-               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "batch": args.batch},
+               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "batch": args.batch,
+                            "tiles": args.tiles},
                "calls_done": len(rows), "calls_asked": len(calls), "rows": rows}
         write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
         write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)

@@ -1,0 +1,255 @@
+// The decode GEMV on matrix tiles: quantized_matvec's contract (gemv.metal:
+// up to four 4-bit projections of one input, its RMSNorm or output-gate
+// prologue, the residual epilogue) for B <= 16 rows of x, each weight tile
+// read once for all rows and multiplied with x as the 16-row operand of
+// lily_tile_mma. Launcher: mlx_lily/kernels/linear/gemv_tiles.py.
+//
+// A threadgroup owns 16 weight rows (one output tile of one segment) and its
+// NSG SIMD groups split K: SIMD group j takes the quantization groups
+// [j * SLICE, (j + 1) * SLICE). Per round every thread first stages xin (the
+// prologue's output, rounded to bf16 as gemv.metal rounds it) of each SIMD
+// group's next group of 64 values for the B rows, and each row's sum over
+// that group; then each SIMD group unpacks its 16 x 64 weights (16 bytes a
+// lane) to bf16 integers q in [0, 16) in its own threadgroup memory and
+// multiplies: t = xin . q over the group (four 16 x 16 x 16 products, fp32),
+// then acc = fma(scale, t, acc), acc = fma(bias, sum(xin), acc): q is exact
+// in bf16, so the weights enter unrounded, as W = scale * q + bias does.
+// The SIMD groups' accumulators are summed in order j = 0..NSG-1, rounded to
+// XT, then the residual is added.
+//
+// Batch invariance: output row m depends on x's row m alone (the tile
+// product keeps rows apart), every sum runs in an order fixed by K and NSG
+// (the launcher's choice per call shape, never B), and rows past B are
+// zeros, staged once. So a row's bits are the same for every B, B = 1
+// included.
+//
+// Template: XT (bfloat16_t: x's dtype, the norm weight's too), OutT (the
+//           output's dtype), K (a multiple of 64), S (segments, 1..4), NSG
+//           (SIMD groups per threadgroup: the K split), PROLOGUE (0 none,
+//           1 RMSNorm, 2 sigmoid gate), RESIDUAL (bool), BATCH (B's bucket:
+//           1, 2, 4, 8 or 16; sizes the loops over rows).
+// Inputs:   as gemv.metal (x, w<s>, scales<s>, biases<s>, norm_weight, gate,
+//           residual, scalars), the weights 4-bit only; layout uint32 [9]:
+//           each segment's end in 16-row tiles (4), rows (4), B (1).
+// Outputs:  out0..out3 [B, 1, N_s].
+// Grid:     (tiles * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
+
+constexpr uint SIMD_WIDTH = 32;
+constexpr uint THREADS = NSG * SIMD_WIDTH;
+constexpr uint TILE_ROWS = 16;
+constexpr uint GROUP = 64;
+constexpr uint GROUPS = K / GROUP;
+constexpr uint SLICE = (GROUPS + NSG - 1) / NSG;  // groups per SIMD group
+constexpr uint WORDS = K / 8;                     // uint32 words of a weight row
+constexpr uint PAD = 8;                           // keeps rows 16-byte aligned, spreads banks
+constexpr uint XLD = NSG * GROUP + PAD;           // staged xin row stride (bf16 values)
+constexpr uint QLD = GROUP + PAD;                 // staged q row stride
+
+threadgroup bfloat16_t xin[TILE_ROWS * XLD];         // rows past B stay zero
+threadgroup float xsum[TILE_ROWS * NSG];
+threadgroup bfloat16_t qs[NSG * TILE_ROWS * QLD];
+threadgroup float partial[NSG * TILE_ROWS * TILE_ROWS];
+threadgroup float norm_part[BATCH * NSG];
+threadgroup float row_inv_rms[BATCH];
+
+const uint tid = thread_index_in_threadgroup;
+const uint lane = thread_index_in_simdgroup;
+const uint sg = simdgroup_index_in_threadgroup;
+const uint batch_rows = layout[8];
+const uint gate_d = uint(gate_shape[3]);
+
+for (uint i = tid; i < TILE_ROWS * XLD; i += THREADS) {
+  xin[i] = static_cast<bfloat16_t>(0.0f);
+}
+for (uint i = tid; i < TILE_ROWS * NSG; i += THREADS) {
+  xsum[i] = 0.0f;
+}
+
+// -- each row's norm: sum of squares by every thread, in an order of K and NSG --
+if (PROLOGUE == 1) {
+  float squares[BATCH];
+  for (uint b = 0; b < BATCH; ++b) {
+    squares[b] = 0.0f;
+  }
+  for (uint k = tid; k < K; k += THREADS) {
+    for (uint b = 0; b < BATCH; ++b) {
+      if (b < batch_rows) {
+        float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+        squares[b] = fma(v, v, squares[b]);
+      }
+    }
+  }
+  for (uint b = 0; b < BATCH; ++b) {
+    float sum = simd_sum(squares[b]);
+    if (lane == 0) {
+      norm_part[b * NSG + sg] = sum;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < BATCH) {
+    float total = 0.0f;
+    for (uint i = 0; i < NSG; ++i) {
+      total += norm_part[tid * NSG + i];
+    }
+    row_inv_rms[tid] = metal::precise::rsqrt(total / float(K) + scalars[0]);
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+
+// -- this threadgroup's tile --------------------------------------------------------
+const uint tile = threadgroup_position_in_grid.x;
+uint seg = 0;
+for (uint s = 0; s + 1 < S; ++s) {
+  if (tile >= layout[s]) {
+    seg = s + 1;
+  }
+}
+const uint seg_rows = layout[4 + seg];
+const uint row0 = (tile - (seg == 0 ? 0u : layout[seg - 1])) * TILE_ROWS;
+// Lane l loads 16 bytes of weight row row0 + l / 2: half l % 2 of a group's 32.
+const uint my_row = row0 + lane / 2;
+const bool row_in = my_row < seg_rows;
+const uint4 no_words = {0u, 0u, 0u, 0u};
+
+lily_tile_acc acc;
+lily_tile_acc_zero(acc);
+
+for (uint r = 0; r < SLICE; ++r) {
+  // Stage xin of group (j * SLICE + r) for every SIMD group j, rows < B.
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // the last round's reads are done
+  for (uint i = tid; i < BATCH * NSG * GROUP; i += THREADS) {
+    const uint b = i / (NSG * GROUP);
+    const uint j = (i / GROUP) % NSG;
+    const uint v = i % GROUP;
+    const uint g = j * SLICE + r;
+    if (b >= batch_rows || g >= GROUPS) {
+      continue;
+    }
+    const uint k = g * GROUP + v;
+    float value = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+    if (PROLOGUE == 1) {
+      float normed = static_cast<float>(static_cast<XT>(value * row_inv_rms[b]));
+      value = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
+    } else if (PROLOGUE == 2) {
+      const uint gh = k / gate_d;
+      const uint d = k - gh * gate_d;
+      float gx = static_cast<float>(gate[b * gate_strides[0] + gh * gate_strides[2] + d * gate_strides[3]]);
+      float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
+      float sigmoid_neg = 1.0f / (1.0f + e);
+      float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+      value = value * sig;
+    }
+    xin[b * XLD + j * GROUP + v] = static_cast<bfloat16_t>(value);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Each row's sum over each staged group, in order (one thread a row and group).
+  for (uint i = tid; i < BATCH * NSG; i += THREADS) {
+    const uint b = i / NSG;
+    const uint j = i % NSG;
+    if (b < batch_rows) {
+      float sum = 0.0f;
+      for (uint v = 0; v < GROUP; ++v) {
+        sum += static_cast<float>(xin[b * XLD + j * GROUP + v]);
+      }
+      xsum[b * NSG + j] = sum;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  const uint g = sg * SLICE + r;
+  if (g >= GROUPS) {
+    continue;  // uniform within the SIMD group; the barriers above are every thread's
+  }
+  // This SIMD group's 16 x 64 weights, unpacked to bf16 q in its own rows of qs.
+  uint4 words = no_words;
+  float scale_or_bias = 0.0f;
+  if (row_in) {
+    const uint wi = my_row * WORDS + g * 8 + (lane % 2) * 4;
+    const uint gi = my_row * GROUPS + g;
+    if (seg == 0) {
+      words = *reinterpret_cast<const device uint4*>(w0 + wi);
+      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
+    } else if (S > 1 && seg == 1) {
+      words = *reinterpret_cast<const device uint4*>(w1 + wi);
+      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
+    } else if (S > 2 && seg == 2) {
+      words = *reinterpret_cast<const device uint4*>(w2 + wi);
+      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
+    } else if (S > 3 && seg == 3) {
+      words = *reinterpret_cast<const device uint4*>(w3 + wi);
+      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
+    }
+  }
+  const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
+  for (uint c = 0; c < 4; ++c) {
+    // Word c holds values 8c..8c+7 of this lane's 32; nibble q under the bf16
+    // pattern 0x4300 is 128 + q (exact), unpacked and less 128: q, exact.
+    const uint w = c == 0 ? words.x : (c == 1 ? words.y : (c == 2 ? words.z : words.w));
+    const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
+                         ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
+    float v[8];
+    for (uint m = 0; m < 4; ++m) {
+      v[m] = lily_tile_unpack(pairs, 2 * m) - 128.0f;
+      v[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
+    }
+    const uint4 packed = {lily_tile_pack2(v[0], v[1]), lily_tile_pack2(v[2], v[3]), lily_tile_pack2(v[4], v[5]),
+                          lily_tile_pack2(v[6], v[7])};
+    lily_tile_store16(qs + q0 + (lane / 2) * QLD + (lane % 2) * 32 + 8 * c, packed);
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+
+  lily_tile_acc t;
+  lily_tile_acc_zero(t);
+  for (uint kk = 0; kk < GROUP; kk += 16) {
+    lily_tile_a a;
+    lily_tile_b wb;
+    lily_tile_load_a(a, xin + sg * GROUP + kk, int(XLD), lane);
+    lily_tile_load_b(wb, qs + q0 + kk, int(QLD), lane);
+    lily_tile_mma(t, a, wb);
+  }
+  // acc += scale * t + bias * sum(xin): the scale of weight row n from lane
+  // 2n, its bias from lane 2n + 1.
+  for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+    const int m = lily_tile_acc_row(e, lane);
+    const int n = lily_tile_acc_col(e, lane);
+    const float scale = simd_shuffle(scale_or_bias, uint(2 * n));
+    const float bias = simd_shuffle(scale_or_bias, uint(2 * n + 1));
+    float value = fma(scale, lily_tile_acc_get(t, e), lily_tile_acc_get(acc, e));
+    value = fma(bias, xsum[uint(m) * NSG + sg], value);
+    lily_tile_acc_set(acc, e, value);
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // qs is rewritten next round
+}
+
+// -- the SIMD groups' sums in order, the matmul's rounding, the residual --------------
+for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+  const int m = lily_tile_acc_row(e, lane);
+  const int n = lily_tile_acc_col(e, lane);
+  partial[(sg * TILE_ROWS + uint(m)) * TILE_ROWS + uint(n)] = lily_tile_acc_get(acc, e);
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+for (uint o = tid; o < TILE_ROWS * TILE_ROWS; o += THREADS) {
+  const uint m = o / TILE_ROWS;
+  const uint row = row0 + o % TILE_ROWS;
+  if (m >= batch_rows || row >= seg_rows) {
+    continue;
+  }
+  float total = partial[o];
+  for (uint j = 1; j < NSG; ++j) {
+    total += partial[j * TILE_ROWS * TILE_ROWS + o];
+  }
+  float y = static_cast<float>(static_cast<XT>(total));
+  if (RESIDUAL) {
+    y = static_cast<float>(residual[m * residual_strides[0] + row * residual_strides[2]]) + y;
+  }
+  const uint at = m * seg_rows + row;
+  if (seg == 0) {
+    out0[at] = static_cast<OutT>(y);
+  } else if (S > 1 && seg == 1) {
+    out1[at] = static_cast<OutT>(y);
+  } else if (S > 2 && seg == 2) {
+    out2[at] = static_cast<OutT>(y);
+  } else if (S > 3 && seg == 3) {
+    out3[at] = static_cast<OutT>(y);
+  }
+}

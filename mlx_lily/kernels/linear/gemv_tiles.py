@@ -1,0 +1,180 @@
+"""The decode GEMV on matrix tiles, for batches of rows::
+
+    quantized_matvec_tiles(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
+        -> tuple of S arrays [B, 1, N_s]
+
+``quantized_matvec``'s contract (the same reference and tolerance, gemv.py)
+for 4-bit projections and bf16 activations, computed another way: each
+threadgroup reads 16 weight rows once and multiplies them with x, padded to
+16 rows, on the GPU's matrix units (``lily_tile_mma``: tensor cores on
+NVIDIA, simdgroup matrices on Apple GPUs), so a weight read costs the same
+for 1 or 16 rows of x. The row-parallel GEMV (gemv.metal) multiplies every
+weight value into B accumulators on the vector units, and at 16 rows its
+prologue and multiply-adds, not its reads, set its time (H200: 84 GB/s at
+best). Every row is reduced in an order fixed by K and the launch (never
+by B): the same bits alone or in any batch of up to 16.
+
+Not yet on the model's path: a model must take one form for every batch
+size (batch invariance, and the verify pass's equality with plain decode),
+so the choice waits for its device times beside the GEMV's at B = 1..16
+(``python -m bench.diagnostics.tuning.gemv_sweep --forms tiles``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+
+from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
+from ...toolchain.registry import LilyOp, register
+from .gemv import (
+    _ABSENT,
+    _GATE,
+    _NONE,
+    _NORM,
+    _STAND_INS,
+    MAX_SEGMENTS,
+    _dummies,
+    _input_dtype,
+    _layout,
+    _scalars,
+    batch_bucket,
+    quantized_matvec_agree,
+    quantized_matvec_compare,
+    quantized_matvec_reference,
+    quantized_matvec_supports,
+)
+
+# Output rows per threadgroup: one matrix tile.
+TILE_ROWS = 16
+# SIMD groups per threadgroup, each a slice of K (its quantization groups in
+# order; the slices' sums added in order). A choice per call shape, never
+# per B: it orders each row's sums. 8 would need 36 KB of threadgroup memory
+# (staged xin and q, the slices' sums), past Metal's 32 KB.
+DEFAULT_SIMDGROUPS = 4
+SIMDGROUP_CHOICES = (1, 2, 4)
+
+
+def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
+    """None when the tile kernel takes this call, else why not: the GEMV's
+    limits, and 4-bit weights and bf16 matmul inputs only (the tiles
+    multiply bf16)."""
+    why = quantized_matvec_supports(x, weights, norm_weight, eps, gate, residual)
+    if why is not None:
+        return why
+    K = x.shape[-1]
+    for s, (w, _, _) in enumerate(weights):
+        if int(w.shape[1]) * 32 // K != 4:
+            return f"segment {s}: {int(w.shape[1]) * 32 // K}-bit weights (tile kernel: 4-bit)"
+    xt = _input_dtype(x, norm_weight)
+    if xt != mx.bfloat16:
+        return f"the matmul's input is {xt} (tile kernel: bfloat16)"
+    return None
+
+
+def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
+            simdgroups: Optional[int] = None) -> Launch:
+    """The call's launch; ``simdgroups`` (SIMDGROUP_CHOICES, default
+    DEFAULT_SIMDGROUPS) splits K, a tuning choice that orders the sums: keep
+    one per call shape for batch invariance."""
+    B, K = x.shape[0], x.shape[-1]
+    nsg = DEFAULT_SIMDGROUPS if simdgroups is None else int(simdgroups)
+    if nsg not in SIMDGROUP_CHOICES:
+        raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES}")
+    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
+    S = len(weights)
+    tiles = sum(-(-n // TILE_ROWS) for n in rows)
+    dummy_h, dummy_gate, dummy_res = _dummies()
+    prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
+    XT = _input_dtype(x, norm_weight)
+    OutT = XT if residual is None else mx.result_type(residual.dtype, XT)
+    inputs = [x]
+    for w in weights:
+        inputs.extend(w)
+    if gate is not None and gate.ndim == 3:
+        gate = gate.reshape(B, 1, 1, K)
+    inputs += [
+        norm_weight if norm_weight is not None else dummy_h,
+        gate if gate is not None else dummy_gate,
+        residual if residual is not None else dummy_res,
+        _layout(rows, TILE_ROWS, B),
+        _scalars(float(eps)),
+    ]
+    return Launch(
+        inputs=inputs,
+        grid=(tiles * nsg * SIMD_WIDTH, 1, 1),
+        threadgroup=(nsg * SIMD_WIDTH, 1, 1),
+        output_shapes=[(B, 1, rows[s]) for s in range(S)],
+        output_dtypes=[OutT] * S,
+        template=[
+            ("XT", XT),
+            ("OutT", OutT),
+            ("K", K),
+            ("S", S),
+            ("NSG", nsg),
+            ("PROLOGUE", prologue),
+            ("RESIDUAL", residual is not None),
+            ("BATCH", batch_bucket(B)),
+        ],
+        finish=tuple,
+        absent=_ABSENT[S],
+    )
+
+
+def _sample():
+    from .testing import gemv_call
+
+    return gemv_call(128, (40, 5), (4, 4), prologue="norm", seed=12)
+
+
+def _fuzz(rng):
+    """A random call: 1-16 rows of x, 1-4 segments of 1-70 rows (not whole
+    tiles), K up to 512, each prologue, a residual."""
+    from .testing import gemv_call
+
+    K = int(rng.choice([64, 128, 192, 320, 512]))
+    batch = int(rng.choice([1, 1, 2, 3, 5, 16]))
+    S = int(rng.integers(1, MAX_SEGMENTS + 1))
+    rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
+    prologue = ("none", "norm", "gate")[int(rng.integers(3))]
+    residual = S == 1 and rng.random() < 0.5
+    return gemv_call(K, rows, (4,) * S, prologue, residual, rng=rng, batch=batch)
+
+
+quantized_matvec_tiles_kernel = Kernel(
+    name="quantized_matvec_tiles",
+    input_names=(
+        "x",
+        "w0", "scales0", "biases0",
+        "w1", "scales1", "biases1",
+        "w2", "scales2", "biases2",
+        "w3", "scales3", "biases3",
+        "norm_weight", "gate", "residual", "layout", "scalars",
+    ),
+    output_names=("out0", "out1", "out2", "out3"),
+    body=Path(__file__).with_name("gemv_tiles.metal"),
+    launch=_launch,
+    reference=quantized_matvec_reference,
+    sample=_sample,
+    agree=quantized_matvec_agree,
+    row_contiguous=False,
+    stand_ins=_STAND_INS,
+    tiles=True,
+)
+
+
+quantized_matvec_tiles = register(
+    LilyOp(
+        "quantized_matvec_tiles",
+        quantized_matvec_reference,
+        kernel=quantized_matvec_tiles_kernel,
+        supports=quantized_matvec_tiles_supports,
+        description="decode GEMV on matrix tiles (B <= 16 rows, 4-bit, bf16; not yet on the model's path)",
+        sample=_sample,
+        compare=quantized_matvec_compare,
+        fuzz=_fuzz,
+        in_model=False,
+    )
+)

@@ -1,0 +1,135 @@
+"""The decode GEMV on matrix tiles (quantized_matvec_tiles, gemv_tiles.metal).
+
+In the CPU emulator (Metal's simdgroup-matrix layout): the kernel against
+quantized_matvec's contract for B = 1, 3 and 16 rows of x (each prologue,
+the residual, several segments, rows not whole tiles, K not a multiple of the
+SIMD groups' slices); batch invariance, bit for bit: a row alone equals the
+same row inside batches of 2, 5 and 16 at any position, whatever the other
+rows hold; every SIMD-group choice within the contract; the calls it refuses
+(8-bit weights, fp16 or fp32 matmul inputs). The model's call shapes
+compiled for CUDA with nvcc, onto tensor-core mma.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lily import kernels as K
+from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
+from mlx_lily.kernels.linear.gemv_tiles import (
+    SIMDGROUP_CHOICES,
+    quantized_matvec_tiles_kernel as tiles,
+    quantized_matvec_tiles_supports as supports,
+)
+from mlx_lily.kernels.linear.testing import gemv_call
+from test_toolchain import emulator_or_skip, nvcc_ptx
+
+# K = 448: 7 quantization groups, so 4 SIMD groups take slices of 2, 2, 2 and 1.
+KD = 448
+# (rows per segment, prologue, residual)
+CASES = [
+    ((40, 7), "norm", False),
+    ((33,), "gate", True),
+    ((16, 5, 12, 20), "none", False),
+]
+
+
+def raw_bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32))
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("rows, prologue, residual", CASES)
+def test_the_tile_gemv_meets_the_contract(batch, rows, prologue, residual):
+    emulator_or_skip()
+    args, kwargs = gemv_call(KD, rows, (4,) * len(rows), prologue, residual, seed=batch + sum(rows), batch=batch)
+    assert supports(*args, **kwargs) is None
+    got = tiles.emulate(*args, **kwargs)
+    want = quantized_matvec_reference(*args, **kwargs)
+    assert [g.shape for g in got] == [w.shape for w in want] and [g.dtype for g in got] == [w.dtype for w in want]
+    assert quantized_matvec_agree(got, want, *args, **kwargs) is None
+
+
+@pytest.mark.parametrize("rows, prologue, residual", CASES[:2])
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(rows, prologue, residual):
+    emulator_or_skip()
+    args, kwargs = gemv_call(KD, rows, (4,) * len(rows), prologue, residual, seed=3, batch=16)
+    (x, weights) = args
+    every = tiles.emulate(x, weights, **kwargs)
+
+    def rows_of(kw, lo, n):
+        out = dict(kw)
+        for name in ("gate", "residual"):
+            if name in out:
+                out[name] = out[name][lo : lo + n]
+        return out
+
+    for row in (0, 6, 15):
+        for batch in (1, 2, 5):
+            lo = min(row, 16 - batch)
+            got = tiles.emulate(x[lo : lo + batch], weights, **rows_of(kwargs, lo, batch))
+            for s in range(len(rows)):
+                assert np.array_equal(raw_bits(got[s][row - lo]), raw_bits(every[s][row])), (row, batch, s)
+    # Other rows' values do not reach a row.
+    noise = mx.array(np.random.default_rng(9).standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
+    mixed = mx.concatenate([x[:1], noise[1:]])
+    kw = dict(kwargs)
+    if "gate" in kw:
+        kw["gate"] = mx.concatenate([kwargs["gate"][:1], kwargs["gate"][1:] * 3], axis=0)
+    got = tiles.emulate(mixed, weights, **kw)
+    assert np.array_equal(raw_bits(got[0][0]), raw_bits(every[0][0]))
+
+
+@pytest.mark.parametrize("simdgroups", SIMDGROUP_CHOICES)
+def test_every_k_split_meets_the_contract(simdgroups):
+    emulator_or_skip()
+    args, kwargs = gemv_call(KD, (24,), (4,), "norm", False, seed=5, batch=4)
+    got = tiles.emulate(*args, simdgroups=simdgroups, **kwargs)
+    assert quantized_matvec_agree(got, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+
+
+def test_the_calls_it_refuses_say_why():
+    args, kwargs = gemv_call(128, (9, 3), (4, 8), "norm", False, seed=1)
+    assert "8-bit" in supports(*args, **kwargs)
+    args, kwargs = gemv_call(128, (9,), (4,), "none", False, seed=1, dtype=mx.float16)
+    assert "float16" in supports(*args, **kwargs)
+    args, kwargs = gemv_call(128, (9,), (4,), "norm", False, norm_dtype=mx.float32, seed=1)
+    assert "float32" in supports(*args, **kwargs)
+    args, kwargs = gemv_call(128, (9,), (4,), batch=17)
+    assert "B=17" in supports(*args, **kwargs)
+    with pytest.raises(ValueError, match="simdgroups"):
+        tiles.launch(*gemv_call(128, (9,), (4,))[0], simdgroups=3)
+    assert not K.OPS["quantized_matvec_tiles"].in_model
+
+
+def _zeros(K, rows):
+    return tuple(
+        (mx.zeros((n, K // 8), mx.uint32), mx.zeros((n, K // 64), mx.bfloat16), mx.zeros((n, K // 64), mx.bfloat16))
+        for n in rows
+    )
+
+
+def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
+    """The model's GEMV calls (DeltaNet and attention input projections with
+    the norm, the gated output projection with the residual, lm_head) at
+    B = 1 and 16."""
+    units = {}
+    for batch in (1, 16):
+        x2k = mx.zeros((batch, 1, 2048), mx.bfloat16)
+        x4k = mx.zeros((batch, 1, 4096), mx.bfloat16)
+        norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
+        calls = {
+            "deltanet_in": (x2k, _zeros(2048, (8192, 4096, 32, 32)), norm),
+            "o_proj": (x4k, _zeros(4096, (2048,)), {
+                "gate": mx.split(mx.zeros((batch, 1, 16, 512), mx.bfloat16), 2, axis=-1)[1],
+                "residual": mx.zeros((batch, 1, 2048), mx.bfloat16)}),
+            "lm_head": (x2k, _zeros(2048, (248320,)), {}),
+        }
+        for name, (x, weights, kwargs) in calls.items():
+            assert supports(x, weights, **kwargs) is None, name
+            units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(x, weights, **kwargs)
+    for name, text in nvcc_ptx(tmp_path, units).items():
+        assert "mma.sync.aligned.m16n8k16" in text, name
+        assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
