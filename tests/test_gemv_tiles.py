@@ -133,3 +133,29 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
     for name, text in nvcc_ptx(tmp_path, units).items():
         assert "mma.sync.aligned.m16n8k16" in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
+
+
+def test_with_the_tiles_form_the_models_batches_keep_each_rows_bits(demo_checkpoint, emulator_backend, monkeypatch):
+    """MLX_LILY_GEMV=tiles: the model's decode GEMVs take the tile form at
+    every B (the router's 8-bit call keeps the row-parallel GEMV at every B),
+    and a request decodes the same bits alone and in a batch of 5, through
+    mlx-lm's BatchGenerator."""
+    import mlx_lily
+    from test_batch_invariance import alone, assert_same, generate
+
+    monkeypatch.setenv("MLX_LILY_GEMV", "tiles")
+    tiles.launched.clear()
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    together = generate(model, {0: list(range(5))}, {i: 3 for i in range(5)})
+    assert {dict(key[1])["BATCH"] for key in tiles.launched if key[0] == "emulator"} >= {1, 8}  # B = 1 and 5
+    for i in (0, 4):
+        assert_same(together[i], alone(model, i, 3), f"row {i} of 5")
+
+
+def test_an_unknown_gemv_form_is_one_notice_and_the_default(monkeypatch, fresh_notices, capsys):
+    from mlx_lily.kernels.linear.gemv_tiles import gemv_form
+
+    monkeypatch.setenv("MLX_LILY_GEMV", "mma")
+    assert gemv_form() == "rows" and gemv_form() == "rows"
+    said = capsys.readouterr().err
+    assert said.count("MLX_LILY_GEMV='mma'") == 1

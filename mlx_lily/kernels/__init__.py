@@ -11,7 +11,7 @@ from .gated_delta.decode import gated_delta_decode
 from .gated_delta.norm import gated_rms_norm
 from .gated_delta.recurrence import gated_delta
 from .linear.gemv import quantized_matvec
-from .linear.gemv_tiles import quantized_matvec_tiles
+from .linear.gemv_tiles import decode_matvec, quantized_matvec_tiles
 from .linear.matmul import matmul_nt
 from .moe.combine import moe_combine
 from .moe.decode import moe_decode
@@ -22,5 +22,5 @@ __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv_qk_norm", "gated_delta", "gated_delta_decode",
     "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
-    "quantized_matvec", "quantized_matvec_tiles",
+    "quantized_matvec", "quantized_matvec_tiles", "decode_matvec",
 ]

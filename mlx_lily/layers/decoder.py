@@ -48,9 +48,9 @@ def _projected_onto(y: mx.array, linear: Any, x: mx.array, group: Any, gate: Opt
     rank's slice of a sharded layer (``group``) gives a partial sum, summed
     across the group before the residual, in stock's order."""
     if group is None:
-        (h,) = K.quantized_matvec(y, (_triple(linear),), gate=gate, residual=x)
+        (h,) = K.decode_matvec(y, (_triple(linear),), gate=gate, residual=x)
         return h
-    (partial,) = K.quantized_matvec(y, (_triple(linear),), gate=gate)
+    (partial,) = K.decode_matvec(y, (_triple(linear),), gate=gate)
     return x + all_sum(partial, group)
 
 
@@ -403,7 +403,7 @@ class LilyDecoderLayer(DecoderLayer):
         """Norm + the DeltaNet's four input projections in one GEMV -> qkv,
         z [B, 1, Hv, Dv], b, a."""
         la, norm = self.linear_attn, self.input_layernorm
-        qkv, z, b, a = K.quantized_matvec(
+        qkv, z, b, a = K.decode_matvec(
             x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
             norm.weight, norm.eps,
         )
@@ -428,7 +428,7 @@ class LilyDecoderLayer(DecoderLayer):
         """Norm + q/k/v GEMV, q/k norm + RoPE at ``position`` (an array, so a
         compiled step serves every position) -> queries, keys, values, gate."""
         sa, norm = self.self_attn, self.input_layernorm
-        q, k, v = K.quantized_matvec(
+        q, k, v = K.decode_matvec(
             x, (_triple(sa.q_proj), _triple(sa.k_proj), _triple(sa.v_proj)), norm.weight, norm.eps
         )
         return attention_heads(sa, q, k, v, position)
@@ -456,7 +456,7 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm
-        logits, shared_logit = K.quantized_matvec(
+        logits, shared_logit = K.decode_matvec(
             h, (_triple(mlp.gate), _triple(mlp.shared_expert_gate)), norm.weight, norm.eps
         )
         if mlp.sharding_group is not None:

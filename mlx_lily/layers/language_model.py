@@ -44,7 +44,7 @@ class LilyLanguageModel(TextModel):
         in it; the MTP loop calls it on its own)."""
         if self._lily_head_takes(out, cache):
             head = self.lm_head
-            (logits,) = K.quantized_matvec(out, ((head.weight, head.scales, head.biases),))
+            (logits,) = K.decode_matvec(out, ((head.weight, head.scales, head.biases),))
             if self.sharding_group is not None:  # the rank's vocabulary slice: gathered as stock
                 record("head", SHARDED_HEAD, out)
                 logits = gather_last_axis(logits, self.sharding_group)

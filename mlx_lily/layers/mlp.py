@@ -31,8 +31,8 @@ class LilyDenseMLP(Qwen3NextMLP):
         takes = one_token and _plain_quantized(self.gate_proj, self.up_proj, self.down_proj)
         if runs_stock(self, "MLP", x, takes=takes):
             return super().__call__(x)
-        gate, up = K.quantized_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
-        (out,) = K.quantized_matvec(swiglu(gate, up), (_triple(self.down_proj),))
+        gate, up = K.decode_matvec(x, (_triple(self.gate_proj), _triple(self.up_proj)))
+        (out,) = K.decode_matvec(swiglu(gate, up), (_triple(self.down_proj),))
         # Sharded (mlx-lm's shard()): down_proj's slice gives a partial sum,
         # which its own call would sum across the group.
         return all_sum(out, summing_group(self.down_proj))

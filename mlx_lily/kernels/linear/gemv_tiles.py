@@ -14,19 +14,23 @@ prologue and multiply-adds, not its reads, set its time (H200: 84 GB/s at
 best). Every row is reduced in an order fixed by K and the launch (never
 by B): the same bits alone or in any batch of up to 16.
 
-Not yet on the model's path: a model must take one form for every batch
-size (batch invariance, and the verify pass's equality with plain decode),
-so the choice waits for its device times beside the GEMV's at B = 1..16
-(``python -m bench.diagnostics.tuning.gemv_sweep --forms tiles``).
+The model's decode calls go through ``decode_matvec``: the row-parallel
+GEMV by default, the tile form for every call it takes with
+``MLX_LILY_GEMV=tiles``. One form for every batch size either way (batch
+invariance, and the verify pass's equality with plain decode need it); the
+default waits for device times beside the GEMV's at B = 1..16
+(``python -m bench.diagnostics.tuning.gemv_sweep --tiles``).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
 import mlx.core as mx
 
+from ..._notice import notice_once
 from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
 from ...toolchain.registry import LilyOp, register
 from .gemv import (
@@ -41,6 +45,7 @@ from .gemv import (
     _layout,
     _scalars,
     batch_bucket,
+    quantized_matvec,
     quantized_matvec_agree,
     quantized_matvec_compare,
     quantized_matvec_reference,
@@ -178,3 +183,27 @@ quantized_matvec_tiles = register(
         in_model=False,
     )
 )
+
+
+# The model's decode GEMV form: "rows" (gemv.metal, the default) or "tiles".
+GEMV_ENV = "MLX_LILY_GEMV"
+GEMV_FORMS = ("rows", "tiles")
+
+
+def gemv_form() -> str:
+    form = os.environ.get(GEMV_ENV, "rows").strip().lower() or "rows"
+    if form not in GEMV_FORMS:
+        notice_once("gemv-form", f"{GEMV_ENV}={form!r} is not one of {', '.join(GEMV_FORMS)}; using 'rows'")
+        return "rows"
+    return form
+
+
+def decode_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
+    """The model's decode GEMV (``quantized_matvec``'s arguments and result):
+    with ``MLX_LILY_GEMV=tiles``, the tile form wherever it takes the call
+    (4-bit, bf16, B <= 16; the same for every B of a call shape), else the
+    row-parallel GEMV. Both answer with the same reference where no kernel
+    runs."""
+    if gemv_form() == "tiles" and quantized_matvec_tiles_supports(x, weights, norm_weight, eps, gate, residual) is None:
+        return quantized_matvec_tiles(x, weights, norm_weight=norm_weight, eps=eps, gate=gate, residual=residual)
+    return quantized_matvec(x, weights, norm_weight=norm_weight, eps=eps, gate=gate, residual=residual)
