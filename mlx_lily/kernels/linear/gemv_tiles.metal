@@ -6,12 +6,12 @@
 //
 // A threadgroup owns 16 weight rows (one output tile of one segment) and its
 // NSG SIMD groups split K: SIMD group j takes the quantization groups
-// [j * SLICE, (j + 1) * SLICE). Per round every thread first stages xin (the
-// prologue's output, rounded to bf16 as gemv.metal rounds it) of each SIMD
-// group's next group of 64 values for the B rows, and each row's sum over
-// that group; then each SIMD group unpacks its 16 x 64 weights (16 bytes a
-// lane) to bf16 integers q in [0, 16) in its own threadgroup memory and
-// multiplies: t = xin . q over the group (four 16 x 16 x 16 products, fp32),
+// [j * SLICE, (j + 1) * SLICE), on its own (no threadgroup barrier after the
+// norm). Per group a SIMD group stages xin (the prologue's output, rounded to
+// bf16 as gemv.metal rounds it) of its 64 values for the B rows and each
+// row's sum over them, unpacks its 16 x 64 weights (16 bytes a lane, fetched
+// a group ahead) to bf16 integers q in [0, 16), and multiplies:
+// t = xin . q over the group (four 16 x 16 x 16 products, fp32),
 // then acc = fma(scale, t, acc), acc = fma(bias, sum(xin), acc): q is exact
 // in bf16, so the weights enter unrounded, as W = scale * q + bias does.
 // The SIMD groups' accumulators are summed in order j = 0..NSG-1, rounded to
@@ -114,111 +114,113 @@ const uint4 no_words = {0u, 0u, 0u, 0u};
 lily_tile_acc acc;
 lily_tile_acc_zero(acc);
 
-for (uint r = 0; r < SLICE; ++r) {
-  // Stage xin of group (j * SLICE + r) for every SIMD group j, rows < B.
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // the last round's reads are done
-  for (uint i = tid; i < BATCH * NSG * GROUP; i += THREADS) {
-    const uint b = i / (NSG * GROUP);
-    const uint j = (i / GROUP) % NSG;
-    const uint v = i % GROUP;
-    const uint g = j * SLICE + r;
-    if (b >= batch_rows || g >= GROUPS) {
-      continue;
-    }
-    const uint k = g * GROUP + v;
-    float value = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
-    if (PROLOGUE == 1) {
-      float normed = static_cast<float>(static_cast<XT>(value * row_inv_rms[b]));
-      value = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
-    } else if (PROLOGUE == 2) {
-      const uint gh = k / gate_d;
-      const uint d = k - gh * gate_d;
-      float gx = static_cast<float>(gate[b * gate_strides[0] + gh * gate_strides[2] + d * gate_strides[3]]);
-      float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
-      float sigmoid_neg = 1.0f / (1.0f + e);
-      float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
-      value = value * sig;
-    }
-    xin[b * XLD + j * GROUP + v] = static_cast<bfloat16_t>(value);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  // Each row's sum over each staged group, in order (one thread a row and group).
-  for (uint i = tid; i < BATCH * NSG; i += THREADS) {
-    const uint b = i / NSG;
-    const uint j = i % NSG;
-    if (b < batch_rows) {
-      float sum = 0.0f;
-      for (uint v = 0; v < GROUP; ++v) {
-        sum += static_cast<float>(xin[b * XLD + j * GROUP + v]);
-      }
-      xsum[b * NSG + j] = sum;
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  const uint g = sg * SLICE + r;
-  if (g >= GROUPS) {
-    continue;  // uniform within the SIMD group; the barriers above are every thread's
-  }
-  // This SIMD group's 16 x 64 weights, unpacked to bf16 q in its own rows of qs.
-  uint4 words = no_words;
-  float scale_or_bias = 0.0f;
-  if (row_in) {
+// This SIMD group's slice of K, a quantization group at a time; the SIMD
+// groups run their slices independently (each stages its own xin and q).
+// Pass g fetches group g's weights for this lane (16 bytes of row my_row,
+// and the row's scale on even lanes, its bias on odd ones) and multiplies
+// group g - 1's, fetched a pass earlier.
+const uint g_begin = sg * SLICE;
+const uint g_end = g_begin + SLICE < GROUPS ? g_begin + SLICE : GROUPS;
+const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
+uint4 words = no_words;
+float scale_or_bias = 0.0f;
+for (uint g = g_begin; g <= g_end; ++g) {
+  uint4 fetched = no_words;
+  float fetched_sb = 0.0f;
+  if (row_in && g < g_end) {
     const uint wi = my_row * WORDS + g * 8 + (lane % 2) * 4;
     const uint gi = my_row * GROUPS + g;
     if (seg == 0) {
-      words = *reinterpret_cast<const device uint4*>(w0 + wi);
-      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
+      fetched = *reinterpret_cast<const device uint4*>(w0 + wi);
+      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
     } else if (S > 1 && seg == 1) {
-      words = *reinterpret_cast<const device uint4*>(w1 + wi);
-      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
+      fetched = *reinterpret_cast<const device uint4*>(w1 + wi);
+      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
     } else if (S > 2 && seg == 2) {
-      words = *reinterpret_cast<const device uint4*>(w2 + wi);
-      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
+      fetched = *reinterpret_cast<const device uint4*>(w2 + wi);
+      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
     } else if (S > 3 && seg == 3) {
-      words = *reinterpret_cast<const device uint4*>(w3 + wi);
-      scale_or_bias = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
+      fetched = *reinterpret_cast<const device uint4*>(w3 + wi);
+      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
     }
   }
-  const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
-  for (uint c = 0; c < 4; ++c) {
-    // Word c holds values 8c..8c+7 of this lane's 32; nibble q under the bf16
-    // pattern 0x4300 is 128 + q (exact), unpacked and less 128: q, exact.
-    const uint w = c == 0 ? words.x : (c == 1 ? words.y : (c == 2 ? words.z : words.w));
-    const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
-                         ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
-    float v[8];
-    for (uint m = 0; m < 4; ++m) {
-      v[m] = lily_tile_unpack(pairs, 2 * m) - 128.0f;
-      v[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
+  if (g > g_begin) {
+    const uint gc = g - 1;  // the group multiplied in this pass
+    // xin of group gc for rows < B (lanes take values lane and lane + 32),
+    // and each row's sum over the group: the lane's two, then simd_sum.
+    for (uint b = 0; b < BATCH; ++b) {
+      if (b >= batch_rows) {
+        continue;  // uniform
+      }
+      float part = 0.0f;
+      for (uint h = 0; h < 2; ++h) {
+        const uint v = lane + h * SIMD_WIDTH;
+        const uint k = gc * GROUP + v;
+        float value = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+        if (PROLOGUE == 1) {
+          float normed = static_cast<float>(static_cast<XT>(value * row_inv_rms[b]));
+          value = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
+        } else if (PROLOGUE == 2) {
+          const uint gh = k / gate_d;
+          const uint d = k - gh * gate_d;
+          float gx = static_cast<float>(gate[b * gate_strides[0] + gh * gate_strides[2] + d * gate_strides[3]]);
+          // sigmoid as MLX computes it in the gate's dtype, rounded to it, then the product.
+          float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
+          float sigmoid_neg = 1.0f / (1.0f + e);
+          float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+          value = value * sig;
+        }
+        const bfloat16_t rounded = static_cast<bfloat16_t>(value);
+        xin[b * XLD + sg * GROUP + v] = rounded;
+        part += static_cast<float>(rounded);
+      }
+      const float sum = simd_sum(part);
+      if (lane == 0) {
+        xsum[b * NSG + sg] = sum;
+      }
     }
-    const uint4 packed = {lily_tile_pack2(v[0], v[1]), lily_tile_pack2(v[2], v[3]), lily_tile_pack2(v[4], v[5]),
-                          lily_tile_pack2(v[6], v[7])};
-    lily_tile_store16(qs + q0 + (lane / 2) * QLD + (lane % 2) * 32 + 8 * c, packed);
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);
+    // This SIMD group's 16 x 64 weights as bf16 integers q in its rows of qs.
+    for (uint c = 0; c < 4; ++c) {
+      // Word c holds values 8c..8c+7 of this lane's 32; nibble q under the
+      // bf16 pattern 0x4300 is 128 + q (exact), unpacked less 128: q, exact.
+      const uint w = c == 0 ? words.x : (c == 1 ? words.y : (c == 2 ? words.z : words.w));
+      const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
+                           ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
+      float v[8];
+      for (uint m = 0; m < 4; ++m) {
+        v[m] = lily_tile_unpack(pairs, 2 * m) - 128.0f;
+        v[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
+      }
+      const uint4 packed = {lily_tile_pack2(v[0], v[1]), lily_tile_pack2(v[2], v[3]),
+                            lily_tile_pack2(v[4], v[5]), lily_tile_pack2(v[6], v[7])};
+      lily_tile_store16(qs + q0 + (lane / 2) * QLD + (lane % 2) * 32 + 8 * c, packed);
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
 
-  lily_tile_acc t;
-  lily_tile_acc_zero(t);
-  for (uint kk = 0; kk < GROUP; kk += 16) {
-    lily_tile_a a;
-    lily_tile_b wb;
-    lily_tile_load_a(a, xin + sg * GROUP + kk, int(XLD), lane);
-    lily_tile_load_b(wb, qs + q0 + kk, int(QLD), lane);
-    lily_tile_mma(t, a, wb);
+    lily_tile_acc t;
+    lily_tile_acc_zero(t);
+    for (uint kk = 0; kk < GROUP; kk += 16) {
+      lily_tile_a a;
+      lily_tile_b wb;
+      lily_tile_load_a(a, xin + sg * GROUP + kk, int(XLD), lane);
+      lily_tile_load_b(wb, qs + q0 + kk, int(QLD), lane);
+      lily_tile_mma(t, a, wb);
+    }
+    // acc += scale * t + bias * sum(xin): the scale of weight row n from
+    // lane 2n, its bias from lane 2n + 1.
+    for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+      const int m = lily_tile_acc_row(e, lane);
+      const int n = lily_tile_acc_col(e, lane);
+      const float scale = simd_shuffle(scale_or_bias, uint(2 * n));
+      const float bias = simd_shuffle(scale_or_bias, uint(2 * n + 1));
+      float value = fma(scale, lily_tile_acc_get(t, e), lily_tile_acc_get(acc, e));
+      value = fma(bias, xsum[uint(m) * NSG + sg], value);
+      lily_tile_acc_set(acc, e, value);
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // xin and qs are rewritten next pass
   }
-  // acc += scale * t + bias * sum(xin): the scale of weight row n from lane
-  // 2n, its bias from lane 2n + 1.
-  for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
-    const int m = lily_tile_acc_row(e, lane);
-    const int n = lily_tile_acc_col(e, lane);
-    const float scale = simd_shuffle(scale_or_bias, uint(2 * n));
-    const float bias = simd_shuffle(scale_or_bias, uint(2 * n + 1));
-    float value = fma(scale, lily_tile_acc_get(t, e), lily_tile_acc_get(acc, e));
-    value = fma(bias, xsum[uint(m) * NSG + sg], value);
-    lily_tile_acc_set(acc, e, value);
-  }
-  simdgroup_barrier(mem_flags::mem_threadgroup);  // qs is rewritten next round
+  words = fetched;
+  scale_or_bias = fetched_sb;
 }
 
 // -- the SIMD groups' sums in order, the matmul's rounding, the residual --------------
