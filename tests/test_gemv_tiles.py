@@ -20,6 +20,7 @@ from mlx_lily import kernels as K
 from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
 from mlx_lily.kernels.linear.gemv_tiles import (
     SIMDGROUP_CHOICES,
+    simdgroup_choices,
     quantized_matvec_tiles_kernel as tiles,
     quantized_matvec_tiles_supports as supports,
 )
@@ -101,6 +102,7 @@ def test_the_calls_it_refuses_say_why():
     assert "B=17" in supports(*args, **kwargs)
     with pytest.raises(ValueError, match="simdgroups"):
         tiles.launch(*gemv_call(128, (9,), (4,))[0], simdgroups=3)
+    assert simdgroup_choices("cuda") == (1, 2, 4, 8) and simdgroup_choices("metal") == SIMDGROUP_CHOICES
     assert not K.OPS["quantized_matvec_tiles"].in_model
 
 
@@ -130,6 +132,10 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
         for name, (x, weights, kwargs) in calls.items():
             assert supports(x, weights, **kwargs) is None, name
             units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(x, weights, **kwargs)
+    # CUDA's widest K split (43.5 KB of shared memory) at the output projection's shape.
+    x4k = mx.zeros((16, 1, 4096), mx.bfloat16)
+    units["out_proj_nsg8"] = tiles.cuda_translation_unit(
+        x4k, _zeros(4096, (2048,)), residual=mx.zeros((16, 1, 2048), mx.bfloat16), simdgroups=8)
     for name, text in nvcc_ptx(tmp_path, units).items():
         assert "mma.sync.aligned.m16n8k16" in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name

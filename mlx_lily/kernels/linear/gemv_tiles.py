@@ -56,10 +56,16 @@ from .gemv import (
 TILE_ROWS = 16
 # SIMD groups per threadgroup, each a slice of K (its quantization groups in
 # order; the slices' sums added in order). A choice per call shape, never
-# per B: it orders each row's sums. 8 would need 36 KB of threadgroup memory
-# (staged xin and q, the slices' sums), past Metal's 32 KB.
+# per B: it orders each row's sums. 8 needs 43.5 KB of threadgroup memory
+# (staged xin and q, the slices' sums): within CUDA's 48 KB, past Metal's 32.
 DEFAULT_SIMDGROUPS = 4
 SIMDGROUP_CHOICES = (1, 2, 4)
+CUDA_SIMDGROUP_CHOICES = (1, 2, 4, 8)
+
+
+def simdgroup_choices(backend: Optional[str]) -> tuple:
+    """The K splits a backend's threadgroup memory takes."""
+    return CUDA_SIMDGROUP_CHOICES if backend == "cuda" else SIMDGROUP_CHOICES
 
 
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
@@ -81,13 +87,13 @@ def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=
 
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             simdgroups: Optional[int] = None) -> Launch:
-    """The call's launch; ``simdgroups`` (SIMDGROUP_CHOICES, default
+    """The call's launch; ``simdgroups`` (``simdgroup_choices``, default
     DEFAULT_SIMDGROUPS) splits K, a tuning choice that orders the sums: keep
     one per call shape for batch invariance."""
     B, K = x.shape[0], x.shape[-1]
     nsg = DEFAULT_SIMDGROUPS if simdgroups is None else int(simdgroups)
-    if nsg not in SIMDGROUP_CHOICES:
-        raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES}")
+    if nsg not in CUDA_SIMDGROUP_CHOICES:
+        raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     S = len(weights)
     tiles = sum(-(-n // TILE_ROWS) for n in rows)
