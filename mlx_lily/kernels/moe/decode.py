@@ -43,7 +43,8 @@ from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
 # Must match the bodies: threads, and rows per threadgroup (gate/up: hidden
 # rows of one expert; down: output rows of one expert).
-ROUTE_THREADS = 2 * SIMD_WIDTH  # a row's top-k, its RMSNorm
+ROUTE_NORM_SG = 8  # SIMD groups of a row's RMSNorm, beside its top-k's one
+ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
 GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
 DOWN_THREADS, DOWN_ROWS = 256, 32
 COMBINE_THREADS = 256
@@ -183,7 +184,7 @@ def _launch_route(h, router_logits, norm_weight, eps, top_k, norm_topk_prob) -> 
         output_shapes=[(B, D), (B, k), (B, k)],
         output_dtypes=[h.dtype, mx.uint32, h.dtype],
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
-                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D)],
+                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("NORM_SG", ROUTE_NORM_SG)],
         finish=tuple,
     )
 
