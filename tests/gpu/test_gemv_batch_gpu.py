@@ -94,20 +94,26 @@ def test_b_rows_meet_the_contract_at_real_shapes(backend, name, batch):
     assert mismatch is None, mismatch
 
 
+def batch_of(picks, x, kwargs, others, other_kwargs):
+    """(x, kwargs) of a batch whose row i is row j of x (("x", j)) or of the
+    others (("o", j)), with each row's gate and residual."""
+    per_row = [n for n in ("gate", "residual") if n in kwargs]
+    rows = [(x, kwargs) if source == "x" else (others, other_kwargs) for source, _ in picks]
+    xb = mx.concatenate([src[j : j + 1] for (src, _), (_, j) in zip(rows, picks)], axis=0)
+    call = {n: v for n, v in kwargs.items() if n not in per_row}
+    for n in per_row:
+        call[n] = mx.concatenate([kw[n][j : j + 1] for (_, kw), (_, j) in zip(rows, picks)], axis=0)
+    return xb, call
+
+
 @pytest.mark.parametrize("name", sorted(CALLS))
 def test_a_row_has_the_same_bits_alone_and_anywhere_in_any_batch(backend, name):
     weights = weights_for(name)
     x, kwargs = inputs(name, 16, seed=100)
     others, other_kwargs = inputs(name, 16, seed=200)
-    per_row = [n for n in ("gate", "residual") if n in kwargs]
 
     def run(picks):
-        """A batch whose row i is row j of x (("x", j)) or of the others (("o", j))."""
-        rows = [(x, kwargs) if source == "x" else (others, other_kwargs) for source, _ in picks]
-        xb = mx.concatenate([src[j : j + 1] for (src, _), (_, j) in zip(rows, picks)], axis=0)
-        call = {n: v for n, v in kwargs.items() if n not in per_row}
-        for n in per_row:
-            call[n] = mx.concatenate([kw[n][j : j + 1] for (_, kw), (_, j) in zip(rows, picks)], axis=0)
+        xb, call = batch_of(picks, x, kwargs, others, other_kwargs)
         return run_kernel(xb, weights, **call)
 
     targets = (0, 6, 15)

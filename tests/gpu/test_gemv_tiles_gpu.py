@@ -17,7 +17,7 @@ import pytest
 from mlx_lily.kernels import OPS
 from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
 from test_gemv_batch_gpu import CALLS as GEMV_CALLS
-from test_gemv_batch_gpu import inputs, raw_bits, weights_for
+from test_gemv_batch_gpu import batch_of, inputs, raw_bits, weights_for
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +50,9 @@ def test_a_row_has_the_same_bits_alone_and_in_any_batch(backend, name):
     weights = weights_for(name)
     x, kwargs = inputs(name, 16, seed=100)
     others, other_kwargs = inputs(name, 16, seed=200)
-    per_row = [n for n in ("gate", "residual") if n in kwargs]
 
     def run(picks):
-        rows = [(x, kwargs) if source == "x" else (others, other_kwargs) for source, _ in picks]
-        xb = mx.concatenate([src[j : j + 1] for (src, _), (_, j) in zip(rows, picks)], axis=0)
-        call = {n: v for n, v in kwargs.items() if n not in per_row}
-        for n in per_row:
-            call[n] = mx.concatenate([kw[n][j : j + 1] for (_, kw), (_, j) in zip(rows, picks)], axis=0)
+        xb, call = batch_of(picks, x, kwargs, others, other_kwargs)
         return run_tiles(xb, weights, **call)
 
     alone = {j: run([("x", j)]) for j in (0, 6, 15)}

@@ -501,17 +501,19 @@ _STAND_INS = {
 _ABSENT = {S: tuple(n for s in range(S, MAX_SEGMENTS) for n in _segment_names(s)) for S in range(1, MAX_SEGMENTS + 1)}
 
 
+# The kernels' arguments (this body's and gemv_tiles.metal's).
+INPUT_NAMES = (
+    "x",
+    *(name for s in range(MAX_SEGMENTS) for name in _segment_names(s)[:3]),
+    "norm_weight", "gate", "residual", "layout", "scalars",
+)
+OUTPUT_NAMES = tuple(_segment_names(s)[3] for s in range(MAX_SEGMENTS))
+
+
 quantized_matvec_kernel = Kernel(
     name="quantized_matvec",
-    input_names=(
-        "x",
-        "w0", "scales0", "biases0",
-        "w1", "scales1", "biases1",
-        "w2", "scales2", "biases2",
-        "w3", "scales3", "biases3",
-        "norm_weight", "gate", "residual", "layout", "scalars",
-    ),
-    output_names=("out0", "out1", "out2", "out3"),
+    input_names=INPUT_NAMES,
+    output_names=OUTPUT_NAMES,
     body=Path(__file__).with_name("gemv.metal"),
     launch=_launch,
     reference=quantized_matvec_reference,

@@ -34,6 +34,8 @@ from ..._notice import notice_once
 from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
 from ...toolchain.registry import LilyOp, register
 from .gemv import (
+    INPUT_NAMES,
+    OUTPUT_NAMES,
     _ABSENT,
     _GATE,
     _NONE,
@@ -156,15 +158,8 @@ def _fuzz(rng):
 
 quantized_matvec_tiles_kernel = Kernel(
     name="quantized_matvec_tiles",
-    input_names=(
-        "x",
-        "w0", "scales0", "biases0",
-        "w1", "scales1", "biases1",
-        "w2", "scales2", "biases2",
-        "w3", "scales3", "biases3",
-        "norm_weight", "gate", "residual", "layout", "scalars",
-    ),
-    output_names=("out0", "out1", "out2", "out3"),
+    input_names=INPUT_NAMES,
+    output_names=OUTPUT_NAMES,
     body=Path(__file__).with_name("gemv_tiles.metal"),
     launch=_launch,
     reference=quantized_matvec_reference,
