@@ -376,11 +376,17 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     # --tiles: the tile kernel's choices beside, where it takes the call (4-bit here).
     monkeypatch.setattr(gemv_sweep, "CALLS", {"small": (128, (9, 3), (4, 8), "norm", False),
                                               "four": (128, (9, 16), (4, 4), "norm", False)})
-    assert gemv_sweep.main(["--out", str(tmp_path / "t"), "--backend", "emulator", "--batch", "3", "--tiles"]) == 0
-    small, four = __import__("json").loads((tmp_path / "t" / "gemv-sweep.json").read_text())["rows"]
+    assert gemv_sweep.main(["--out", str(tmp_path / "t"), "--backend", "emulator", "--batch", "1,3", "--tiles"]) == 0
+    doc = __import__("json").loads((tmp_path / "t" / "gemv-sweep.json").read_text())
+    assert doc["settings"]["batch"] == [1, 3] and doc["calls_asked"] == 4
+    assert [(r["call"], r["batch"]) for r in doc["rows"]] == [("small", 1), ("small", 3), ("four", 1), ("four", 3)]
+    small, four = doc["rows"][1], doc["rows"][3]
     assert not any(v.startswith("tiles") for v in small)
     assert {"tiles1", "tiles2", "tiles4"} <= set(four) and all(four[v]["agrees"] for v in ("tiles1", "tiles4"))
-    assert "tiles4" in (tmp_path / "t" / "gemv-sweep.md").read_text()
+    table = (tmp_path / "t" / "gemv-sweep.md").read_text()
+    assert "tiles4" in table and "| four (B = 3) |" in table
+    with pytest.raises(SystemExit):
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 
 
 def test_a_sweep_variant_that_cannot_launch_is_recorded_not_fatal(tmp_path, monkeypatch):

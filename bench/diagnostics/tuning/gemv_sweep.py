@@ -8,9 +8,10 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B] [--tiles]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles]
 
-``--batch B`` sweeps calls of B rows of x (the server's decode batches, the
+``--batch B`` (or a list, e.g. ``1,4,16``: one process, one row per call
+and B) sweeps calls of B rows of x (the server's decode batches, the
 verification pass's positions): every variant gives each row the default's
 bits where its SIMD groups are at least the default's (the norm keeps the
 B = 1 launch's order), so the fastest of those can become the bucket's
@@ -119,7 +120,7 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
     ran = [v for v in variants if v != "chosen" and row[v]["us"] is not None]
     best = min(ran, key=lambda v: row[v]["us"]) if ran else "chosen"  # noqa: B023
     row["best"] = best
-    log(f"{name}: stock {row['stock_us']:.1f} us, chosen {row['chosen']['us']:.1f} us, "
+    log(f"{name}, B = {batch}: stock {row['stock_us']:.1f} us, chosen {row['chosen']['us']:.1f} us, "
         f"best {best} {row[best]['us']:.1f} us ({row[best]['gb_s']:.0f} GB/s); one call per eval "
         f"{row['one_eval_us']:.1f} us; MLX copy of the words {row['copy']['gb_s']:.0f} GB/s")
     return row
@@ -134,11 +135,16 @@ def markdown(rows: list) -> str:
              "",
              "| call | weights MB | stock us | chosen us | best | best us | best GB/s | copy GB/s | one call per eval us |",
              "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    several = len({r.get("batch", 1) for r in rows}) > 1
+
+    def label(r):
+        return f"{r['call']} (B = {r['batch']})" if several else r["call"]
+
     for r in rows:
         best = r[r["best"]]
         flag = "" if all(r[v]["agrees"] is not False for v in r if isinstance(r[v], dict) and v != "copy") \
             else " (A RESULT DISAGREES)"
-        lines.append(f"| {r['call']}{flag} | {r['weight_bytes'] / 1e6:.1f} | {r['stock_us']:.1f} | "
+        lines.append(f"| {label(r)}{flag} | {r['weight_bytes'] / 1e6:.1f} | {r['stock_us']:.1f} | "
                      f"{r['chosen']['us']:.1f} | {r['best']} | {best['us']:.1f} | {best['gb_s']:.0f} | "
                      f"{r['copy']['gb_s']:.0f} | {r['one_eval_us']:.1f} |")
     lines += ["", "Every variant, us (rows per SIMD group x SIMD groups per threadgroup):", ""]
@@ -148,7 +154,7 @@ def markdown(rows: list) -> str:
     lines.append("| call | " + " | ".join(variants) + " |")
     lines.append("|---" * (len(variants) + 1) + "|")
     for r in rows:
-        lines.append(f"| {r['call']} | " + " | ".join(
+        lines.append(f"| {label(r)} | " + " | ".join(
             "" if v not in r else "did not run" if r[v]["us"] is None else f"{r[v]['us']:.1f}"
             for v in variants) + " |")
     return "\n".join(lines) + "\n"
@@ -162,13 +168,18 @@ def main(argv=None) -> int:
                              + "; ".join(CALLS))
     parser.add_argument("--device-time", action="store_true",
                         help="time each kernel alone on the device (NVIDIA, needs PyTorch; see above)")
-    parser.add_argument("--batch", type=int, default=1, help="rows of x per call, 1 to 16 (default 1)")
+    parser.add_argument("--batch", default="1",
+                        help="rows of x per call, 1 to 16, or a comma-separated list (default 1)")
     parser.add_argument("--tiles", action="store_true",
                         help="also time the GEMV on matrix tiles (quantized_matvec_tiles) at each of its "
                              "SIMD-group choices (tiles1, tiles2, tiles4; tiles8 on CUDA), where it takes the call")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
-    if not 1 <= args.batch <= 16:
+    try:
+        batches = [int(b) for b in str(args.batch).split(",")]
+    except ValueError:
+        parser.error(f"--batch {args.batch!r}: numbers of rows, 1 to 16, comma-separated")
+    if not all(1 <= b <= 16 for b in batches):
         parser.error(f"--batch {args.batch}: 1 to 16 rows")
     backend = args.backend or gpu_backend()
     if backend is None:
@@ -183,14 +194,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"--calls {args.calls!r} matches none of: {'; '.join(CALLS)}")
     rows: list = []
     for name, spec in calls.items():
-        rows.append(sweep(name, spec, backend, args.device_time, args.batch, args.tiles))
+        for batch in batches:
+            rows.append(sweep(name, spec, backend, args.device_time, batch, args.tiles))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
                "software": software_info(),
-               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "batch": args.batch,
+               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS,
+                            "batch": batches[0] if len(batches) == 1 else batches,
                             "tiles": args.tiles},
-               "calls_done": len(rows), "calls_asked": len(calls), "rows": rows}
+               "calls_done": len(rows), "calls_asked": len(calls) * len(batches), "rows": rows}
         write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
         write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)
     print(markdown(rows))
