@@ -400,6 +400,25 @@ def test_a_call_whose_trace_met_a_first_use_is_answered_by_the_kernels(monkeypat
             assert mx.array_equal(step(x), x * 2).item(), n
 
 
+def test_a_first_use_inside_a_trace_is_named_once(monkeypatch, fresh_notices, capsys):
+    """The notice says which kernel instance a compiled step met inside its
+    trace (a build in the middle of decoding), once per instance."""
+    from mlx_lily.toolchain import tracing
+
+    def fn(x):
+        if _tracing(x) and x.shape == (3,):
+            tracing.count_first_use_in_trace("moe_decode_route (T=bfloat16, K=8; inputs bfloat16)")
+        return x + 1
+
+    store = {}
+    for n in (2, 3, 3, 4, 3):
+        step = D.compiled_step(store, ("batch", True), 0, lambda: fn)
+        step(mx.zeros((n,)))
+    said = capsys.readouterr().err
+    assert said.count("kernel moe_decode_route (T=bfloat16, K=8; inputs bfloat16) first met inside a compiled "
+                      "step (batch True)") == 1
+
+
 def _tracing(x: mx.array) -> bool:
     """Whether ``x`` is a tracer of mx.compile (it cannot be evaluated)."""
     try:

@@ -483,9 +483,15 @@ def test_a_first_use_inside_a_trace_answers_with_the_reference_and_checks_later(
     op = LilyOp("scaled_copy_traced_test", lambda x, scale: x * 1, kernel=kernel)
     x = mx.arange(40, dtype=mx.float32)
     assert kernel.ready_on("emulator")[0]  # the self-check, eagerly
+    from mlx_lily.toolchain import tracing
+
+    met = tracing.first_uses_in_traces()
     traced = mx.compile(lambda x: op(x, 1))
     assert mx.array_equal(traced(x), x).item()
     assert op.last_path == "reference" and "graph transformation" in op.last_reason
+    # Named for the compiled step's notice: the kernel and its instance.
+    (what,) = tracing.first_uses_met_since(met)
+    assert what.startswith("scaled_copy_traced (") and "SCALE=1" in what
     assert not kernel._instances  # no verdict
     assert mx.array_equal(op(x, 1), x).item() and op.last_path == "kernel"
     assert not [l for l in capsys.readouterr().err.splitlines() if "kernel off" in l]

@@ -23,7 +23,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
-from ..toolchain.tracing import first_uses_in_traces, tracing
+from .._notice import notice_once
+from ..toolchain.tracing import first_uses_in_traces, first_uses_met_since, tracing
 from ..toolchain.registry import kernel_backend
 from ..trimmable_cache import LILY_ARRAYS_CACHES
 from .attention import attention_heads
@@ -218,6 +219,10 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
             if state["retraces"] >= MAX_RETRACES:
                 return out
             state["retraces"] += 1
+            for what in set(first_uses_met_since(before)):
+                # Each instance once: a build in the middle of decoding stalls every row of it.
+                notice_once(f"first-use-in-trace:{what}", f"kernel {what} first met inside a compiled "
+                                                          f"step ({_step_label(name)}): checked, traced again")
             mx.eval(fn(*args))  # the checks
             # A new function object: MLX keys its traces by the function.
             state["compiled"] = mx.compile(lambda *a: fn(*a))
@@ -229,6 +234,10 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
         return step(*args)
 
     return first_call
+
+
+def _step_label(name: Any) -> str:
+    return " ".join(str(part) for part in name) if isinstance(name, tuple) else str(name)
 
 
 # Fresh traces a compiled step makes in a row after kernels' first uses

@@ -269,14 +269,14 @@ class Kernel(Checked):
             mx.eval(list(launch.inputs))
         except Exception as exc:
             if tracing.inside_transformation(exc):
-                return self._unchecked_in_trace(args, kwargs)
+                return self._unchecked_in_trace(args, kwargs, key)
             raise
         try:
             got = self._run_launch(backend, launch)
             mx.eval(got)
         except Exception as exc:  # a compile error of this instantiation surfaces here
             if tracing.inside_transformation(exc):
-                return self._unchecked_in_trace(args, kwargs)
+                return self._unchecked_in_trace(args, kwargs, key)
             return self._off(backend, key, f"failed to run: {one_line(exc)}", args, kwargs)
         kernel_done = time.perf_counter()
         want = self.reference(*args, **kwargs)
@@ -295,12 +295,12 @@ class Kernel(Checked):
         self._instances[key] = None
         return got, None
 
-    def _unchecked_in_trace(self, args, kwargs) -> tuple[Any, str]:
+    def _unchecked_in_trace(self, args, kwargs, key) -> tuple[Any, str]:
         """Traced by mx.compile (say), where nothing can be evaluated: the
         reference answers, and a later call outside the trace checks the
         kernel (a failure here is no verdict on it). The count tells a
         compiled step to run eagerly and trace again."""
-        tracing.count_first_use_in_trace()
+        tracing.count_first_use_in_trace(f"{self.name} ({describe_instance(key[1], key[2])})")
         return self.reference(*args, **kwargs), "first use inside a graph transformation; not checked yet"
 
     def _off(self, backend, key, why, args, kwargs, want=None) -> tuple[Any, str]:

@@ -53,6 +53,7 @@ def contiguous(a: mx.array) -> mx.array:
 
 # First uses that met a graph transformation, so ran the reference unchecked.
 _FIRST_USES_IN_TRACES = [0]
+_FIRST_USES_MET: list = []
 
 
 class _FirstUseTime:
@@ -92,6 +93,13 @@ def inside_transformation(exc: Exception) -> bool:
     return isinstance(exc, ValueError) and "during function transformations" in str(exc)
 
 
-def count_first_use_in_trace() -> None:
-    """A first use met a graph transformation and ran the reference unchecked."""
+def count_first_use_in_trace(what: str = "a kernel") -> None:
+    """A first use met a graph transformation and ran the reference
+    unchecked; ``what`` names the instance (for the compiled step's notice)."""
     _FIRST_USES_IN_TRACES[0] += 1
+    _FIRST_USES_MET.append(what)
+
+
+def first_uses_met_since(count: int) -> list:
+    """The instances named by the first uses in traces after the first ``count``."""
+    return _FIRST_USES_MET[count:]
