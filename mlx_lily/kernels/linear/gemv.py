@@ -237,6 +237,30 @@ def _scalars(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
+def call_inputs(x, weights, norm_weight, eps, gate, residual, layout: mx.array) -> tuple:
+    """(inputs in INPUT_NAMES order, prologue, XT, OutT) of a call, as both
+    GEMV bodies take it: S segments' arrays, dummies for an absent norm
+    weight, gate or residual, the gate as [B, 1, G, D]."""
+    B, K = x.shape[0], x.shape[-1]
+    dummy_h, dummy_gate, dummy_res = _dummies()
+    prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
+    XT = _input_dtype(x, norm_weight)
+    OutT = XT if residual is None else mx.result_type(residual.dtype, XT)  # residual + XT
+    inputs = [x]
+    for w in weights:
+        inputs.extend(w)
+    if gate is not None and gate.ndim == 3:
+        gate = gate.reshape(B, 1, 1, K)
+    inputs += [
+        norm_weight if norm_weight is not None else dummy_h,
+        gate if gate is not None else dummy_gate,
+        residual if residual is not None else dummy_res,
+        layout,
+        _scalars(float(eps)),
+    ]
+    return inputs, prologue, XT, OutT
+
+
 def simdgroups_for(blocks: int) -> int:
     for at_least, nsg in NSG_FOR_BLOCKS:
         if blocks >= at_least:
@@ -322,10 +346,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     if not 1 <= nsg <= 32:
         raise ValueError(f"simdgroups {nsg}: 1 to 32")
     threadgroups = -(-blocks // nsg)
-    dummy_h, dummy_gate, dummy_res = _dummies()
-    prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
-    XT = _input_dtype(x, norm_weight)
-    OutT = XT if residual is None else mx.result_type(residual.dtype, XT)  # residual + XT
+    inputs, prologue, XT, OutT = call_inputs(
+        x, weights, norm_weight, eps, gate, residual, _layout(rows, rows_per_simdgroup, B))
     fits = stages_x(B, K, XT)
     if stage_x and not fits:
         raise ValueError(f"stage_x: {bucket} rows (B={B}'s bucket) of K={K} {XT} exceed {STAGED_X_BYTES} bytes")
@@ -334,18 +356,6 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
                          f"{STAGED_X_BYTES} bytes, and not with stage_x")
     whole = stage_x if stage_x is not None else (fits and tile is None)
     staged = K if whole else (tile or tile_values(B, XT))
-    inputs = [x]
-    for s in range(S):
-        inputs.extend(weights[s])
-    if gate is not None and gate.ndim == 3:
-        gate = gate.reshape(B, 1, 1, K)
-    inputs += [
-        norm_weight if norm_weight is not None else dummy_h,
-        gate if gate is not None else dummy_gate,
-        residual if residual is not None else dummy_res,
-        _layout(rows, rows_per_simdgroup, B),
-        _scalars(float(eps)),
-    ]
     return Launch(
         inputs=inputs,
         grid=(threadgroups * nsg * SIMD_WIDTH, 1, 1),

@@ -37,16 +37,12 @@ from .gemv import (
     INPUT_NAMES,
     OUTPUT_NAMES,
     _ABSENT,
-    _GATE,
-    _NONE,
-    _NORM,
     _STAND_INS,
     MAX_SEGMENTS,
-    _dummies,
     _input_dtype,
     _layout,
-    _scalars,
     batch_bucket,
+    call_inputs,
     quantized_matvec,
     quantized_matvec_agree,
     quantized_matvec_compare,
@@ -99,22 +95,8 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     S = len(weights)
     tiles = sum(-(-n // TILE_ROWS) for n in rows)
-    dummy_h, dummy_gate, dummy_res = _dummies()
-    prologue = _NORM if norm_weight is not None else (_GATE if gate is not None else _NONE)
-    XT = _input_dtype(x, norm_weight)
-    OutT = XT if residual is None else mx.result_type(residual.dtype, XT)
-    inputs = [x]
-    for w in weights:
-        inputs.extend(w)
-    if gate is not None and gate.ndim == 3:
-        gate = gate.reshape(B, 1, 1, K)
-    inputs += [
-        norm_weight if norm_weight is not None else dummy_h,
-        gate if gate is not None else dummy_gate,
-        residual if residual is not None else dummy_res,
-        _layout(rows, TILE_ROWS, B),
-        _scalars(float(eps)),
-    ]
+    inputs, prologue, XT, OutT = call_inputs(x, weights, norm_weight, eps, gate, residual,
+                                             _layout(rows, TILE_ROWS, B))
     return Launch(
         inputs=inputs,
         grid=(tiles * nsg * SIMD_WIDTH, 1, 1),
