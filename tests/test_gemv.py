@@ -385,6 +385,11 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert {"tiles1", "tiles2", "tiles4"} <= set(four) and all(four[v]["agrees"] for v in ("tiles1", "tiles4"))
     table = (tmp_path / "t" / "gemv-sweep.md").read_text()
     assert "tiles4" in table and "| four (B = 3) |" in table
+    # --no-grid: stock, the chosen launch and the tile form only.
+    assert gemv_sweep.main(["--out", str(tmp_path / "n"), "--backend", "emulator", "--calls", "four",
+                            "--tiles", "--no-grid"]) == 0
+    (row,) = __import__("json").loads((tmp_path / "n" / "gemv-sweep.json").read_text())["rows"]
+    assert {v for v in row if isinstance(row[v], dict)} - {"copy"} == {"chosen", "tiles1", "tiles2", "tiles4"}
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 
@@ -421,7 +426,7 @@ def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, 
     monkeypatch.setattr(gemv_sweep, "CALLS", calls)
     done = []
 
-    def sweep(name, spec, backend, device_time=False, batch=1, tiles=False):
+    def sweep(name, spec, backend, device_time=False, batch=1, tiles=False, grid=True):
         if len(done) == 1:
             raise KeyboardInterrupt  # the run is cut during its second call
         done.append(name)

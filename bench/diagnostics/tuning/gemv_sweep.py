@@ -8,7 +8,7 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles] [--no-grid]
 
 ``--batch B`` (or a list, e.g. ``1,4,16``: one process, one row per call
 and B) sweeps calls of B rows of x (the server's decode batches, the
@@ -80,7 +80,7 @@ def copy_floor(args) -> dict:
 
 
 def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch: int = 1,
-          tiles: bool = False) -> dict:
+          tiles: bool = False, grid: bool = True) -> dict:
     K, rows, bits, prologue, residual = spec
     args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows), batch=batch)
     mx.eval(args, kwargs)
@@ -99,8 +99,9 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
            "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
            "copy": copy_floor(args)}
     variants = {"chosen": (quantized_matvec_kernel, {})}
-    variants.update({f"r{r}x{g}": (quantized_matvec_kernel, dict(rows_per_simdgroup=r, simdgroups=g))
-                     for r in ROWS_CHOICES for g in SIMDGROUPS})
+    if grid:
+        variants.update({f"r{r}x{g}": (quantized_matvec_kernel, dict(rows_per_simdgroup=r, simdgroups=g))
+                         for r in ROWS_CHOICES for g in SIMDGROUPS})
     if tiles and quantized_matvec_tiles_supports(*args, **kwargs) is None:
         variants.update({f"tiles{g}": (quantized_matvec_tiles_kernel, dict(simdgroups=g))
                          for g in tile_simdgroup_choices(backend)})
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", action="store_true",
                         help="also time the GEMV on matrix tiles (quantized_matvec_tiles) at each of its "
                              "SIMD-group choices (tiles1, tiles2, tiles4; tiles8 on CUDA), where it takes the call")
+    parser.add_argument("--no-grid", action="store_true",
+                        help="skip the row-parallel GEMV's grid of launch choices: stock, the chosen "
+                             "launch and (with --tiles) the tile form only, a few minutes less per B")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
     try:
@@ -195,14 +199,14 @@ def main(argv=None) -> int:
     rows: list = []
     for name, spec in calls.items():
         for batch in batches:
-            rows.append(sweep(name, spec, backend, args.device_time, batch, args.tiles))
+            rows.append(sweep(name, spec, backend, args.device_time, batch, args.tiles, not args.no_grid))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
                "software": software_info(),
                "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS,
                             "batch": batches[0] if len(batches) == 1 else batches,
-                            "tiles": args.tiles},
+                            "tiles": args.tiles, "grid": not args.no_grid},
                "calls_done": len(rows), "calls_asked": len(calls) * len(batches), "rows": rows}
         write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
         write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)

@@ -8,12 +8,15 @@
 // NSG SIMD groups split K: SIMD group j takes the quantization groups
 // [j * SLICE, (j + 1) * SLICE), on its own (no threadgroup barrier after the
 // norm). Per group a SIMD group stages xin (the prologue's output, rounded to
-// bf16 as gemv.metal rounds it) of its 64 values for the B rows and each
-// row's sum over them, unpacks its 16 x 64 weights (16 bytes a lane, fetched
-// a group ahead) to bf16 integers q in [0, 16), and multiplies:
-// t = xin . q over the group (four 16 x 16 x 16 products, fp32),
-// then acc = fma(scale, t, acc), acc = fma(bias, sum(xin), acc): q is exact
-// in bf16, so the weights enter unrounded, as W = scale * q + bias does.
+// bf16 as gemv.metal rounds it) of its 64 values for the B rows, unpacks its
+// 16 x 64 weights to bf16 integers q in [0, 16) (both fetched a group ahead:
+// 16 weight bytes and two x values per row a lane), and multiplies:
+// t = xin . q and xsum = xin . ones over the group (four 16 x 16 x 16
+// products each, fp32), then acc = fma(scale, t, acc),
+// acc = fma(bias, xsum, acc): q is exact in bf16, so the weights enter
+// unrounded, as W = scale * q + bias does. (The sums on the matrix units,
+// not one simd_sum per row: at 16 rows those shuffles and the row-by-row
+// loads they serialised set the kernel's time.)
 // The SIMD groups' accumulators are summed in order j = 0..NSG-1, rounded to
 // XT, then the residual is added.
 //
@@ -46,7 +49,7 @@ constexpr uint XLD = NSG * GROUP + PAD;           // staged xin row stride (bf16
 constexpr uint QLD = GROUP + PAD;                 // staged q row stride
 
 threadgroup bfloat16_t xin[TILE_ROWS * XLD];         // rows past B stay zero
-threadgroup float xsum[TILE_ROWS * NSG];
+threadgroup bfloat16_t ones[TILE_ROWS * TILE_ROWS];
 threadgroup bfloat16_t qs[NSG * TILE_ROWS * QLD];
 threadgroup float partial[NSG * TILE_ROWS * TILE_ROWS];
 threadgroup float norm_part[BATCH * NSG];
@@ -61,8 +64,8 @@ const uint gate_d = uint(gate_shape[3]);
 for (uint i = tid; i < TILE_ROWS * XLD; i += THREADS) {
   xin[i] = static_cast<bfloat16_t>(0.0f);
 }
-for (uint i = tid; i < TILE_ROWS * NSG; i += THREADS) {
-  xsum[i] = 0.0f;
+for (uint i = tid; i < TILE_ROWS * TILE_ROWS; i += THREADS) {
+  ones[i] = static_cast<bfloat16_t>(1.0f);
 }
 
 // -- each row's norm: sum of squares by every thread, in an order of K and NSG --
@@ -114,19 +117,39 @@ const uint4 no_words = {0u, 0u, 0u, 0u};
 lily_tile_acc acc;
 lily_tile_acc_zero(acc);
 
+// A B operand of ones (staged before the norm's barrier): xin times it is
+// each row's sum over the group, in every column, which the bias multiplies.
+lily_tile_b ones_b;
+lily_tile_load_b(ones_b, ones, int(TILE_ROWS), lane);
+
 // This SIMD group's slice of K, a quantization group at a time; the SIMD
 // groups run their slices independently (each stages its own xin and q).
 // Pass g fetches group g's weights for this lane (16 bytes of row my_row,
-// and the row's scale on even lanes, its bias on odd ones) and multiplies
-// group g - 1's, fetched a pass earlier.
+// and the row's scale on even lanes, its bias on odd ones) and x's values
+// lane and lane + 32 of the group for every row, and multiplies group
+// g - 1's, fetched a pass earlier: every load of a pass is issued before the
+// work that waits for the previous one.
 const uint g_begin = sg * SLICE;
 const uint g_end = g_begin + SLICE < GROUPS ? g_begin + SLICE : GROUPS;
 const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
 uint4 words = no_words;
 float scale_or_bias = 0.0f;
+uint xv[BATCH];  // per row, x's two values of this lane as bf16 bits (exact: x is bf16)
+for (uint b = 0; b < BATCH; ++b) {
+  xv[b] = 0u;
+}
 for (uint g = g_begin; g <= g_end; ++g) {
   uint4 fetched = no_words;
   float fetched_sb = 0.0f;
+  uint fetched_x[BATCH];
+  for (uint b = 0; b < BATCH; ++b) {
+    fetched_x[b] = 0u;
+    if (b < batch_rows && g < g_end) {
+      const uint k = g * GROUP + lane;
+      fetched_x[b] = lily_tile_pack2(static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]),
+                                     static_cast<float>(x[b * x_strides[0] + (k + SIMD_WIDTH) * x_strides[2]]));
+    }
+  }
   if (row_in && g < g_end) {
     const uint wi = my_row * WORDS + g * 8 + (lane % 2) * 4;
     const uint gi = my_row * GROUPS + g;
@@ -146,37 +169,48 @@ for (uint g = g_begin; g <= g_end; ++g) {
   }
   if (g > g_begin) {
     const uint gc = g - 1;  // the group multiplied in this pass
-    // xin of group gc for rows < B (lanes take values lane and lane + 32),
-    // and each row's sum over the group: the lane's two, then simd_sum.
+    // xin of group gc for rows < B (lanes take values lane and lane + 32):
+    // the prologue's inputs loaded for every row first, then applied.
+    float norm_w[2];
+    uint gate_at[2];
+    for (uint h = 0; h < 2; ++h) {
+      const uint k = gc * GROUP + lane + h * SIMD_WIDTH;
+      norm_w[h] = PROLOGUE == 1 ? static_cast<float>(norm_weight[k * norm_weight_strides[0]]) : 1.0f;
+      gate_at[h] = 0u;
+      if (PROLOGUE == 2) {
+        const uint gh = k / gate_d;
+        gate_at[h] = gh * uint(gate_strides[2]) + (k - gh * gate_d) * uint(gate_strides[3]);
+      }
+    }
+    uint gate_bits[BATCH];  // per row, the gate's two values as bf16 bits (the gate has x's dtype)
+    for (uint b = 0; b < BATCH; ++b) {
+      gate_bits[b] = 0u;
+      if (PROLOGUE == 2 && b < batch_rows) {
+        const uint row_at = b * uint(gate_strides[0]);
+        gate_bits[b] = lily_tile_pack2(static_cast<float>(gate[row_at + gate_at[0]]),
+                                       static_cast<float>(gate[row_at + gate_at[1]]));
+      }
+    }
     for (uint b = 0; b < BATCH; ++b) {
       if (b >= batch_rows) {
-        continue;  // uniform
+        continue;  // uniform; rows past B stay zero
       }
-      float part = 0.0f;
       for (uint h = 0; h < 2; ++h) {
-        const uint v = lane + h * SIMD_WIDTH;
-        const uint k = gc * GROUP + v;
-        float value = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
+        const uint4 pair = {xv[b], 0u, 0u, 0u};
+        float value = lily_tile_unpack(pair, int(h));
         if (PROLOGUE == 1) {
           float normed = static_cast<float>(static_cast<XT>(value * row_inv_rms[b]));
-          value = normed * static_cast<float>(norm_weight[k * norm_weight_strides[0]]);
+          value = normed * norm_w[h];
         } else if (PROLOGUE == 2) {
-          const uint gh = k / gate_d;
-          const uint d = k - gh * gate_d;
-          float gx = static_cast<float>(gate[b * gate_strides[0] + gh * gate_strides[2] + d * gate_strides[3]]);
           // sigmoid as MLX computes it in the gate's dtype, rounded to it, then the product.
+          const uint4 gate_pair = {gate_bits[b], 0u, 0u, 0u};
+          const float gx = lily_tile_unpack(gate_pair, int(h));
           float e = static_cast<float>(static_cast<XT>(metal::precise::exp(metal::abs(gx))));
           float sigmoid_neg = 1.0f / (1.0f + e);
-          float sig = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
-          value = value * sig;
+          float s = static_cast<float>(static_cast<XT>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+          value = value * s;
         }
-        const bfloat16_t rounded = static_cast<bfloat16_t>(value);
-        xin[b * XLD + sg * GROUP + v] = rounded;
-        part += static_cast<float>(rounded);
-      }
-      const float sum = simd_sum(part);
-      if (lane == 0) {
-        xsum[b * NSG + sg] = sum;
+        xin[b * XLD + sg * GROUP + lane + h * SIMD_WIDTH] = static_cast<bfloat16_t>(value);
       }
     }
     // This SIMD group's 16 x 64 weights as bf16 integers q in its rows of qs.
@@ -197,30 +231,36 @@ for (uint g = g_begin; g <= g_end; ++g) {
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);
 
+    // t = xin . q and each row's sum of xin (xin . ones), over the group.
     lily_tile_acc t;
+    lily_tile_acc xsum;
     lily_tile_acc_zero(t);
+    lily_tile_acc_zero(xsum);
     for (uint kk = 0; kk < GROUP; kk += 16) {
       lily_tile_a a;
       lily_tile_b wb;
       lily_tile_load_a(a, xin + sg * GROUP + kk, int(XLD), lane);
       lily_tile_load_b(wb, qs + q0 + kk, int(QLD), lane);
       lily_tile_mma(t, a, wb);
+      lily_tile_mma(xsum, a, ones_b);
     }
     // acc += scale * t + bias * sum(xin): the scale of weight row n from
     // lane 2n, its bias from lane 2n + 1.
     for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
-      const int m = lily_tile_acc_row(e, lane);
       const int n = lily_tile_acc_col(e, lane);
       const float scale = simd_shuffle(scale_or_bias, uint(2 * n));
       const float bias = simd_shuffle(scale_or_bias, uint(2 * n + 1));
       float value = fma(scale, lily_tile_acc_get(t, e), lily_tile_acc_get(acc, e));
-      value = fma(bias, xsum[uint(m) * NSG + sg], value);
+      value = fma(bias, lily_tile_acc_get(xsum, e), value);
       lily_tile_acc_set(acc, e, value);
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // xin and qs are rewritten next pass
   }
   words = fetched;
   scale_or_bias = fetched_sb;
+  for (uint b = 0; b < BATCH; ++b) {
+    xv[b] = fetched_x[b];
+  }
 }
 
 // -- the SIMD groups' sums in order, the matmul's rounding, the residual --------------
