@@ -402,7 +402,11 @@ def generate_worker(spec_path: str, out_path: str) -> int:
         if os.getppid() != parent:  # the bench is gone: nobody wants the figure
             return 1
         time.sleep(0.05)
-    result = {"warmup": warmup, "measured": run()}
+    from bench.serve_split import GenerateSplit
+
+    with GenerateSplit(model) as split:
+        measured = run()
+    result = {"warmup": warmup, "measured": measured, "host_split_ms": split.summary()}
     if spec.get("count_rows"):
         result["batch_counts"] = batched_step_counts(model, tokenizer, spec["prompt"], spec["count_rows"])
     Path(out_path).write_text(json.dumps(result))
@@ -802,6 +806,12 @@ def markdown(report: Dict[str, Any]) -> str:
         lines.append(f"Decode, one stream, {name}: server {d['server_decode_tps']:.1f} tok/s vs mlx_lm generate "
                      f"{d['generate_decode_tps']:.1f} tok/s: ratio {d['ratio']:.2f}.")
     lines += split_table(report)
+    for name, g in (report.get("generate_check") or {}).items():
+        gs = g.get("host_split_ms")
+        if gs:
+            lines.append(f"`mlx_lm.generate`'s own decode loop, {name} (median ms per token over {gs['steps']}): "
+                         f"build {gs['build']:.2f}, launch {gs['launch']:.2f}, other {gs['other']:.2f} "
+                         f"(the wait for the token before, detokenizing), token {gs['token']:.2f}.")
     for name, e in report["engines"].items():
         if e.get("peak_memory_gb") is not None:
             lines.append(f"Peak memory of the {name} server: {e['peak_memory_gb']:.2f} GiB.")

@@ -139,3 +139,72 @@ def write(path: str) -> None:
     with open(tmp, "w") as f:
         json.dump({"ms_by_batch": summary(), "at": time.time()}, f)
     os.replace(tmp, path)
+
+
+# ------------------------------------------- mlx_lm.generate's own loop
+
+
+class GenerateSplit:
+    """``mlx_lm.generate``'s decode loop (``generate_step`` under
+    ``stream_generate``) timed the way the server's steps are, for the
+    generate check's process (``bench.serve.generate_worker``): per token,
+
+    * ``build``: from the model's call to MLX's launch (the model's call,
+      the log-softmax and the sampler);
+    * ``launch``: ``mx.async_eval`` of the step;
+    * ``other``: the rest of the token, from one launch's end to the next
+      model call: the wait for the token before (``y.item()``), detokenizing
+      and ``stream_generate``'s bookkeeping.
+
+    ``with GenerateSplit(model) as split: ...`` wraps the model's class
+    call and ``mx.async_eval`` while it is active; ``split.summary()`` gives
+    the medians (ms) over the tokens after the first ``SKIP``."""
+
+    SKIP = 4
+
+    def __init__(self, model: Any):
+        self._model_class = type(model)
+        self._tokens: list = []
+
+    def __enter__(self) -> "GenerateSplit":
+        import mlx.core as mx
+
+        self._mx = mx
+        self._base_call = self._model_class.__call__
+        self._base_async = mx.async_eval
+        state: Dict[str, float] = {}
+        self._state = state
+        split = self
+
+        def call(model_self, *args: Any, **kwargs: Any):
+            state.setdefault("built_from", time.perf_counter())
+            return split._base_call(model_self, *args, **kwargs)
+
+        def async_eval(*args: Any, **kwargs: Any):
+            start = time.perf_counter()
+            try:
+                return split._base_async(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                built_from = state.pop("built_from", None)
+                previous_end = state.get("launched_at")
+                if built_from is not None and previous_end is not None:
+                    split._tokens.append({"build": start - built_from, "launch": end - start,
+                                          "other": built_from - previous_end, "token": end - previous_end})
+                state["launched_at"] = end
+
+        self._model_class.__call__ = call
+        mx.async_eval = async_eval
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._model_class.__call__ = self._base_call
+        self._mx.async_eval = self._base_async
+
+    def summary(self) -> Dict[str, Any]:
+        kept = self._tokens[self.SKIP:]
+        if not kept:
+            return {}
+        return {"steps": len(kept),
+                **{part: round(1e3 * statistics.median(t[part] for t in kept), 4)
+                   for part in ("build", "launch", "other", "token")}}

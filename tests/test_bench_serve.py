@@ -72,6 +72,11 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
         for split in (one, *by_batch.values()):
             assert all(split[p] >= 0 for p in PARTS if p != "rest") and split["token"] > 0
     assert "| lily | 1 (one-stream wave) |" in md_file.read_text()
+    # mlx_lm.generate's own loop, split the same way in the generate check.
+    for e in ("lily", "mlx"):
+        gs = report["generate_check"][e]["host_split_ms"]
+        assert gs["steps"] >= 1 and all(gs[p] >= 0 for p in ("build", "launch", "other")) and gs["token"] > 0
+    assert "`mlx_lm.generate`'s own decode loop, lily" in md_file.read_text()
     # The generate check counts lily's batched decode step; on the CPU there
     # are no kernels, so no batched step, and the report says why.
     assert "kernels only" in report["generate_check"]["lily"]["batch_counts"]["error"]
@@ -134,3 +139,28 @@ def test_generate_check_measures_only_when_told(demo_checkpoint, tmp_path):
     assert result["measured"]["prompt_tokens"] == result["warmup"]["prompt_tokens"] > 0
     assert result["measured"]["prompt_tps"] > 0
     assert not list(tmp_path.glob("generate-lily*.json"))  # its files are cleaned up
+
+
+def test_the_generate_split_times_each_token_and_unwraps():
+    import mlx.core as mx
+
+    from bench.serve_split import GenerateSplit
+
+    class Model:
+        def __call__(self, x):
+            time.sleep(0.002)
+            return x + 1
+
+    model, base_call, base_async = Model(), Model.__call__, mx.async_eval
+    with GenerateSplit(model) as split:
+        y = mx.array([0])
+        model(y)  # a prompt chunk: evaluated, not launched
+        mx.eval(y)
+        for _ in range(GenerateSplit.SKIP + 1 + 6):
+            y = model(y)
+            mx.async_eval(y)
+            time.sleep(0.001)  # the wait and the detokenizer
+    assert Model.__call__ is base_call and mx.async_eval is base_async
+    got = split.summary()
+    assert got["steps"] == 6 and got["build"] >= 0.002e3 * 0.9 and got["other"] >= 0.001e3 * 0.9
+    assert got["token"] >= got["build"] + got["other"] and got["launch"] >= 0

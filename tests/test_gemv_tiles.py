@@ -131,11 +131,12 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
         }
         for name, (x, weights, kwargs) in calls.items():
             assert supports(x, weights, **kwargs) is None, name
-            units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(x, weights, **kwargs)
-    # CUDA's widest K split (43.5 KB of shared memory) at the output projection's shape.
+            # CUDA's default K split (8 SIMD groups, 43.5 KB of shared memory).
+            units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(x, weights, simdgroups=8, **kwargs)
+    # Metal's default split at the output projection's shape.
     x4k = mx.zeros((16, 1, 4096), mx.bfloat16)
-    units["out_proj_nsg8"] = tiles.cuda_translation_unit(
-        x4k, _zeros(4096, (2048,)), residual=mx.zeros((16, 1, 2048), mx.bfloat16), simdgroups=8)
+    units["out_proj_nsg4"] = tiles.cuda_translation_unit(
+        x4k, _zeros(4096, (2048,)), residual=mx.zeros((16, 1, 2048), mx.bfloat16), simdgroups=4)
     for name, text in nvcc_ptx(tmp_path, units).items():
         assert "mma.sync.aligned.m16n8k16" in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
@@ -165,3 +166,27 @@ def test_an_unknown_gemv_form_is_one_notice_and_the_default(monkeypatch, fresh_n
     assert gemv_form() == "rows" and gemv_form() == "rows"
     said = capsys.readouterr().err
     assert said.count("MLX_LILY_GEMV='mma'") == 1
+
+
+def test_cuda_takes_the_tile_form_with_eight_simdgroups_by_default(monkeypatch):
+    """The defaults follow the H200's device times (bench/results/
+    2026-12-02-nvidia-h200-175d8c2279): the tile form, 8 SIMD groups, on
+    CUDA; the row GEMV on Metal and the CPU; MLX_LILY_GEMV chooses either."""
+    from mlx_lily.kernels.linear import gemv_tiles
+
+    monkeypatch.delenv("MLX_LILY_GEMV", raising=False)
+    assert gemv_tiles.default_form("cuda") == "tiles"
+    assert gemv_tiles.default_form("metal") == gemv_tiles.default_form(None) == "rows"
+    assert gemv_tiles.default_simdgroups("cuda") == 8 and gemv_tiles.default_simdgroups("metal") == 4
+    args, kwargs = gemv_call(2048, (40, 5), (4, 4), "norm", batch=3, seed=2)
+    for backend, form, nsg in (("cuda", "tiles", 8), ("metal", "rows", 4), (None, "rows", 4)):
+        monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda backend=backend: backend)
+        assert gemv_tiles.gemv_form() == form
+        launch = tiles.launch(*args, **kwargs)
+        assert dict(launch.template)["NSG"] == nsg and launch.threadgroup == (nsg * 32, 1, 1)
+    monkeypatch.setenv("MLX_LILY_GEMV", "rows")
+    monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda: "cuda")
+    assert gemv_tiles.gemv_form() == "rows"
+    monkeypatch.setenv("MLX_LILY_GEMV", "tiles")
+    monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda: "metal")
+    assert gemv_tiles.gemv_form() == "tiles"

@@ -107,7 +107,8 @@ class LilyOp:
     # supports (shapes and dtypes drawn from rng), for tests/test_fuzz_kernels.py.
     fuzz: Optional[Callable[..., tuple]] = None
     # False for an op the model never calls (a stand-alone proof or benchmark
-    # of a kernel layer), so checks of "every op ran" can leave it out.
+    # of a kernel layer) or calls only on some GPUs by default (the tile GEMV:
+    # CUDA), so checks of "every op ran" in the emulator can leave it out.
     in_model: bool = True
     last_path: Optional[str] = field(default=None, compare=False)
     last_reason: Optional[str] = field(default=None, compare=False)

@@ -17,9 +17,9 @@ bits where its SIMD groups are at least the default's (the norm keeps the
 B = 1 launch's order), so the fastest of those can become the bucket's
 default without changing any output.
 
-``--tiles`` also times the GEMV on matrix tiles (``gemv_tiles.py``, not yet
-on the model's path) where it takes the call (4-bit weights, bf16): the
-figures that decide whether the model takes it, at every B.
+``--tiles`` also times the GEMV on matrix tiles (``gemv_tiles.py``, the
+model's form on CUDA; "chosen" is the row-parallel GEMV) where it takes the
+call (4-bit weights, bf16): the figures that chose each backend's form.
 
 By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``

@@ -14,12 +14,15 @@ prologue and multiply-adds, not its reads, set its time (H200: 84 GB/s at
 best). Every row is reduced in an order fixed by K and the launch (never
 by B): the same bits alone or in any batch of up to 16.
 
-The model's decode calls go through ``decode_matvec``: the row-parallel
-GEMV by default, the tile form for every call it takes with
-``MLX_LILY_GEMV=tiles``. One form for every batch size either way (batch
-invariance, and the verify pass's equality with plain decode need it); the
-default waits for device times beside the GEMV's at B = 1..16
-(``python -m bench.diagnostics.tuning.gemv_sweep --tiles``).
+The model's decode calls go through ``decode_matvec``: on CUDA the tile
+form for every call it takes, elsewhere the row-parallel GEMV;
+``MLX_LILY_GEMV=tiles`` or ``rows`` chooses. One form for every batch size
+either way (batch invariance, and the verify pass's equality with plain
+decode need it). CUDA's default follows the H200's device times at B = 1, 4
+and 16 (bench/results/2026-12-02-nvidia-h200-175d8c2279: tiles with 8 SIMD
+groups take 1.74 ms of a token's 80 calls at B = 1 against the row GEMV's
+1.91, 4.75 against 9.36 at B = 16); Metal keeps the row GEMV until an Apple
+GPU has measured both.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import mlx.core as mx
 
 from ..._notice import notice_once
 from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
-from ...toolchain.registry import LilyOp, register
+from ...toolchain.registry import LilyOp, gpu_backend, register
 from .gemv import (
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -53,10 +56,12 @@ from .gemv import (
 # Output rows per threadgroup: one matrix tile.
 TILE_ROWS = 16
 # SIMD groups per threadgroup, each a slice of K (its quantization groups in
-# order; the slices' sums added in order). A choice per call shape, never
-# per B: it orders each row's sums. 8 needs 43.5 KB of threadgroup memory
-# (staged xin and q, the slices' sums): within CUDA's 48 KB, past Metal's 32.
+# order; the slices' sums added in order). A choice per backend and call
+# shape, never per B: it orders each row's sums. 8 needs 43.5 KB of
+# threadgroup memory (staged xin and q, the slices' sums): within CUDA's
+# 48 KB, past Metal's 32. On the H200 8 is the fastest at every B measured.
 DEFAULT_SIMDGROUPS = 4
+CUDA_DEFAULT_SIMDGROUPS = 8
 SIMDGROUP_CHOICES = (1, 2, 4)
 CUDA_SIMDGROUP_CHOICES = (1, 2, 4, 8)
 
@@ -64,6 +69,11 @@ CUDA_SIMDGROUP_CHOICES = (1, 2, 4, 8)
 def simdgroup_choices(backend: Optional[str]) -> tuple:
     """The K splits a backend's threadgroup memory takes."""
     return CUDA_SIMDGROUP_CHOICES if backend == "cuda" else SIMDGROUP_CHOICES
+
+
+def default_simdgroups(backend: Optional[str]) -> int:
+    """The K split the model's calls take on ``backend``."""
+    return CUDA_DEFAULT_SIMDGROUPS if backend == "cuda" else DEFAULT_SIMDGROUPS
 
 
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
@@ -86,10 +96,10 @@ def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             simdgroups: Optional[int] = None) -> Launch:
     """The call's launch; ``simdgroups`` (``simdgroup_choices``, default
-    DEFAULT_SIMDGROUPS) splits K, a tuning choice that orders the sums: keep
-    one per call shape for batch invariance."""
+    ``default_simdgroups`` of the GPU) splits K, a tuning choice that orders
+    the sums: keep one per call shape for batch invariance."""
     B, K = x.shape[0], x.shape[-1]
-    nsg = DEFAULT_SIMDGROUPS if simdgroups is None else int(simdgroups)
+    nsg = default_simdgroups(gpu_backend()) if simdgroups is None else int(simdgroups)
     if nsg not in CUDA_SIMDGROUP_CHOICES:
         raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
@@ -159,7 +169,7 @@ quantized_matvec_tiles = register(
         quantized_matvec_reference,
         kernel=quantized_matvec_tiles_kernel,
         supports=quantized_matvec_tiles_supports,
-        description="decode GEMV on matrix tiles (B <= 16 rows, 4-bit, bf16; not yet on the model's path)",
+        description="decode GEMV on matrix tiles (B <= 16 rows, 4-bit, bf16; the model's on CUDA)",
         sample=_sample,
         compare=quantized_matvec_compare,
         fuzz=_fuzz,
@@ -168,23 +178,29 @@ quantized_matvec_tiles = register(
 )
 
 
-# The model's decode GEMV form: "rows" (gemv.metal, the default) or "tiles".
+# The model's decode GEMV form: "rows" (gemv.metal) or "tiles" (this file);
+# by default tiles on CUDA, rows elsewhere (default_form).
 GEMV_ENV = "MLX_LILY_GEMV"
 GEMV_FORMS = ("rows", "tiles")
 
 
+def default_form(backend: Optional[str]) -> str:
+    return "tiles" if backend == "cuda" else "rows"
+
+
 def gemv_form() -> str:
-    form = os.environ.get(GEMV_ENV, "rows").strip().lower() or "rows"
+    default = default_form(gpu_backend())
+    form = os.environ.get(GEMV_ENV, "").strip().lower() or default
     if form not in GEMV_FORMS:
-        notice_once("gemv-form", f"{GEMV_ENV}={form!r} is not one of {', '.join(GEMV_FORMS)}; using 'rows'")
-        return "rows"
+        notice_once("gemv-form", f"{GEMV_ENV}={form!r} is not one of {', '.join(GEMV_FORMS)}; using {default!r}")
+        return default
     return form
 
 
 def decode_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
     """The model's decode GEMV (``quantized_matvec``'s arguments and result):
-    with ``MLX_LILY_GEMV=tiles``, the tile form wherever it takes the call
-    (4-bit, bf16, B <= 16; the same for every B of a call shape), else the
+    in the tile form (``gemv_form``) wherever it takes the call (4-bit,
+    bf16, B <= 16; the same for every B of a call shape), else the
     row-parallel GEMV. Both answer with the same reference where no kernel
     runs."""
     if gemv_form() == "tiles" and quantized_matvec_tiles_supports(x, weights, norm_weight, eps, gate, residual) is None:
