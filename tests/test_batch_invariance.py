@@ -102,3 +102,42 @@ def test_a_batch_over_the_kernels_rows_runs_unfused_with_one_notice(lily, fresh_
     assert (rows, BATCHED) not in paths and any(b == rows for b, _ in paths)
     err = capfd.readouterr().err
     assert err.count(f"a decode batch of {rows} rows") == 1
+
+
+
+def test_the_batched_step_skips_the_one_row_forms_checks(demo_checkpoint, monkeypatch):
+    """On the server's caches the batched step takes each decode token; the
+    one-row forms' per-layer checks (40 calls a token at the real depth) are
+    not made unless it declines. Kernels as on CUDA, stubbed (the compiled
+    steps run; bench.diagnostics.decode.host_cost)."""
+    from bench.diagnostics.decode.host_cost import stubbed_kernels
+    from mlx_lily.layers.decoder import LilyDecoderLayer
+    from mlx_lily.layers.text_model import _OneToken
+    from mlx_lily.warmup import prompt_cache
+
+    calls = []
+    base = LilyDecoderLayer._takes_decode
+
+    def counted(self, x, *rest):
+        if isinstance(x, _OneToken):  # the model's one-row check (a layer's own call passes its input)
+            calls.append(x.shape[0])
+        return base(self, x, *rest)
+
+    monkeypatch.setattr(LilyDecoderLayer, "_takes_decode", counted)
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    prompt = mx.array([PROMPTS[3]])
+    with stubbed_kernels():
+        for server, path in ((True, BATCHED), (False, "lily whole decode step")):
+            cache = prompt_cache(model, server)
+            mx.eval(model(prompt, cache=cache))
+            calls.clear()
+            call_trace.start()
+            try:
+                for _ in range(3):
+                    mx.eval(model(mx.array([[5]]), cache=cache))
+                paths = {r["path"] for r in call_trace.seen()}
+            finally:
+                call_trace.stop()
+            assert paths == {path}
+            # generate's caches: the one-row forms are checked, one call per layer and token.
+            assert calls == ([] if server else [1] * 3 * len(model.layers)), (server, calls)

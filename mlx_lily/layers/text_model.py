@@ -13,7 +13,7 @@ Each form's conditions, failures and results: docs/layer-notes.md#text-model.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
@@ -85,14 +85,20 @@ class LilyTextModel(Qwen3_5TextModel):
         one = _one_token(inputs.shape[0])
         fa_mask = create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(one, cache[self.ssm_idx]) if self.ssm_idx is not None else None
-        fits = compiled and inputs.shape[0] == 1 and all(
-            layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
-            for layer, c in zip(self.layers, cache)
-        )
-        if not fits and rows is None:
-            return None
-        batch = rows is not None and all(layer._lily_fits() for layer in self.layers)
-        return DecodeMasks(fa_mask, ssm_mask, version, rows if batch else None, fits)
+
+        def one_row() -> bool:
+            return compiled and inputs.shape[0] == 1 and all(
+                layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
+                for layer, c in zip(self.layers, cache)
+            )
+
+        if rows is None:
+            fits = one_row()
+            return DecodeMasks(fa_mask, ssm_mask, version, None, fits) if fits else None
+        batch = all(layer._lily_fits() for layer in self.layers)
+        # The server's caches: the batched step takes the token unless it
+        # declines, so the one-row forms' 40 checks wait until asked.
+        return DecodeMasks(fa_mask, ssm_mask, version, rows if batch else None, one_row)
 
     # -- the segments ---------------------------------------------------------------
 
@@ -320,7 +326,16 @@ class DecodeMasks:
     """What ``_segment_masks`` found for a decode token: the attention and
     DeltaNet masks stock builds, the weights' version, the batch's rows where
     the batched step may take it (else None), and whether the one-row forms
-    (whole step, segments) may."""
+    (whole step, segments) may: a bool, or a function that answers it,
+    called once, when a tier first asks (``one_row``)."""
 
-    def __init__(self, fa_mask: Any, ssm_mask: Any, version: int, rows: Optional[int], one_row: bool):
-        self.fa_mask, self.ssm_mask, self.version, self.rows, self.one_row = fa_mask, ssm_mask, version, rows, one_row
+    def __init__(self, fa_mask: Any, ssm_mask: Any, version: int, rows: Optional[int],
+                 one_row: Union[bool, Callable[[], bool]]):
+        self.fa_mask, self.ssm_mask, self.version, self.rows = fa_mask, ssm_mask, version, rows
+        self._one_row = one_row
+
+    @property
+    def one_row(self) -> bool:
+        if callable(self._one_row):
+            self._one_row = bool(self._one_row())
+        return self._one_row
