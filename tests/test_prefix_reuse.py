@@ -341,6 +341,10 @@ def test_bench_multi_turn_records_reuse_and_identical_outputs(demo_checkpoint, r
         for prev, r in zip(lily["turns"], lily["turns"][1:])
     ]
     assert stock["tokens_reused"] == 0 and lily["checkpoint_bytes_max"] > 0 and stock["checkpoint_bytes_max"] == 0
+    # Follow-ups are timed after an untimed cold request of their prompt; its excess is kept.
+    for r in lily["turns"][1:]:
+        assert r["first_cold_ttft_s"] > 0 and r["first_at_length_s"] == r["first_cold_ttft_s"] - r["cold_ttft_s"]
+    assert "first_cold_ttft_s" not in lily["turns"][0] and lily["first_at_length_s_median"] is not None
     assert not pr.installed()
     assert "| lily | 3 |" in multi_turn.markdown(section)
 
