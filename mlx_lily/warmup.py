@@ -117,8 +117,6 @@ def prompt_cache(model: Any, server: bool) -> List[Any]:
 
 
 def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> None:
-    from mlx_lm.generate import BatchGenerator
-
     cache = prompt_cache(model, server)
     done = 0
     for length in lengths:
@@ -140,20 +138,46 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
         # masks, which run MLX's sdpa: none meets these kernel instances.
         _prime_attention_decode(model)
 
+    if server:
+        # A prompt of several prefill steps through the batch generator, as a
+        # server's long prompt runs: its short tail chunk carries a state and no mask.
+        long = 2 * CHUNKED_FROM + SHORT_CHUNK + 1
+        run_batch(model, [_prompt(long)[0].tolist()], DECODE_TOKENS, prefill_step_size=CHUNKED_FROM)
+        log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s)")
+
     # Batches of mixed lengths, one per build of the batched decode kernels
     # (the GEMV's row buckets; the other batched kernels have one build).
     for rows in PRIME_BATCHES:
         batch = [_prompt(SHORT_CHUNK // (1 + r % 2), r)[0].tolist() for r in range(rows)]
-        gen = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows)
-        try:
-            gen.insert(batch, max_tokens=[DECODE_TOKENS + 1] * rows)
-            for _ in range(4 * DECODE_TOKENS + 4):
-                _, responses = gen.next()
-                if not responses:
-                    break
-        finally:
-            gen.close()
-        log(f"  primed a decode batch of {rows} ({time.perf_counter() - start:.1f}s)")
+        steps = run_batch(model, batch, DECODE_TOKENS + 1)
+        log(f"  primed a decode batch of {rows} ({steps} steps, {time.perf_counter() - start:.1f}s)")
+
+
+def run_batch(model: Any, prompts: List[List[int]], max_tokens: int, prefill_step_size: int = 2048,
+              rows: Optional[int] = None) -> int:
+    """Run ``prompts`` through mlx-lm's BatchGenerator, ``rows`` at a time
+    (default: all together), as the server does, until every one has
+    finished; returns the calls that gave tokens. (A call of ``next()`` that
+    only prefills gives none: that is not the end.)"""
+    from mlx_lm.generate import BatchGenerator
+
+    rows = rows or len(prompts)
+    gen = BatchGenerator(model, completion_batch_size=rows, prefill_batch_size=rows,
+                         prefill_step_size=prefill_step_size)
+    finished, steps = set(), 0
+    chunks = sum(-(-len(p) // prefill_step_size) + 1 for p in prompts)
+    try:
+        uids = gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
+        # Bounded: every prompt's chunks, then max_tokens steps each, with room to spare.
+        for _ in range(2 * (chunks + max_tokens * len(prompts)) + 8):
+            _, responses = gen.next()
+            steps += bool(responses)
+            finished |= {r.uid for r in responses if r.finish_reason is not None}
+            if finished >= set(uids):
+                break
+    finally:
+        gen.close()
+    return steps
 
 
 def decode_contexts(kv_heads: int, longest: int = 1 << 18) -> List[int]:

@@ -6,11 +6,10 @@ from __future__ import annotations
 import gc
 
 import pytest
-from mlx_lm.generate import BatchGenerator
-
 import mlx_lily
 from mlx_lily import backend, warmup
 from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
+from mlx_lily.kernels.linear.gemv import BATCH_BUCKETS
 from mlx_lily.kernels.moe.routing import TILE_ROWS, tile_rows_for
 from mlx_lily.toolchain.kernel import Kernel
 
@@ -19,17 +18,11 @@ def launched() -> set:
     return {(k.name,) + key for k in gc.get_objects() if isinstance(k, Kernel) for key in k.launched}
 
 
-def serve(model, prompts, max_tokens=3, prefill_step_size=2048):
-    """Run prompts as mlx_lm.server does: through mlx-lm's BatchGenerator."""
-    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4, prefill_step_size=prefill_step_size)
-    try:
-        gen.insert(prompts, max_tokens=[max_tokens] * len(prompts))
-        for _ in range(20 * max_tokens):
-            _, responses = gen.next()
-            if not responses:
-                break
-    finally:
-        gen.close()
+def serve(model, prompts, max_tokens=3, prefill_step_size=2048, rows=4):
+    """Run prompts as mlx_lm.server does, through mlx-lm's BatchGenerator, to
+    their last token."""
+    steps = warmup.run_batch(model, prompts, max_tokens, prefill_step_size, rows=rows)
+    assert steps >= max_tokens  # decode steps ran, not only the prefill
 
 
 @pytest.mark.parametrize("experts,top_k", [(256, 8), (8, 2), (16, 4), (24, 3), (512, 10)])
@@ -59,6 +52,10 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
     # for the chunked kernels drop it when it masks nothing, shorter ones
     # keep it (the sequential recurrence with a mask, with and without a state).
     assert {(False, True), (True, True)} <= states
+    # The batched decode step at every row bucket of its GEMV (the decode
+    # batches ran to their last token, not only their prefill).
+    buckets = {dict(key[2]).get("BATCH") for key in primed if key[0] == "quantized_matvec"}
+    assert set(BATCH_BUCKETS) <= buckets
 
     # Single requests at each tile size, then a batch of mixed lengths.
     ids = lambda n: [(7 * i) % 400 + 3 for i in range(n)]  # noqa: E731
@@ -69,6 +66,9 @@ def test_priming_covers_a_servers_requests(demo_checkpoint, emulator_backend, mo
     # prompt's 10-token tail.
     serve(model, [ids(430)], prefill_step_size=210)
     serve(model, [ids(37), ids(150), ids(3)])
+    # Batches of every size up to 16, mixed lengths (each size in its own bucket's kernels).
+    for rows in (3, 6, 11, 16):
+        serve(model, [ids(4 + 5 * r) for r in range(rows)], rows=rows)
     assert launched() - primed == set()
 
 
