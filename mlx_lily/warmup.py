@@ -27,6 +27,7 @@ from ._notice import notice_once
 from .kernels.gated_delta.recurrence import CHUNKED_FROM
 from .kernels.linear.gemv import BATCH_BUCKETS
 from .kernels.moe.routing import TILE_ROWS
+from .layers.decoder import priming
 from .toolchain.registry import kernel_backend
 
 PRIME_ENV = "MLX_LILY_PRIME"
@@ -96,7 +97,7 @@ def prime(model: Any, log=None, server: bool = True) -> Optional[dict]:
         f"tokens on {caches} caches, decode steps and decode batches of "
         f"{', '.join(map(str, PRIME_BATCHES))} ({PRIME_ENV}=0 skips this)")
     start = time.perf_counter()
-    with call_trace.paused():
+    with call_trace.paused(), priming():
         _run(model, lengths, start, log, server)
     mx.clear_cache()
     seconds = time.perf_counter() - start

@@ -419,6 +419,30 @@ def test_a_first_use_inside_a_trace_is_named_once(monkeypatch, fresh_notices, ca
                       "step (batch True)") == 1
 
 
+def test_priming_meets_kernels_inside_traces_without_the_notice(fresh_notices, capsys):
+    """Under warmup's priming the step still checks and traces again, but a
+    first use inside a trace is expected there: no notice."""
+    from mlx_lily.toolchain import tracing
+
+    traces = []
+
+    def fn(x):
+        if _tracing(x):
+            traces.append(x.shape)
+            if x.shape == (3,) and traces.count((3,)) == 1:
+                tracing.count_first_use_in_trace("moe_decode_route (T=bfloat16, K=8; inputs bfloat16)")
+        return x + 1
+
+    store = {}
+    with D.priming():
+        for n in (2, 3):
+            D.compiled_step(store, ("batch", True), 0, lambda: fn)(mx.zeros((n,)))
+    assert traces.count((3,)) == 2  # traced again after the first use
+    assert "first met inside" not in capsys.readouterr().err
+    D.compiled_step(store, ("batch", True), 0, lambda: fn)(mx.zeros((3,)))
+    assert not D._PRIMING["on"]
+
+
 def _tracing(x: mx.array) -> bool:
     """Whether ``x`` is a tracer of mx.compile (it cannot be evaluated)."""
     try:

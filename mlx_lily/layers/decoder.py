@@ -13,9 +13,10 @@ compiled steps, and prefill's pacing: docs/layer-notes.md#decoder.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -219,7 +220,7 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
             if state["retraces"] >= MAX_RETRACES:
                 return out
             state["retraces"] += 1
-            for what in set(first_uses_met_since(before)):
+            for what in set(first_uses_met_since(before)) if not _PRIMING["on"] else ():
                 # Each instance once: a build in the middle of decoding stalls every row of it.
                 notice_once(f"first-use-in-trace:{what}", f"kernel {what} first met inside a compiled "
                                                           f"step ({_step_label(name)}): checked, traced again")
@@ -234,6 +235,22 @@ def compiled_step(store: dict, name: Any, key: Any, build: Callable[[], Callable
         return step(*args)
 
     return first_call
+
+
+# While warmup.prime runs, kernels are met inside traces on purpose: no notice.
+_PRIMING = {"on": False}
+
+
+@contextlib.contextmanager
+def priming() -> Iterator[None]:
+    """Within: a kernel first met inside a compiled step is checked and the
+    step traced again, as always, without the notice (priming is where such
+    builds belong)."""
+    was, _PRIMING["on"] = _PRIMING["on"], True
+    try:
+        yield
+    finally:
+        _PRIMING["on"] = was
 
 
 def _step_label(name: Any) -> str:
