@@ -179,14 +179,29 @@ def test_cuda_takes_the_tile_form_with_eight_simdgroups_by_default(monkeypatch):
     assert gemv_tiles.default_form("metal") == gemv_tiles.default_form(None) == "rows"
     assert gemv_tiles.default_simdgroups("cuda") == 8 and gemv_tiles.default_simdgroups("metal") == 4
     args, kwargs = gemv_call(2048, (40, 5), (4, 4), "norm", batch=3, seed=2)
-    for backend, form, nsg in (("cuda", "tiles", 8), ("metal", "rows", 4), (None, "rows", 4)):
-        monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda backend=backend: backend)
+    for backend, form, nsg in (("cuda", "tiles", 8), ("metal", "rows", 4), ("emulator", "rows", 4), (None, "rows", 4)):
+        monkeypatch.setattr(gemv_tiles, "runs_on", lambda backend=backend: backend)
         assert gemv_tiles.gemv_form() == form
         launch = tiles.launch(*args, **kwargs)
         assert dict(launch.template)["NSG"] == nsg and launch.threadgroup == (nsg * 32, 1, 1)
     monkeypatch.setenv("MLX_LILY_GEMV", "rows")
-    monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "cuda")
     assert gemv_tiles.gemv_form() == "rows"
     monkeypatch.setenv("MLX_LILY_GEMV", "tiles")
-    monkeypatch.setattr(gemv_tiles, "gpu_backend", lambda: "metal")
+    monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "metal")
     assert gemv_tiles.gemv_form() == "tiles"
+
+
+def test_the_defaults_follow_where_kernels_run_not_the_gpu_present(monkeypatch):
+    # The emulator forced on an NVIDIA machine keeps Metal's limits: 8 SIMD
+    # groups would not fit its threadgroup memory, so the row GEMV.
+    from mlx_lily.kernels.linear import gemv_tiles
+    from mlx_lily.toolchain import registry
+
+    monkeypatch.delenv("MLX_LILY_GEMV", raising=False)
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+    monkeypatch.setattr(registry, "gpu_backend", lambda: "cuda")
+    monkeypatch.setenv(registry.BACKEND_ENV, "auto")
+    assert gemv_tiles.runs_on() == "cuda" and gemv_tiles.gemv_form() == "tiles"
+    monkeypatch.setenv(registry.BACKEND_ENV, "emulator")
+    assert gemv_tiles.runs_on() == "emulator" and gemv_tiles.gemv_form() == "rows"

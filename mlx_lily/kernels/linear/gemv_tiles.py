@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ..._notice import notice_once
 from ...toolchain.kernel import Kernel, Launch, SIMD_WIDTH
-from ...toolchain.registry import LilyOp, gpu_backend, register
+from ...toolchain.registry import LilyOp, kernel_backend, register
 from .gemv import (
     INPUT_NAMES,
     OUTPUT_NAMES,
@@ -99,7 +99,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     ``default_simdgroups`` of the GPU) splits K, a tuning choice that orders
     the sums: keep one per call shape for batch invariance."""
     B, K = x.shape[0], x.shape[-1]
-    nsg = default_simdgroups(gpu_backend()) if simdgroups is None else int(simdgroups)
+    nsg = default_simdgroups(runs_on()) if simdgroups is None else int(simdgroups)
     if nsg not in CUDA_SIMDGROUP_CHOICES:
         raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
@@ -188,8 +188,15 @@ def default_form(backend: Optional[str]) -> str:
     return "tiles" if backend == "cuda" else "rows"
 
 
+def runs_on() -> Optional[str]:
+    """Where the kernels run ('cuda', 'metal', 'emulator' or None): the
+    defaults follow it, not the GPU present (the emulator forced on an
+    NVIDIA machine takes Metal's limits, and so the row GEMV)."""
+    return kernel_backend()[0]
+
+
 def gemv_form() -> str:
-    default = default_form(gpu_backend())
+    default = default_form(runs_on())
     form = os.environ.get(GEMV_ENV, "").strip().lower() or default
     if form not in GEMV_FORMS:
         notice_once("gemv-form", f"{GEMV_ENV}={form!r} is not one of {', '.join(GEMV_FORMS)}; using {default!r}")
