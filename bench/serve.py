@@ -40,6 +40,7 @@ import http.client
 import json
 import os
 import random
+import re
 import signal
 import socket
 import statistics
@@ -573,6 +574,8 @@ def run_engine(
         result["host_split_ms_by_batch"] = server.host_split()
     finally:
         server.stop()
+        if engine == "lily" and server.log_path.exists():
+            result.update(server_log_facts(server.log_path.read_text(errors="replace")))
         if server.paths_file is not None and server.paths_file.exists():
             result["layer_paths"] = [json.loads(l) for l in server.paths_file.read_text().splitlines()]
     return result
@@ -767,6 +770,22 @@ def split_table(report: Dict[str, Any]) -> List[str]:
     return lines + [""]
 
 
+_PRIMED = re.compile(r"\[mlx-lily\] primed in ([0-9.]+)s")
+_FIRST_USE = re.compile(r"\[mlx-lily\] kernel (.*) first met inside a compiled step")
+
+
+def server_log_facts(text: str) -> Dict[str, Any]:
+    """What a lily server's log says about its start: the seconds priming
+    took, and each kernel instance first met inside a compiled step (built in
+    the middle of a request) after it."""
+    primed = _PRIMED.search(text)
+    after = text[primed.end():] if primed else text
+    return {
+        "primed_s": float(primed.group(1)) if primed else None,
+        "first_uses_in_traces": [m.group(1) for m in _FIRST_USE.finditer(after)],
+    }
+
+
 def markdown(report: Dict[str, Any]) -> str:
     s = report["settings"]
     acc = report["machine"].get("accelerator", {})
@@ -836,6 +855,13 @@ def markdown(report: Dict[str, Any]) -> str:
         for n, w in e.get("waves", {}).items():
             if w.get("errors"):
                 lines.append(f"{name}, {n} streams: errors: {'; '.join(w['errors'][:3])}")
+    lily = report["engines"].get("lily", {})
+    if "first_uses_in_traces" in lily:
+        met = lily["first_uses_in_traces"]
+        lines.append(f"Lily's server primed its kernels in {_fmt(lily.get('primed_s'))} s; kernel instances first met "
+                     f"inside a compiled step after that: {len(met)}"
+                     + (f" ({'; '.join(m.split(';')[0] for m in met[:4])}{'; ...' if len(met) > 4 else ''})." if met
+                        else "."))
     paths = report["engines"].get("lily", {}).get("layer_paths")
     if paths is not None:
         stock = [r for r in paths if r["path"] == "stock"]

@@ -86,6 +86,23 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
     assert "Prefill, one request, lily:" in table and "Prefill, one request, mlx:" in table
     assert capsys.readouterr().out.strip() == table.strip()
+    # What the lily server's log said about its start (on this CPU: no priming, no builds mid-request).
+    lily = report["engines"]["lily"]
+    assert lily["first_uses_in_traces"] == [] and "primed_s" in lily
+    assert "first_uses_in_traces" not in report["engines"]["mlx"]
+
+
+def test_the_server_log_says_how_long_priming_took_and_what_was_built_after_it():
+    from bench.common import REPO_ROOT
+
+    log = (REPO_ROOT / "bench/results/2026-12-02-nvidia-h200-3d92dbbb72/serve-lily/server-lily.log").read_text()
+    facts = serve.server_log_facts(log)
+    assert facts["primed_s"] == 8.9 and len(facts["first_uses_in_traces"]) == 10
+    assert all(f.startswith("quantized_matvec") for f in facts["first_uses_in_traces"])
+    before = "[mlx-lily] kernel moe_decode_route (T=bfloat16) first met inside a compiled step (batch True): checked\n"
+    text = before + "[mlx-lily] primed in 12.5s\n" + before.replace("moe_decode_route", "attention_decode")
+    assert serve.server_log_facts(text) == {"primed_s": 12.5, "first_uses_in_traces": ["attention_decode (T=bfloat16)"]}
+    assert serve.server_log_facts("") == {"primed_s": None, "first_uses_in_traces": []}
 
 
 def test_conditioned_random_checkpoints_for_the_greedy_check(tmp_path):
