@@ -36,6 +36,7 @@ report includes it.
 from __future__ import annotations
 
 import argparse
+import collections
 import http.client
 import json
 import os
@@ -858,10 +859,12 @@ def markdown(report: Dict[str, Any]) -> str:
     lily = report["engines"].get("lily", {})
     if "first_uses_in_traces" in lily:
         met = lily["first_uses_in_traces"]
-        lines.append(f"Lily's server primed its kernels in {_fmt(lily.get('primed_s'))} s; kernel instances first met "
-                     f"inside a compiled step after that: {len(met)}"
-                     + (f" ({'; '.join(m.split(';')[0] for m in met[:4])}{'; ...' if len(met) > 4 else ''})." if met
-                        else "."))
+        primed = (f"primed its kernels in {lily['primed_s']:.1f} s" if lily.get("primed_s") is not None
+                  else "did not prime (no kernels to build here, or MLX_LILY_PRIME=0)")
+        lines.append(f"Lily's server {primed}; kernel instances first met inside a compiled step after that: {len(met)}"
+                     + (" (" + ", ".join(f"{name} x{n}" for name, n in
+                                         sorted(collections.Counter(m.split(" ")[0] for m in met).items())) + ")."
+                        if met else "."))
     paths = report["engines"].get("lily", {}).get("layer_paths")
     if paths is not None:
         stock = [r for r in paths if r["path"] == "stock"]

@@ -103,6 +103,10 @@ def test_the_server_log_says_how_long_priming_took_and_what_was_built_after_it()
     text = before + "[mlx-lily] primed in 12.5s\n" + before.replace("moe_decode_route", "attention_decode")
     assert serve.server_log_facts(text) == {"primed_s": 12.5, "first_uses_in_traces": ["attention_decode (T=bfloat16)"]}
     assert serve.server_log_facts("") == {"primed_s": None, "first_uses_in_traces": []}
+    report = {"settings": {"shape": "demo", "prompt_tokens": 8, "max_tokens": 4}, "machine": {},
+              "software": {"mlx": "", "mlx_lm": "", "git_revision": ""}, "engines": {"lily": dict(facts, waves={})}}
+    assert ("primed its kernels in 8.9 s; kernel instances first met inside a compiled step after that: 10 "
+            "(quantized_matvec x2, quantized_matvec_tiles x8).") in serve.markdown(report)
 
 
 def test_conditioned_random_checkpoints_for_the_greedy_check(tmp_path):
