@@ -32,6 +32,26 @@ def lily(demo_checkpoint):
     return model
 
 
+@pytest.fixture(scope="module")
+def chunked_lily(tmp_path_factory):
+    """A model whose DeltaNet heads the chunked kernels take (head dims of 64;
+    the demo's 32 keep every call on the sequential scan)."""
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "dk64",
+                           shape={"linear_key_head_dim": 64, "linear_value_head_dim": 64})
+    model, _ = mlx_lily.load(str(path), backend="lily")
+    return model
+
+
+def chunked_passes_ran() -> bool:
+    import gc
+
+    from mlx_lily.toolchain.kernel import Kernel
+
+    return any(k.name == "gated_delta_chunk_state" and k.launched for k in gc.get_objects() if isinstance(k, Kernel))
+
+
 @pytest.fixture
 def installed(monkeypatch):
     monkeypatch.delenv(pr.POLICY_ENV, raising=False)
@@ -148,18 +168,40 @@ def test_reuse_at_random_divergence_points_equals_cold_prefill(lily, reference_b
         history = history if d < 60 else prompt  # also resume from a resumed request's entry
 
 
-def test_reuse_on_the_emulated_kernels_equals_cold_prefill(lily, installed, emulator_backend):
+def test_reuse_on_the_emulated_kernels_equals_cold_prefill(chunked_lily, installed, emulator_backend):
     # Chunks of 192 tokens and more take the chunked DeltaNet kernels.
     rng = random.Random(1)
     step = 192
     lru = LRUPromptCache(max_size=4)
     history = [rng.randrange(1, 500) for _ in range(260)]
-    serve(lily, lru, [history], step)
+    serve(chunked_lily, lru, [history], step)
     prompt = history[:230] + [rng.randrange(1, 500) for _ in range(200)]
-    (got,) = serve(lily, lru, [prompt], step)
-    (cold,) = serve(lily, None, [prompt], step)
-    assert got[0] == 192
+    (got,) = serve(chunked_lily, lru, [prompt], step)
+    (cold,) = serve(chunked_lily, None, [prompt], step)
+    assert got[0] == 192 and chunked_passes_ran()
     assert_same_bits(got, cold)
+
+
+def test_a_prefill_cut_at_a_64_token_piece_keeps_its_bits_on_the_chunked_kernels(chunked_lily, emulator_backend):
+    """The chunked DeltaNet passes split a call into 64-token pieces from its
+    first token. A prompt cut where a piece ends (both calls long enough for
+    the chunked passes) gives the bits of one call; a cut inside a piece
+    rounds differently, which is why resuming off the cold prefill's grid
+    changes the bits (docs/prefix-reuse.md)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tokens = mx.array([[(7 * i) % 400 + 3 for i in range(450)]])
+
+    def last_logits(cut=None):
+        cache, out = make_prompt_cache(chunked_lily), None
+        for a, b in ((0, cut), (cut, None)) if cut else ((0, None),):
+            out = chunked_lily(tokens[:, a:b], cache=cache)
+        return out[:, -1]
+
+    whole = last_logits()
+    assert chunked_passes_ran()
+    assert mx.array_equal(last_logits(256), whole).item()
+    assert not mx.array_equal(last_logits(257), whole).item()
 
 
 def test_exact_policy_resumes_only_on_the_new_prompt_s_chunk_grid(lily, reference_backend, installed):
