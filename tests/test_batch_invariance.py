@@ -32,7 +32,7 @@ def lily(demo_checkpoint, emulator_backend):
     return model
 
 
-def generate(model, schedule, max_tokens):
+def generate(model, schedule, max_tokens, prompts=PROMPTS):
     """Per request: [(token, log-probabilities as fp32 numpy)] for each
     decode step. ``schedule``: {step: [prompt indices inserted then]}."""
     gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=32)
@@ -41,7 +41,7 @@ def generate(model, schedule, max_tokens):
     try:
         while done < requests:
             for i in schedule.get(step, []):
-                (uid,) = gen.insert([PROMPTS[i]], max_tokens=[max_tokens[i]])
+                (uid,) = gen.insert([prompts[i]], max_tokens=[max_tokens[i]])
                 uid_of[uid] = i
                 out[i] = []
             _, responses = gen.next()
@@ -55,8 +55,8 @@ def generate(model, schedule, max_tokens):
     return out
 
 
-def alone(model, index, max_tokens):
-    return generate(model, {0: [index]}, {index: max_tokens})[index]
+def alone(model, index, max_tokens, prompts=PROMPTS):
+    return generate(model, {0: [index]}, {index: max_tokens}, prompts)[index]
 
 
 def assert_same(got, want, what):
@@ -78,6 +78,32 @@ def test_a_request_decodes_the_same_bits_alone_and_in_a_batch(lily, rows):
     # Alone: the first, a middle and the last row of the batch.
     for i in sorted({0, rows // 2, rows - 1}):
         assert_same(together[i], alone(lily, i, steps), f"row {i} of {rows}")
+
+
+def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
+    # Prompts of 8 tokens and more arriving together share their prefill
+    # call's token-wise work (prompt_rows.packed_call: the MoE of all rows'
+    # tokens at once); shorter ones run alone. Each row's log-probabilities
+    # stay those of its prompt alone, bit for bit, kernels on.
+    from mlx_lily.layers import prompt_rows
+
+    prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((9, 23, 4, 12, 40))]
+    packed = []
+    real = prompt_rows.packed_call
+
+    def spy(model, ids, caches):
+        packed.append([i.shape[1] for i in ids])
+        return real(model, ids, caches)
+
+    monkeypatch.setattr(prompt_rows, "packed_call", spy)
+    steps = 3
+    together = generate(lily, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
+    # The generator holds each prompt's last token back for its first step.
+    assert packed == [[8, 22, 11, 39]], packed
+    packed.clear()
+    for i in range(len(prompts)):
+        assert_same(together[i], alone(lily, i, steps, prompts), f"row {i}")
+    assert not packed  # a request alone has nothing to share its call with
 
 
 def test_rows_joining_and_leaving_keep_their_bits(lily):

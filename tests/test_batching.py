@@ -91,6 +91,27 @@ def test_padded_batch_matches_stock_and_each_prompt_alone(models, reference_back
     assert not [r for r in records if r["step"] == "prefill" and r["batch"] > 1]
 
 
+def test_which_rows_share_a_packed_prefill_call(monkeypatch):
+    from mlx_lily.layers import prompt_rows as pr
+
+    def groups(real, packing=True):  # the order of the calls does not matter
+        return sorted(pr.pack_groups(real, packing))
+
+    assert groups([9, 0, 4, 8, 300]) == [[0, 3, 4], [2]]  # no tokens: no call; short: alone
+    assert groups([9, 0, 4, 8], packing=False) == [[0], [2], [3]]
+    big = pr.PACK_MAX_TOKENS // 2
+    assert groups([big, big, 1, big]) == [[0, 1], [2], [3]]
+    assert groups([pr.PACK_MAX_TOKENS + 5, 9]) == [[0], [1]]
+    # Where packing keeps a row's bits: the CPU and CUDA; not (unmeasured) Metal,
+    # and not when turned off.
+    monkeypatch.setattr(pr, "gpu_backend", lambda: "metal")
+    assert not pr.packing_enabled()
+    monkeypatch.setattr(pr, "gpu_backend", lambda: "cuda")
+    assert pr.packing_enabled()
+    monkeypatch.setenv(pr.PACK_ENV, "0")
+    assert not pr.packing_enabled()
+
+
 def test_continuous_batching_a_request_joins_the_decode_batch(models, reference_backend, recorded):
     # The server's pattern: one request decodes, a second arrives and decodes
     # with it; each gets the tokens it gets alone.

@@ -17,6 +17,23 @@ end up in the row's left padding, which no attention reads.
 ``MLX_LILY_PROMPT_ROWS=0`` prefills such batches as stock does, all rows in
 each call (padding masks and all): faster for many short prompts, but a
 row's caches then depend on the batch it was prefilled with.
+
+**Packed rows.** A prefill call of a few hundred tokens is bound by its fixed
+cost (on the H200 at the real shapes, 256 tokens took 39 ms and 2,048 took
+131: ``bench.diagnostics.prefill.packed_rows``), so rows of at least
+``PACK_MIN_TOKENS`` tokens share one call for the work that treats each token
+on its own: the embedding, each layer's post-attention norm and MoE block
+(the largest part of a layer's launches, and each expert's weights then read
+once for all rows), the residuals and the final norm; each row's mixer
+(attention or Gated DeltaNet, with their projections) still runs on its own
+tokens and cache. That keeps a row's bits only where those token-wise ops
+give a token the same bits whatever is packed with it: measured on CUDA
+(MLX's quantized matmul and lily's expert GEMM take other paths below 8
+rows; from 8 on a row's outputs packed equal its outputs alone), and on the
+CPU, whose matmuls are row-exact. On Metal, whose quantized matmul switches
+between its vector and matrix forms at a row count that depends on the GPU
+and the shapes, rows are not packed until measured there.
+``MLX_LILY_PACK_PROMPTS=0`` turns packing off.
 """
 
 from __future__ import annotations
@@ -25,13 +42,32 @@ import os
 from typing import Any, List, Optional
 
 import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
+from ..toolchain.registry import gpu_backend
+
 ROWS_ENV = "MLX_LILY_PROMPT_ROWS"
+PACK_ENV = "MLX_LILY_PACK_PROMPTS"
+# Rows with fewer tokens in a chunk run alone (module docstring: below 8 rows
+# MLX's quantized matmul on CUDA and lily's expert GEMM take other paths).
+PACK_MIN_TOKENS = 8
+# Tokens of one packed call at most: bounds the MoE's intermediates, as a
+# prefill chunk does.
+PACK_MAX_TOKENS = 4096
+# Where MLX's own matmuls run: the devices on which packing keeps a row's bits
+# (measured), None standing for the CPU.
+PACKING_DEVICES = ("cuda", None)
 
 
 def rows_enabled() -> bool:
     return os.environ.get(ROWS_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def packing_enabled() -> bool:
+    if os.environ.get(PACK_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    return gpu_backend() in PACKING_DEVICES
 
 
 def _is_prompt_chunk(cache: Any, length: int) -> bool:
@@ -65,18 +101,15 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
     # Each row's left padding (one list for every attention layer: they pad alike).
     paddings = [int(p) for p in kv[0].left_padding.tolist()] if kv else [0] * B
 
-    outputs: List[mx.array] = []
-    row_caches = []
-    for b in range(B):
-        if real[b] == 0:
-            outputs.append(None)
-            row_caches.append(None)
-            continue
-        rows = [_row_cache(c, b, paddings[b]) for c in cache]
-        out = model(inputs[b:b + 1, : real[b]], cache=rows)
-        mx.eval(out, [c.state for c in rows])
-        outputs.append(out)
-        row_caches.append(rows)
+    row_caches = [None if real[b] == 0 else [_row_cache(c, b, paddings[b]) for c in cache] for b in range(B)]
+    outputs: List[Optional[mx.array]] = [None] * B
+    for group in pack_groups(real, packing_enabled() and _packable(model)):
+        ids = [inputs[b:b + 1, : real[b]] for b in group]
+        caches = [row_caches[b] for b in group]
+        outs = [model(ids[0], cache=caches[0])] if len(group) == 1 else packed_call(model, ids, caches)
+        mx.eval(outs, [c.state for rows in caches for c in rows])
+        for b, out in zip(group, outs):
+            outputs[b] = out
 
     for i, c in enumerate(cache):
         per_row = [None if rows is None else rows[i] for rows in row_caches]
@@ -95,6 +128,60 @@ def prompt_rows(model: Any, inputs: mx.array, cache: Any) -> Optional[mx.array]:
         for o in outputs
     ]
     return mx.concatenate(padded, axis=0)
+
+
+def pack_groups(real: List[int], packing: bool) -> List[List[int]]:
+    """The rows with tokens, in groups that share a call: with ``packing``,
+    rows of at least ``PACK_MIN_TOKENS`` tokens in order, up to
+    ``PACK_MAX_TOKENS`` tokens a group; every other row alone."""
+    groups: List[List[int]] = []
+    current: List[int] = []
+    tokens = 0
+    for b, n in enumerate(real):
+        if n == 0:
+            continue
+        if not packing or n < PACK_MIN_TOKENS:
+            groups.append([b])
+            continue
+        if current and tokens + n > PACK_MAX_TOKENS:
+            groups.append(current)
+            current, tokens = [], 0
+        current.append(b)
+        tokens += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _packable(model: Any) -> bool:
+    """Every layer is lily's, with the stock layer flow ``packed_call`` follows."""
+    from .decoder import LilyDecoderLayer
+
+    return all(type(layer) is LilyDecoderLayer for layer in model.layers)
+
+
+def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.array]:
+    """The text model's outputs [1, L_r, D] for rows ``ids`` (each [1, L_r])
+    on their one-row caches: the layer flow of stock's model and decoder
+    layer, with each row's mixer on its own tokens and the token-wise rest
+    on all rows' tokens packed (module docstring)."""
+    from .decoder import PACE_MIN_ROWS, pace_prefill
+
+    hidden = [model.embed_tokens(i) for i in ids]
+    lengths = [h.shape[1] for h in hidden]
+    fa = [None if model.fa_idx is None else create_attention_mask(h, c[model.fa_idx]) for h, c in zip(hidden, caches)]
+    ssm = [None if model.ssm_idx is None else create_ssm_mask(h, c[model.ssm_idx]) for h, c in zip(hidden, caches)]
+    splits = [sum(lengths[:r]) for r in range(1, len(lengths))]
+    for i, layer in enumerate(model.layers):
+        mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+        masks = ssm if layer.is_linear else fa
+        x = mx.concatenate([h + mixer(layer.input_layernorm(h), m, c[i]) for h, m, c in zip(hidden, masks, caches)],
+                           axis=1)
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        if out.shape[1] >= PACE_MIN_ROWS:
+            pace_prefill(x, out)
+        hidden = mx.split(out, splits, axis=1)
+    return [model.norm(h) for h in hidden]
 
 
 def _row_cache(c: Any, b: int, padding: int) -> Any:
