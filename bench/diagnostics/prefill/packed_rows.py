@@ -20,6 +20,12 @@ once over all rows' tokens, packed one after another:
   alone, for 8 rows of 256 run one after another, and for the same 8 rows
   packed as the server's batch prefill packs them (``packed_call``).
 
+* **through mlx-lm's batch generator** (``--generator``): 16 prompts of 256
+  tokens inserted together into a ``BatchGenerator`` (prefill batches of 8,
+  as ``mlx_lm.server``), timed until every request has its first token, with
+  packing on and off (``MLX_LILY_PACK_PROMPTS``), alternating; and whether
+  each request's first log-probabilities are the same bits either way.
+
 Prints a table and writes ``packed_rows.json`` to DIR.
 """
 
@@ -129,10 +135,53 @@ def prefill_costs(model, vocab: int, repeats: int = 3) -> List[dict]:
     return out
 
 
+def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tokens: int = 256) -> dict:
+    """First-token time of ``prompts`` requests inserted together, packing on
+    and off, and whether their first log-probabilities agree bit for bit."""
+    import os
+
+    import numpy as np
+    from mlx_lm.generate import BatchGenerator
+
+    from mlx_lily.layers.prompt_rows import PACK_ENV
+
+    ids = [[int(t) for t in np.random.default_rng(r).integers(0, vocab, tokens)] for r in range(prompts)]
+
+    def run(packing: bool) -> tuple:
+        os.environ[PACK_ENV] = "1" if packing else "0"
+        gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8)
+        start = time.perf_counter()
+        uids = gen.insert(ids, max_tokens=[1] * prompts)
+        first = {}
+        while len(first) < prompts:
+            _, responses = gen.next()
+            for r in responses:
+                first[r.uid] = np.array(r.logprobs.astype(mx.float32))
+        seconds = time.perf_counter() - start
+        gen.close()
+        return seconds, [first[u] for u in uids]
+
+    run(True)  # warm: every kernel instance of both forms built once
+    run(False)
+    times = {True: [], False: []}
+    logprobs = {}
+    for _ in range(rounds):
+        for packing in (False, True):
+            seconds, logprobs[packing] = run(packing)
+            times[packing].append(seconds)
+    os.environ.pop(PACK_ENV, None)
+    same = [bool(np.array_equal(a, b)) for a, b in zip(logprobs[True], logprobs[False])]
+    return {"prompts": prompts, "tokens": tokens, "first_token_s_packed": statistics.median(times[True]),
+            "first_token_s_row_by_row": statistics.median(times[False]), "rounds": rounds,
+            "first_logprobs_same_bits": same}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--out", default="bench/out")
+    parser.add_argument("--generator", action="store_true",
+                        help="only the batch generator's first-token times, packing on and off")
     args = parser.parse_args()
     import mlx_lily
 
@@ -140,6 +189,18 @@ def main() -> int:
     text = model.language_model.model if hasattr(model, "language_model") else model.model
     dims = text.layers[0].input_layernorm.weight.shape[0]
     vocab = text.embed_tokens.weight.shape[0]  # rows: one per token, packed or not
+    if args.generator:
+        result = through_generator(model, vocab)
+        same = result["first_logprobs_same_bits"]
+        text_out = (f"{result['prompts']} prompts of {result['tokens']} tokens inserted together "
+                    f"(BatchGenerator, prefill batches of 8), until each has its first token, median of "
+                    f"{result['rounds']}: packed {result['first_token_s_packed']:.3f} s, row by row "
+                    f"{result['first_token_s_row_by_row']:.3f} s; first log-probabilities the same bits "
+                    f"packed and row by row: {sum(same)}/{len(same)}\n")
+        write_report(args.out, "packed_rows_generator.md", text_out)
+        (Path(args.out) / "packed_rows_generator.json").write_text(json.dumps(
+            {"machine": machine_info(), "software": software_info(), **result}, indent=1))
+        return 0
     invariance = row_invariance(model, dims)
     costs = prefill_costs(model, vocab)
     lines = [f"Row lengths packed: {list(ROW_LENGTHS)}", "",
