@@ -19,14 +19,13 @@ each call (padding masks and all): faster for many short prompts, but a
 row's caches then depend on the batch it was prefilled with.
 
 **Packed rows.** A prefill call of a few hundred tokens is bound by its fixed
-cost (on the H200 at the real shapes, 256 tokens took 39 ms and 2,048 took
-131: ``bench.diagnostics.prefill.packed_rows``), so rows of at least
-``PACK_MIN_TOKENS`` tokens share one call for the work that treats each token
-on its own: the embedding, each layer's post-attention norm and MoE block
-(the largest part of a layer's launches, and each expert's weights then read
-once for all rows), the residuals and the final norm; each row's mixer
-(attention or Gated DeltaNet, with their projections) still runs on its own
-tokens and cache. That keeps a row's bits only where those token-wise ops
+cost (on the H200 at the real shapes, 256 tokens took 52.5 ms and 2,048 took
+129.9: ``bench.diagnostics.prefill.packed_rows``), so rows of at least
+``PACK_MIN_TOKENS`` tokens share one call, in which each layer's
+post-attention norm and MoE block (the largest part of a layer's launches,
+each expert's weights then read once for all rows) run once over all rows'
+tokens; each row's mixer (attention or Gated DeltaNet, with their
+projections) still runs on its own tokens and cache. That keeps a row's bits only where those token-wise ops
 give a token the same bits whatever is packed with it: measured on CUDA
 (MLX's quantized matmul and lily's expert GEMM take other paths below 8
 rows; from 8 on a row's outputs packed equal its outputs alone), and on the
