@@ -71,18 +71,26 @@ class Recording:
     checkpoints: List[Checkpoint] = field(default_factory=list)
     position: int = 0
 
+    cuts: tuple = ()
+
     def after_call(self, n: int, cache: List[Any]) -> None:
+        start = self.position
         self.position += n
+        linear = [j for j, c in enumerate(cache) if type(c) is ArraysCache]
+        piece = prefix_reuse.take_piece_states(cache, linear)
         if self.position >= len(self.tokens):
             return
-        linear = [j for j, c in enumerate(cache) if type(c) is ArraysCache]
+        if piece is not None:  # the states after the call's last whole chunk
+            at = start + piece[0]
+            mx.eval([a for arrays in piece[1].values() for a in arrays])
+            self.checkpoints.append(Checkpoint(at, self.cuts + (at,), self.step, piece[1]))
+        self.cuts += (self.position,)
         states = {j: tuple(prefix_reuse._row_copy(a, 0) for a in cache[j].cache) for j in linear
                   if all(a is not None for a in cache[j].cache)}
         if not states:
             return
         mx.eval([a for arrays in states.values() for a in arrays])
-        cuts = (self.checkpoints[-1].cuts if self.checkpoints else ()) + (self.position,)
-        self.checkpoints.append(Checkpoint(self.position, cuts, self.step, states))
+        self.checkpoints.append(Checkpoint(self.position, self.cuts, self.step, states))
         self.checkpoints = prefix_reuse.thin(self.checkpoints, prefix_reuse.budget())
 
 
@@ -93,10 +101,17 @@ class _Recorded:
         self._model, self._recording = model, recording
 
     def __call__(self, inputs, cache=None, **kwargs):
-        out = self._model(inputs, cache=cache, **kwargs)
-        if cache is not None:
-            self._recording.cache = cache
-            self._recording.after_call(int(inputs.shape[1]), cache)
+        ask = cache is not None and prefix_reuse.cuts_merge()
+        if ask:
+            prefix_reuse.ask_piece_states(cache, True)
+        try:
+            out = self._model(inputs, cache=cache, **kwargs)
+            if cache is not None:
+                self._recording.cache = cache
+                self._recording.after_call(int(inputs.shape[1]), cache)
+        finally:
+            if ask:
+                prefix_reuse.ask_piece_states(cache, False)
         return out
 
     def __getattr__(self, name):

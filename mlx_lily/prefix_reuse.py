@@ -45,6 +45,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 from ._notice import notice_once
 from ._patches import Patches
+from .prefill_cuts import cold_cuts, cuts_merge, exact_from, on_piece_grid  # noqa: F401 - cold_cuts re-exported
 
 POLICY_ENV = "MLX_LILY_PREFIX_REUSE"
 BUDGET_ENV = "MLX_LILY_CHECKPOINT_BYTES"
@@ -133,49 +134,21 @@ class Checkpoint:
             self.nbytes = sum(a.nbytes for arrays in self.states.values() for a in arrays if a is not None)
 
 
-def cold_cuts(length: int, segments: Optional[Sequence[int]], step: int) -> List[int]:
-    """Where mlx-lm's batch generator ends each prefill chunk of a prompt of
-    ``length`` tokens split into ``segments`` (lengths; None: one segment):
-    every ``step`` tokens within a segment and at its end; the prompt's last
-    token is split off as the first decode step (no chunk ends after it).
-    ``generate_step`` (``mlx_lm.generate``, the server's single requests)
-    cuts a one-segment prompt the same way."""
-    segs = [n for n in (segments or [length]) if n > 0]
-    if sum(segs) != length:
-        segs = [length]
-    if not segs:
-        return []
-    if segs[-1] != 1:
-        segs[-1] -= 1
-        segs.append(1)
-    cuts, pos = [], 0
-    for n in segs[:-1]:
-        end = pos + n
-        while pos < end:
-            pos = min(pos + step, end)
-            cuts.append(pos)
-    return cuts
-
-
-def exact_for(ck: Checkpoint, cold: Sequence[int]) -> bool:
-    """Whether resuming at ``ck`` gives a cold prefill's bits: the chunk ends
-    that made its states are the cold prefill's up to its position."""
-    if ck.cuts is None:
-        return False
-    upto = tuple(c for c in cold if c <= ck.position)
-    return upto == ck.cuts and bool(upto) and upto[-1] == ck.position
-
-
 def thin(checkpoints: List[Checkpoint], limit: int) -> List[Checkpoint]:
     """Drop checkpoints until their bytes fit ``limit``: the latest is kept;
-    first those of unknown history, then the one whose removal leaves the
-    smallest gap, so the rest stay about evenly spaced."""
+    first those of unknown history, then those off the chunk grid (a prompt's
+    end: exact only for a prompt cut there too), then the one whose removal
+    leaves the smallest gap, so the rest stay about evenly spaced."""
     kept = sorted(checkpoints, key=lambda c: c.position)
     total = sum(c.nbytes for c in kept)
+    merge = cuts_merge()
     while total > limit and len(kept) > 1:
         unknown = [i for i, c in enumerate(kept[:-1]) if c.cuts is None]
+        off_grid = [i for i, c in enumerate(kept[:-1]) if merge and not on_piece_grid(c.cuts)]
         if unknown:
             i = unknown[0]
+        elif off_grid:
+            i = off_grid[0]
         else:
             def gap(i: int) -> int:
                 before = kept[i - 1].position if i > 0 else 0
@@ -262,7 +235,15 @@ class Recorder:
                 self.rows[id(tokens)] = log
             self.rows.move_to_end(id(tokens))
             position = len(tokens)
-            log.cuts = log.cuts + (position,) if log.cuts is not None and alone else None
+            before = log.cuts if alone else None
+            piece = take_piece_states(batch.prompt_cache, linear, i)
+            if piece is not None and before is not None:
+                # The states after the call's last whole chunk: as if the
+                # call had been cut there (prefill_cuts).
+                at = starts[i] + piece[0]
+                fresh += [a for arrays in piece[1].values() for a in arrays]
+                log.checkpoints.append(Checkpoint(at, before + (at,), step, piece[1]))
+            log.cuts = before + (position,) if before is not None else None
             log.position = position
             states = {j: tuple(_row_copy(a, i) for a in batch.prompt_cache[j].cache) for j in linear}
             if any(a is None for arrays in states.values() for a in arrays):
@@ -294,6 +275,41 @@ class Recorder:
 
 
 RECORDER = Recorder()
+
+
+def ask_piece_states(caches: Sequence[Any], on: bool) -> None:
+    """Ask lily's DeltaNet layers to keep the states after each call's last
+    whole chunk on these caches (``on``), or stop asking and drop what they
+    kept (``layers/gated_deltanet.wants_piece_state``)."""
+    for c in caches:
+        if type(c) is ArraysCache:
+            if on:
+                c.lily_capture = True
+            else:
+                for name in ("lily_capture", "lily_piece_state", "lily_piece_states"):
+                    c.__dict__.pop(name, None)
+
+
+def take_piece_states(caches: Sequence[Any], linear: Sequence[int], row: Optional[int] = None):
+    """(position in the call, {layer: (conv rows, recurrent state)}) that the
+    last call kept for batch row ``row`` (None: a one-row cache's own), if
+    every DeltaNet layer kept them at one position; else None."""
+    found: Dict[int, Tuple[mx.array, ...]] = {}
+    cuts = set()
+    for j in linear:
+        c = caches[j]
+        per_row = c.__dict__.get("lily_piece_states")  # prompt_rows' calls, one per row
+        if row is not None and per_row is not None:
+            kept = per_row[row] if row < len(per_row) else None
+        else:  # the call on the whole cache
+            kept = c.__dict__.get("lily_piece_state")
+            if kept is not None and row is not None:
+                kept = (kept[0], _row_copy(kept[1], row), _row_copy(kept[2], row))
+        if kept is None:
+            return None
+        cuts.add(kept[0])
+        found[j] = (kept[1], kept[2])
+    return (cuts.pop(), found) if len(cuts) == 1 and found else None
 
 
 # ------------------------------------------------------------------ the prompt cache
@@ -364,20 +380,18 @@ def plan(prompt_cache: LRUPromptCache, model: Any, tokens: List[int],
          segments: Optional[Sequence[int]] = None, mode: Optional[str] = None) -> Optional[Plan]:
     """The checkpoint a request for ``tokens`` resumes from, or None: the
     latest at or before the divergence from a cached entry and before the
-    prompt's last token; under ``exact`` only one whose cut history is a
-    cold prefill's (``exact_for``)."""
+    prompt's last token; under ``exact`` only one from which the resumed
+    prefill has a cold prefill's bits (``prefill_cuts.exact_from``)."""
     mode = mode or policy()
     limit = len(tokens) - 1
+    merge = cuts_merge()
     best: Optional[Plan] = None
-    colds: Dict[int, List[int]] = {}
     for common, entry, _ in _entries(prompt_cache, model, tokens):
         for ck in getattr(entry, "lily_checkpoints", ()):
             p = ck.position
             if p > min(common, limit) or p <= 0 or (best is not None and p <= best.position):
                 continue
-            if ck.step not in colds:
-                colds[ck.step] = cold_cuts(len(tokens), segments, ck.step)
-            exact = exact_for(ck, colds[ck.step])
+            exact = exact_from(ck.cuts, p, len(tokens), segments, ck.step, merge)
             if mode == "exact" and not exact:
                 continue
             best = Plan(p, ck, entry, exact)
@@ -469,15 +483,23 @@ _ORIGINAL = {"fetch": LRUPromptCache.fetch_nearest_cache, "insert": LRUPromptCac
 
 def _prompt(self, tokens):
     starts = [len(t) for t in self.tokens]
-    _stock["prompt"](self, tokens)
-    if policy() == "off":
-        return
+    recording = policy() != "off"
+    # Checkpoints inside a call are exact only where chunk-aligned cuts change no bit.
+    ask = recording and cuts_merge() and type(self.model).__module__.startswith("mlx_lily")
+    if ask:
+        ask_piece_states(self.prompt_cache, True)
     try:
-        RECORDER.after_prompt(self, starts, tokens)
-    except Exception as exc:  # noqa: BLE001 - checkpoints are an optimization only
-        notice_once("checkpoint-record", f"recording prefix checkpoints failed ({type(exc).__name__}: {exc}); "
-                                         "prompts are served without them")
-        RECORDER.clear()
+        _stock["prompt"](self, tokens)
+        if recording:
+            try:
+                RECORDER.after_prompt(self, starts, tokens)
+            except Exception as exc:  # noqa: BLE001 - checkpoints are an optimization only
+                notice_once("checkpoint-record", f"recording prefix checkpoints failed ({type(exc).__name__}: "
+                                                 f"{exc}); prompts are served without them")
+                RECORDER.clear()
+    finally:
+        if ask:
+            ask_piece_states(self.prompt_cache, False)
 
 
 def _tokenize(self, tokenizer, request, args):

@@ -327,14 +327,18 @@ def test_the_op_routes_decode_to_its_kernel(emulator_backend, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["cuda", "metal", "emulator"])
 def test_large_prefill_calls_take_mlx_s_fused_sdpa_on_cuda_only(backend):
+    few = A._prefill_check_inputs(A.CUDA_REFERENCE_QUERIES - 1, 256, 16, 2, 64)
     small = A._prefill_check_inputs(256, 256, 16, 2, 64)
     large = A._prefill_check_inputs(2048, 4096, 16, 2, 64)
     assert small[0].shape[2] * small[1].shape[2] < A.CUDA_PREFILL_REFERENCE_FROM
-    # The kernels take both (capability); the choice is per backend.
-    assert A.attention_supports(*small) is None and A.attention_supports(*large) is None
-    assert A.attention_prefers_reference(backend, *small) is None
-    why = A.attention_prefers_reference(backend, *large)
-    assert (why is not None and "fused sdpa" in why) if backend == "cuda" else why is None
+    # The kernels take all three (capability); the choice is per backend.
+    assert all(A.attention_supports(*x) is None for x in (few, small, large))
+    assert A.attention_prefers_reference(backend, *few) is None
+    # On CUDA every call from 64 queries takes sdpa (a query's bits then do
+    # not depend on its call: prefix reuse), and every call that large.
+    for x in (small, large):
+        why = A.attention_prefers_reference(backend, *x)
+        assert (why is not None and "fused sdpa" in why) if backend == "cuda" else why is None
     # Decode keeps its kernel, however long the cache.
     q, k, v, scale = decode_inputs(40000, 16, 2, 64, seed=2)
     assert A.attention_prefers_reference(backend, q, k, v, scale, None) is None

@@ -162,6 +162,41 @@ def test_prefill_in_two_calls_carries_the_state():
     assert rel_err(s2, want_s) <= KERNEL_STATE_TOL
 
 
+def test_the_state_pass_keeps_the_state_after_the_last_whole_chunk():
+    # Prefix reuse's checkpoint inside a call: the state at the start of the
+    # last (partial) chunk is, bit for bit, the state of a call cut there,
+    # and asking for it changes nothing else.
+    emulator_or_skip()
+    q, k, v, a, b, A_log, dt_bias, state = make_inputs(1, 137, 1, 2, 64, 32, mx.bfloat16, True, seed=15)
+    y, s_end, at_cut = gated_delta_chunked_run("emulator", q, k, v, a, b, A_log, dt_bias, state, capture=True)
+    assert gdc.piece_end(137) == 128
+    _, s_cut = gated_delta_chunked_run("emulator", *(x[:, :128] for x in (q, k, v, a, b)), A_log, dt_bias, state)
+    y_plain, s_plain = gated_delta_chunked_run("emulator", q, k, v, a, b, A_log, dt_bias, state)
+    assert mx.array_equal(at_cut, s_cut).item()
+    assert mx.array_equal(y, y_plain).item() and mx.array_equal(s_end, s_plain).item()
+    assert not mx.array_equal(at_cut, s_end).item()
+
+
+@pytest.mark.parametrize("T, dtype", [(137, mx.bfloat16), (137, mx.float16), (40, mx.bfloat16), (128, mx.bfloat16)])
+def test_the_op_s_piece_state_is_the_state_of_a_call_cut_there(monkeypatch, T, dtype):
+    # Every path (chunked, sequential kernel, reference): y and the final
+    # state are the plain call's, and the extra state is that after
+    # piece_end(T) tokens (the incoming state before a whole chunk).
+    args = make_inputs(1, T, 1, 2, 64, 32, dtype, True, seed=16)
+    q, k, v, a, b, A_log, dt_bias, state = args
+    cut = gdc.piece_end(T)
+    for backend in ("emulator", "reference"):
+        monkeypatch.setenv("MLX_LILY_KERNEL_BACKEND", backend)
+        y, s_end, at_cut = gated_delta(*args, None, capture=True)
+        y_plain, s_plain = gated_delta(*args, None)
+        assert mx.array_equal(y, y_plain).item() and mx.array_equal(s_end, s_plain).item()
+        if cut == 0:
+            want = state
+        else:
+            _, want = gated_delta(*(x[:, :cut] for x in (q, k, v, a, b)), A_log, dt_bias, state, None)
+        assert mx.array_equal(at_cut, want).item(), (backend, T, dtype)
+
+
 # -- the op's choice ------------------------------------------------------------------
 
 

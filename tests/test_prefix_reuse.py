@@ -169,7 +169,7 @@ def test_reuse_at_random_divergence_points_equals_cold_prefill(lily, reference_b
 
 
 def test_reuse_on_the_emulated_kernels_equals_cold_prefill(chunked_lily, installed, emulator_backend):
-    # Chunks of 192 tokens and more take the chunked DeltaNet kernels.
+    # Calls of 64 tokens and more take the chunked DeltaNet kernels.
     rng = random.Random(1)
     step = 192
     lru = LRUPromptCache(max_size=4)
@@ -180,6 +180,30 @@ def test_reuse_on_the_emulated_kernels_equals_cold_prefill(chunked_lily, install
     (cold,) = serve(chunked_lily, None, [prompt], step)
     assert got[0] == 192 and chunked_passes_ran()
     assert_same_bits(got, cold)
+
+
+def test_reuse_from_inside_the_previous_prompt_s_last_call_equals_cold_prefill(chunked_lily, installed,
+                                                                              emulator_backend):
+    # The first prompt's last call (192 -> 299) keeps the DeltaNet states at
+    # its last whole chunk (256); the follow-up diverges at 280 and resumes
+    # there, off the 192-token grid, with a cold prefill's bits: the resumed
+    # calls (256 -> 448 -> 529) and the cold ones (192 -> 384 -> 529) differ
+    # only by cuts between calls of a chunk or more, whole chunks apart.
+    rng = random.Random(5)
+    step = 192
+    lru = LRUPromptCache(max_size=4)
+    history = [rng.randrange(1, 500) for _ in range(300)]
+    serve(chunked_lily, lru, [history], step)
+    prompt = history[:280] + [rng.randrange(1, 500) for _ in range(250)]
+    assert pr.plan(lru, KEY, prompt).position == 256
+    (got,) = serve(chunked_lily, lru, [prompt], step)
+    (cold,) = serve(chunked_lily, None, [prompt], step)
+    assert got[0] == 256
+    assert_same_bits(got, cold)
+    # A follow-up whose cold prefill ends in a call under a chunk (384 ->
+    # 400) is not resumed there, but at the last exact checkpoint (192).
+    short = history[:280] + [rng.randrange(1, 500) for _ in range(121)]
+    assert pr.plan(lru, KEY, short).position == 192
 
 
 def test_a_prefill_cut_at_a_64_token_piece_keeps_its_bits_on_the_chunked_kernels(chunked_lily, emulator_backend):

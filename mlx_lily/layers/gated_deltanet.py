@@ -9,6 +9,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from .. import kernels as K
+from ..kernels.gated_delta.chunked import CHUNK, piece_end
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
 from ..toolchain.tracing import contiguous
 from .sharded import all_sum
@@ -52,6 +53,15 @@ def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
 
 def _never(tokens: int) -> bool:
     return False
+
+
+def wants_piece_state(cache: Any, steps: int) -> bool:
+    """Whether this call keeps, on its cache, the DeltaNet states after its
+    last whole chunk (``lily_piece_state``: position in the call, conv rows,
+    recurrent state). Prefix reuse sets ``lily_capture`` on the caches of a
+    prompt's chunk; a call ending on a chunk boundary has its end state."""
+    return (getattr(cache, "lily_capture", False) and cache.lengths is None
+            and steps > CHUNK and steps % CHUNK != 0)
 
 
 class LilyGatedDeltaNet(GatedDeltaNet):
@@ -105,7 +115,15 @@ class LilyGatedDeltaNet(GatedDeltaNet):
 
         # Masked steps leave the recurrent state untouched.
         state = cache[1] if cache is not None else None
-        out, state = K.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state, mask)
+        if mask is None and wants_piece_state(cache, S):
+            # Prefix reuse asked for the states after the call's last whole
+            # chunk: a checkpoint a later prompt can resume from exactly.
+            cut = piece_end(S)
+            out, state, at_cut = K.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state, None, capture=True)
+            conv_at_cut = qkv[:, cut - n_keep : cut] * mx.array(1, qkv.dtype)  # a copy, not a view of qkv
+            cache.lily_piece_state = (cut, conv_at_cut, at_cut)
+        else:
+            out, state = K.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state, mask)
         if cache is not None:
             cache[1] = state
             cache.advance(S)

@@ -190,6 +190,8 @@ def _row_cache(c: Any, b: int, padding: int) -> Any:
     if type(c) is ArraysCache:
         row = ArraysCache(len(c.cache), left_padding=[0])
         row.cache = [None if a is None else a[b:b + 1] for a in c.cache]
+        if getattr(c, "lily_capture", False):  # prefix reuse's request (gated_deltanet.wants_piece_state)
+            row.lily_capture = True
         return row
     row = BatchKVCache([0])
     if c.keys is not None and c._idx > padding:
@@ -220,8 +222,13 @@ def _write_keys(c: BatchKVCache, rows: list, start: int, length: int, real: list
 
 def _write_states(c: ArraysCache, rows: list) -> None:
     """Each row's DeltaNet states after its tokens (a row without tokens in
-    this chunk keeps its own, zeros if it had none yet)."""
+    this chunk keeps its own, zeros if it had none yet), and the states a
+    row's call kept after its last whole chunk (``lily_piece_states``, one
+    entry per row, for prefix reuse)."""
     sample = next(r for r in rows if r is not None)
+    kept = [getattr(r, "lily_piece_state", None) if r is not None else None for r in rows]
+    if any(k is not None for k in kept):
+        c.lily_piece_states = kept
     for e in range(len(c.cache)):
         like = sample.cache[e]
         if like is None:

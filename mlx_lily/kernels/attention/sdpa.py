@@ -25,7 +25,15 @@ import numpy as np
 from ..._notice import notice_once
 from ...toolchain.kernel import Kernel, KernelGroup, Launch, SIMD_WIDTH
 from ...toolchain.tracing import contiguous
-from ...toolchain.registry import LilyOp, register
+from ...toolchain.registry import LilyOp, gpu_backend, register
+# Which prefill calls take MLX's sdpa on CUDA, and how: their own module.
+from .cuda_prefill import (  # noqa: F401 - re-exported
+    CUDA_PREFILL_REFERENCE_FROM,
+    CUDA_REFERENCE_QUERIES,
+    SDPA_KEY_MULTIPLE,
+    attention_prefers_reference,
+    causal_with_aligned_keys,
+)
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 from .decode import MAX_BATCH, RowForm, batch_check_inputs, key_span_mask, span_reason
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
@@ -42,6 +50,8 @@ def attention_reference(q, k, v, scale, mask, length=None, start=None):
         if mask is not None:
             raise ValueError("attention: a length bound takes no mask (the bound is the mask)")
         mask = key_span_mask(k.shape[2], length, start)
+    elif isinstance(mask, str) and mask == "causal" and q.shape[2] > 1 and gpu_backend() == "cuda":
+        return causal_with_aligned_keys(q, k, v, scale)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
@@ -520,24 +530,6 @@ def attention_supports(q, k, v, scale, mask, length=None, start=None) -> Optiona
     if q.ndim == 4 and q.shape[2] == 1 and (start is not None or q.shape[0] > 1):
         return decode_supports(q, k, v, scale, mask, length, start)
     return prefill_supports(q, k, v, scale, mask, length, start)
-
-
-# On CUDA, MLX's scaled_dot_product_attention runs prefill as one fused
-# tensor-core kernel, which the prefill kernel does not match yet (H200, head
-# dim 256, 16 query / 2 KV heads: 2.77 against 1.27 ms for 2048 queries on 4K
-# keys, 27.5 against 6.0 ms on 32K; 0.139 against 0.165 ms for 256 on 256).
-# A straight line through those points crosses near 2^18 query-key pairs per
-# head: from there CUDA calls take the reference. Metal's sdpa has no fused
-# prefill path at head dim 256, so there the kernel takes every call.
-CUDA_PREFILL_REFERENCE_FROM = 2**18
-
-
-def attention_prefers_reference(backend, q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
-    """Why a call the kernels take runs MLX's sdpa on this backend, or None."""
-    if backend == "cuda" and q.shape[2] > 1 and q.shape[2] * k.shape[2] >= CUDA_PREFILL_REFERENCE_FROM:
-        return (f"{q.shape[2]} queries x {k.shape[2]} keys on CUDA: MLX's fused sdpa is faster "
-                f"from {CUDA_PREFILL_REFERENCE_FROM} pairs")
-    return None
 
 
 def _sample_attention():

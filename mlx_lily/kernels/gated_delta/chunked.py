@@ -174,18 +174,20 @@ def _prepare_launch(q, k, v, a, b, A_log, dt_bias) -> Launch:
     )
 
 
-def _state_launch(w, u, kd, gcum, state=None) -> Launch:
+def _state_launch(w, u, kd, gcum, state=None, capture: bool = False) -> Launch:
     B, Hv, Tp, Dk = w.shape
     Dv = u.shape[-1]
     n = Tp // CHUNK
     has_state = state is not None
+    shapes = [(B, Hv, n, Dv, CHUNK), (B, Hv, n, Dv, Dk), (B, Hv, Dv, Dk)] + [(B, Hv, Dv, Dk)] * capture
     return Launch(
         inputs=[w, u, kd, gcum, state if has_state else mx.zeros((1,), mx.float32)],
         grid=(Dv // STATE_SLICE * STATE_THREADS, Hv, B),
         threadgroup=(STATE_THREADS, 1, 1),
-        output_shapes=[(B, Hv, n, Dv, CHUNK), (B, Hv, n, Dv, Dk), (B, Hv, Dv, Dk)],
-        output_dtypes=[_BF16, _BF16, mx.float32],
-        template=[("Dk", Dk), ("C", CHUNK), ("HAS_STATE", has_state)],
+        output_shapes=shapes,
+        output_dtypes=[_BF16, _BF16, mx.float32, mx.float32][: len(shapes)],
+        template=[("Dk", Dk), ("C", CHUNK), ("HAS_STATE", has_state), ("CAPTURE", capture)],
+        absent=() if capture else ("piece_state_out",),
     )
 
 
@@ -214,10 +216,12 @@ chunk_prepare_kernel = Kernel(
 chunk_state_kernel = Kernel(
     name="gated_delta_chunk_state",
     input_names=("w", "u", "kd", "gcum", "state_in"),
-    output_names=("d_out", "s0_out", "state_out"),
+    output_names=("d_out", "s0_out", "state_out", "piece_state_out"),
     body=Path(__file__).with_name("gated_delta_chunk_state.metal"),
     launch=_state_launch,
     tiles=True,
+    # Without capture the body never writes it.
+    stand_ins={"piece_state_out": "auto piece_state_out = state_out;"},
 )
 chunk_output_kernel = Kernel(
     name="gated_delta_chunk_output",
@@ -230,10 +234,17 @@ chunk_output_kernel = Kernel(
 CHUNKED_KERNELS = (chunk_prepare_kernel, chunk_state_kernel, chunk_output_kernel)
 
 
-def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=None):
-    """The three passes on ``backend`` -> (y in q's dtype, state fp32)."""
+def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=None, capture: bool = False):
+    """The three passes on ``backend`` -> (y in q's dtype, state fp32); with
+    ``capture`` also the fp32 state at the start of the last chunk (after
+    ``piece_end(T)`` tokens when T is not a whole number of chunks)."""
     qb, kb, vb = (x.astype(_BF16) for x in (q, k, v))
     w, u, kd, p, gcum = chunk_prepare_kernel.run_on(backend, qb, kb, vb, a, b, A_log, dt_bias)
-    d, s0, state_out = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state)
+    d, s0, state_out, *piece = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state, capture)
     y = chunk_output_kernel.run_on(backend, qb, s0, d, p, gcum, q.dtype)
-    return y, state_out
+    return (y, state_out, piece[0]) if capture else (y, state_out)
+
+
+def piece_end(T: int) -> int:
+    """Tokens of a call of T in whole chunks (its last chunk boundary)."""
+    return T - T % CHUNK

@@ -18,13 +18,20 @@
 // its U values and its total decay while the state is updated) is fetched
 // into registers ahead of its use: a chunk waits on no load of its own.
 //
+// With CAPTURE the fp32 state at the start of the last chunk (after the
+// call's last whole chunk when the call ends inside one) also goes out: a
+// prefix-reuse checkpoint at a chunk boundary, with the bits a call cut
+// there would have carried (docs/prefix-reuse.md).
+//
 // Template: Dk (a multiple of 64, <= 128), Dv (a multiple of 16), C (64),
-//           HAS_STATE (false: the state starts at zero; state_in is a dummy).
+//           HAS_STATE (false: the state starts at zero; state_in is a dummy),
+//           CAPTURE (piece_state_out is written; absent otherwise).
 // Inputs:   w [B, Hv, Tp, Dk] bf16; u [B, Hv, Tp, Dv] fp32; kd [B, Hv, N, Dk, C]
 //           bf16; gcum [B, Hv, Tp] fp32; state_in [B, Hv, Dv, Dk] fp32.
 // Outputs:  d_out [B, Hv, N, Dv, C] bf16 (D^T per chunk); s0_out
 //           [B, Hv, N, Dv, Dk] bf16 (the state at each chunk's start);
-//           state_out [B, Hv, Dv, Dk] fp32.
+//           state_out [B, Hv, Dv, Dk] fp32; piece_state_out [B, Hv, Dv, Dk]
+//           fp32 (CAPTURE only).
 // Grid: (Dv / SLICE * THREADS, Hv, B); threadgroup (THREADS, 1, 1).
 
 constexpr int THREADS = 128;
@@ -93,6 +100,15 @@ for (int n = 0; n < n_chunks; ++n) {
     u_now[e] = next_u[e];
   }
   const float log_decay = next_log_decay;
+  if (CAPTURE && n == n_chunks - 1) {
+    for (int i = 0; i < STATE_TILES; ++i) {
+      for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+        const int r = dv0 + lily_tile_acc_row(e, lane);
+        const int c = (group * STATE_TILES + i) * 16 + lily_tile_acc_col(e, lane);
+        piece_state_out[(seq * uint(dv_total) + uint(r)) * uint(Dk) + uint(c)] = lily_tile_acc_get(S[i], e);
+      }
+    }
+  }
   // The state as bf16 hi + lo operands, and hi for the output pass.
   for (int i = 0; i < STATE_TILES; ++i) {
     for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {

@@ -28,14 +28,18 @@ from .chunked import (
     CHUNKED_KERNELS,
     chunked_supports,
     gated_delta_chunked_run,
+    piece_end,
 )
 
-# Calls of at least this many tokens take the chunked kernels; shorter ones
-# (decode, short prompts) the sequential scan. Measured on an H200 at the real
-# shapes (bench/diagnostics/gated_delta_chunked.py): the sequential scan is
-# faster up to 128 tokens (0.18 vs 0.20 ms), the chunked passes from 192
-# (0.20 vs 0.22 ms; 0.82 vs 1.7 ms at 2048).
-CHUNKED_FROM = 192
+# Calls of at least this many tokens (one whole chunk) take the chunked
+# kernels; shorter ones (decode, short prompts) the sequential scan. Speed
+# alone would start at 192 (H200, real shapes, bench/diagnostics/
+# gated_delta_chunked.py: the sequential scan 0.18 ms up to 128 tokens, the
+# chunked passes 0.20; 0.82 vs 1.7 ms at 2048), but then a call of 64 to 191
+# tokens rounds unlike the same tokens inside a longer call, and prefix reuse
+# needs every call from one chunk on to give the bits of the longer call it
+# could be part of (docs/prefix-reuse.md): at most 0.02 ms a layer.
+CHUNKED_FROM = 64
 # The chunked kernels multiply bf16 tiles: they take bf16 activations (the
 # model's), whose q, k and v are then exact operands. Calls in fp16 or fp32
 # keep the sequential kernel and its fp32-level agreement.
@@ -46,8 +50,9 @@ def l2norm_qk_reference(q: mx.array, k: mx.array, inv_scale: float, eps: float =
     return normalize_qk(q, k, inv_scale=inv_scale, eps=eps)
 
 
-def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
-    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; mask [B, T] -> (y, state).
+def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, capture: bool = False):
+    """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; mask [B, T] -> (y, state),
+    with ``capture`` (y, state, the state after the call's whole chunks: ``with_piece_state``).
 
     Stock's ``gated_delta_update``: on the reference path lily and stock agree
     to the bit (bench's numerics rely on it). ``gated_delta_chunked_reference``
@@ -55,7 +60,30 @@ def gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
     is not the CPU path because on a CPU it is no faster (2 cores, the real
     head shapes, 2048 tokens: 7.3 s against the loop's 5.2 s).
     """
+    if capture:
+        return with_piece_state(gated_delta_update, q, k, v, a, b, A_log, dt_bias, state, mask)
     return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
+
+
+def with_piece_state(scan, q, k, v, a, b, A_log, dt_bias, state=None, mask=None):
+    """(y, state, the state after ``piece_end(T)`` tokens) from a token-by-token
+    ``scan`` (the reference or the sequential kernel: cutting one changes no
+    bit), run as two calls cut there. Prefix reuse keeps that state as a
+    checkpoint (docs/prefix-reuse.md). Before a whole chunk the state is the
+    incoming one (zeros for none)."""
+    T = q.shape[1]
+    cut = piece_end(T)
+    if cut in (0, T):
+        y, out = scan(q, k, v, a, b, A_log, dt_bias, state, mask)
+        if cut == T:
+            return y, out, out
+        B, Hv, Dv, Dk = q.shape[0], v.shape[2], v.shape[3], q.shape[3]
+        return y, out, state if state is not None else mx.zeros((B, Hv, Dv, Dk), mx.float32)
+    head = [x[:, :cut] for x in (q, k, v, a, b)]
+    tail = [x[:, cut:] for x in (q, k, v, a, b)]
+    y1, at_cut = scan(*head, A_log, dt_bias, state, None if mask is None else mask[:, :cut])
+    y2, out = scan(*tail, A_log, dt_bias, at_cut, None if mask is None else mask[:, cut:])
+    return mx.concatenate([y1, y2], axis=1), out, at_cut
 
 
 def _sample_recurrence(B=1, T=5, Hk=2, Hv=4, Dk=32, Dv=16, seed=5):
@@ -94,8 +122,8 @@ KERNEL_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 MAX_ELEMENTS = 2**31
 
 
-def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None, mask=None) -> Optional[str]:
-    """None when the kernel takes this call, else why not."""
+def gated_delta_supports(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, capture=False) -> Optional[str]:
+    """None when the kernel takes this call, else why not (``capture`` takes any call)."""
     if q.ndim != 4 or k.shape != q.shape:
         return f"q {tuple(q.shape)}, k {tuple(k.shape)} (kernel: both [B, T, Hk, Dk])"
     B, T, Hk, Dk = q.shape
@@ -346,7 +374,7 @@ class GatedDeltaKernels(KernelGroup):
             return False, f"{backend} chunked self-check disagrees with the reference: {mismatch}"
         return True, f"{backend} chunked kernels, self-check passed"
 
-    def path_for(self, backend: str, *args, mask=None) -> str:
+    def path_for(self, backend: str, *args, mask=None, capture=False) -> str:
         """'chunked' or 'sequential': which kernels this call runs.
 
         Padded batches (a mask) keep the sequential kernel: the chunked passes
@@ -358,17 +386,29 @@ class GatedDeltaKernels(KernelGroup):
         return "sequential"
 
     def run_on(self, backend: str, *args, **kwargs):
-        if self.path_for(backend, *args, **kwargs) == "chunked":
-            return gated_delta_chunked_run(backend, *args[:8], **{k: v for k, v in kwargs.items() if k != "mask"})
-        return self.sequential.run_on(backend, *args, **kwargs)
+        return self.run_checked(backend, *args, **kwargs)[0]
 
-    def run_checked(self, backend: str, *args, **kwargs):
+    def run_checked(self, backend: str, *args, capture: bool = False, **kwargs):
         """As the op's registry asks: the chunked passes were checked as a
         whole at their first call; the sequential kernel checks each of its
-        instantiations at its first use."""
+        instantiations at its first use. ``capture``: also the state after
+        the call's whole chunks (``with_piece_state``)."""
         if self.path_for(backend, *args, **kwargs) == "chunked":
-            return self.run_on(backend, *args, **kwargs), None
-        return self.sequential.run_checked(backend, *args, **kwargs)
+            out = gated_delta_chunked_run(backend, *args[:8], capture=capture)
+            if capture and piece_end(args[0].shape[1]) == args[0].shape[1]:
+                out = (out[0], out[1], out[1])  # the pass gave the last chunk's start
+            return out, None
+        if not capture:
+            return self.sequential.run_checked(backend, *args, **kwargs)
+        why_not = []
+
+        def scan(*call):
+            out, why = self.sequential.run_checked(backend, *call)
+            why_not.append(why)
+            return out
+
+        out = with_piece_state(scan, *args, **kwargs)
+        return out, next((w for w in why_not if w is not None), None)
 
     def forget(self) -> None:
         self.sequential.forget()
