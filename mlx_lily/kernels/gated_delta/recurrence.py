@@ -385,19 +385,26 @@ class GatedDeltaKernels(KernelGroup):
             return "chunked"
         return "sequential"
 
-    def run_on(self, backend: str, *args, **kwargs):
-        return self.run_checked(backend, *args, **kwargs)[0]
+    def _chunked(self, backend: str, args, capture: bool):
+        out = gated_delta_chunked_run(backend, *args[:8], capture=capture)
+        if capture and piece_end(args[0].shape[1]) == args[0].shape[1]:
+            out = (out[0], out[1], out[1])  # the pass gave the last chunk's start
+        return out
+
+    def run_on(self, backend: str, *args, capture: bool = False, **kwargs):
+        """``capture``: also the state after the call's whole chunks (``with_piece_state``)."""
+        if self.path_for(backend, *args, **kwargs) == "chunked":
+            return self._chunked(backend, args, capture)
+        if not capture:
+            return self.sequential.run_on(backend, *args, **kwargs)
+        return with_piece_state(lambda *call: self.sequential.run_on(backend, *call), *args, **kwargs)
 
     def run_checked(self, backend: str, *args, capture: bool = False, **kwargs):
         """As the op's registry asks: the chunked passes were checked as a
         whole at their first call; the sequential kernel checks each of its
-        instantiations at its first use. ``capture``: also the state after
-        the call's whole chunks (``with_piece_state``)."""
+        instantiations at its first use."""
         if self.path_for(backend, *args, **kwargs) == "chunked":
-            out = gated_delta_chunked_run(backend, *args[:8], capture=capture)
-            if capture and piece_end(args[0].shape[1]) == args[0].shape[1]:
-                out = (out[0], out[1], out[1])  # the pass gave the last chunk's start
-            return out, None
+            return self._chunked(backend, args, capture), None
         if not capture:
             return self.sequential.run_checked(backend, *args, **kwargs)
         why_not = []
