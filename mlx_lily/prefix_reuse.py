@@ -25,9 +25,12 @@ lily backend does it when ``mlx_lm.server`` loads a model):
   where a cold prefill of that prompt cuts (so which checkpoints give its bits).
 
 Exactness: a checkpoint at token p is used (policy ``exact``, the default)
-only where its cut history equals the chunk ends a cold prefill of the new
-prompt would have up to p, so the resumed prefill continues on the same chunk
-grid and gives the cold prefill's bits.
+only where its cut history and the resumed prefill's chunk ends differ from a
+cold prefill's only by cuts that change no bit (``prefill_cuts``), so the
+resumed prefill gives the cold prefill's bits. Besides the chunk ends, the
+recorder keeps the states after each call's last whole 64-token chunk
+(``ask_piece_states``): a follow-up resumes at most 63 tokens before the
+previous prompt's end.
 """
 
 from __future__ import annotations
