@@ -105,6 +105,23 @@ def prime(model: Any, log=None, server: bool = True) -> Optional[dict]:
     return {"backend": backend, "chunks": lengths, "server_caches": server, "seconds": seconds}
 
 
+def _prime_piece_states(model: Any, server: bool) -> None:
+    """The chunked DeltaNet state pass that keeps the state after a call's
+    last whole chunk, which prefix reuse asks for while it records a prompt
+    (without and with an incoming state): two calls that end inside a chunk."""
+    from .prefix_reuse import ask_piece_states, cuts_merge
+
+    if not cuts_merge():
+        return  # the recorder asks only where those checkpoints can be exact
+    cache = prompt_cache(model, server)
+    ask_piece_states(cache, True)
+    try:
+        for offset in (0, CHUNKED_FROM + SHORT_CHUNK):
+            mx.eval(model(_prompt(CHUNKED_FROM + SHORT_CHUNK, offset), cache=cache), [c.state for c in cache])
+    finally:
+        ask_piece_states(cache, False)
+
+
 def prompt_cache(model: Any, server: bool) -> List[Any]:
     """A fresh cache for one prompt: ``mlx_lm.generate``'s, or the one the
     server's batch generator makes of it (each cache merged into a batch of
@@ -145,6 +162,8 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
         long = 2 * CHUNKED_FROM + SHORT_CHUNK + 1
         run_batch(model, [_prompt(long)[0].tolist()], DECODE_TOKENS, prefill_step_size=CHUNKED_FROM)
         log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s)")
+        _prime_piece_states(model, server)
+        log(f"  primed prefix reuse's checkpoints inside a call ({time.perf_counter() - start:.1f}s)")
 
     # Batches of mixed lengths, one per build of the batched decode kernels
     # (the GEMV's row buckets; the other batched kernels have one build).
