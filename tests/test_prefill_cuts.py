@@ -80,3 +80,22 @@ def test_a_checkpoint_on_the_cold_grid_is_exact_as_before(seed):
     for i, p in enumerate(cold):
         assert pc.exact_from(tuple(cold[: i + 1]), p, length, segments, step, merge=False)
         assert pc.exact_from(tuple(cold[: i + 1]), p, length, segments, step, merge=True)
+
+
+def test_thinning_drops_checkpoints_off_the_chunk_grid_first():
+    # A history's checkpoints (100 bytes each): the chunk ends, a prompt's
+    # end (off the grid) and the last whole chunk before it. Over the budget
+    # the prompt's end goes first, the latest always stays.
+    import mlx.core as mx
+
+    from mlx_lily import prefix_reuse as pr
+
+    def ck(position, cuts):
+        return pr.Checkpoint(position, cuts, 2048, {0: (mx.zeros((25,), mx.float32),)})
+
+    history = [ck(2048, (2048,)), ck(4096, (2048, 4096)), ck(4992, (2048, 4096, 4992)),
+               ck(4999, (2048, 4096, 4999)), ck(6144, (2048, 4096, 4992, 6144))]
+    kept = pr.thin(history, 400)
+    assert [c.position for c in kept] == [2048, 4096, 4992, 6144]
+    kept = pr.thin(history, 200)
+    assert kept[-1].position == 6144 and len(kept) == 2

@@ -146,6 +146,30 @@ def test_cache_prompt_on_lily_writes_checkpoints_a_diverging_request_resumes_fro
         assert_same_bits(got, cold)
 
 
+def test_cache_prompt_keeps_the_states_after_its_last_whole_chunk(cli, demo_checkpoint, lily, installed,
+                                                                  tmp_path):  # noqa: F811 - fixtures
+    # One prefill call (the default 2048-token chunks) ending inside a
+    # 64-token chunk: the file also holds the states after its last whole
+    # chunk, and a request diverging past them resumes there, bit for bit a
+    # cold prefill.
+    path = tmp_path / "prompt.safetensors"
+    assert cli("cache-prompt", "--model", demo_checkpoint, "--prompt-cache-file", path, "--prompt", TEXT) is None
+    tokens, cache, cks = pf.load_cache_file(path, lily)
+    n = len(tokens)
+    cut = (n - 1) // 64 * 64
+    assert n - 1 > 64 and (n - 1) % 64, "TEXT's prefill should end inside a chunk"
+    assert [c.position for c in cks] == [cut, n - 1]
+    assert [c.cuts for c in cks] == [(cut,), (n - 1,)]
+    lru = LRUPromptCache(max_size=10)
+    pr.add_entry(lru, KEY, tokens, cache, cks)
+    rng = random.Random(12)
+    prompt = tokens[: cut + 3] + [rng.randrange(1, 500) for _ in range(70)]
+    (got,) = serve(lily, lru, [prompt], 2048)
+    (cold,) = serve(lily, None, [prompt], 2048)
+    assert got[0] == cut
+    assert_same_bits(got, cold)
+
+
 def test_files_of_another_model_or_format_are_refused_in_one_line(cli, demo_checkpoint, alt_checkpoint, lily,
                                                                    tmp_path):  # noqa: F811 - fixture
     other, _ = mlx_lily.load(str(alt_checkpoint), backend="lily")
