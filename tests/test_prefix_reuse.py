@@ -206,6 +206,33 @@ def test_reuse_from_inside_the_previous_prompt_s_last_call_equals_cold_prefill(c
     assert pr.plan(lru, KEY, short).position == 192
 
 
+def test_a_reused_prompt_decodes_through_the_cold_prompt_s_batched_step(lily, installed, emulator_backend,
+                                                                        monkeypatch):
+    # mlx-lm merges a saved cache into its batch without a padding mask and
+    # fresh ones with an all-True one; lily's batched decode step takes both
+    # in its masked form, so a reused prompt meets the step (and its trace
+    # per KV capacity) that cold prompts already built.
+    from mlx_lily.layers import batch_step
+
+    forms = []
+    stock_fn = batch_step.batch_step_fn
+
+    def spy(model, masked):
+        forms.append(masked)
+        return stock_fn(model, masked)
+
+    monkeypatch.setattr(batch_step, "batch_step_fn", spy)
+    rng = random.Random(6)
+    lru = LRUPromptCache(max_size=4)
+    history = [rng.randrange(1, 500) for _ in range(60)]
+    serve(lily, lru, [history], 16)
+    prompt = history[:50] + [rng.randrange(1, 500) for _ in range(9)]
+    (got,) = serve(lily, lru, [prompt], 16)
+    (cold,) = serve(lily, None, [prompt], 16)
+    assert got[0] > 0 and forms and set(forms) == {True}
+    assert_same_bits(got, cold)
+
+
 def test_a_prefill_cut_at_a_64_token_piece_keeps_its_bits_on_the_chunked_kernels(chunked_lily, emulator_backend):
     """The chunked DeltaNet passes split a call into 64-token pieces from its
     first token. A prompt cut where a piece ends (both calls long enough for

@@ -117,6 +117,12 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
 
     rows = inputs.shape[0]
     one = _one_token(rows)
+    if ssm_mask is None and model.ssm_idx is not None:
+        # mlx-lm's batch caches merged from empty ones carry an all-True
+        # padding mask, merged from a saved cache (a reused prompt) none. The
+        # mask changes no bit, so one form serves both: one trace per KV
+        # capacity, not one each (a reused prompt's first token paid a trace).
+        ssm_mask = mx.ones((rows, 1), dtype=mx.bool_)
     if model.ssm_idx is not None:
         record("Gated DeltaNet", "lily batched decode step", one, ssm_mask, cache[model.ssm_idx])
     record("full attention", "lily batched decode step", one, None, cache[model.fa_idx])
