@@ -4,6 +4,7 @@ description of the machine and software, op paths, progress and file names."""
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import re
@@ -223,6 +224,15 @@ def write_report(out: Optional[str], name: str, text: str, echo: bool = True) ->
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / name).write_text(text)
+
+
+def write_json(out: Optional[str], name: str, record: Dict[str, object]) -> None:
+    """A diagnostic's JSON record, after the machine and the software, to
+    OUT/name where --out is given."""
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(json.dumps({"machine": machine_info(), "software": software_info(), **record},
+                                                 indent=1))
 
 
 def log(message: str) -> None:

@@ -17,7 +17,9 @@ import mlx.core as mx
 import mlx_lm.utils as mlx_utils
 import pytest
 from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
-from test_prefix_reuse import KEY, assert_same_bits, cache_arrays, installed, lily, serve  # noqa: F401
+from test_prefix_reuse import (  # noqa: F401
+    KEY, assert_same_bits, cache_arrays, installed, lily, reused_and_cold, serve,
+)
 
 import mlx_lily
 from mlx_lily import backend, cache_prompt
@@ -139,8 +141,7 @@ def test_cache_prompt_on_lily_writes_checkpoints_a_diverging_request_resumes_fro
     rng = random.Random(11)
     for d in (5, 40, len(prefix) - 3, len(prefix)):
         prompt = prefix[:d] + [rng.randrange(1, 500) for _ in range(7)]
-        (got,) = serve(lily, lru, [prompt], step)
-        (cold,) = serve(lily, None, [prompt], step)
+        got, cold = reused_and_cold(lily, lru, prompt, step)
         assert got[0] == max([p for p in pr.cold_cuts(len(prompt), None, step) if p <= d and p % step == 0],
                              default=0)
         assert_same_bits(got, cold)
@@ -164,8 +165,7 @@ def test_cache_prompt_keeps_the_states_after_its_last_whole_chunk(cli, demo_chec
     pr.add_entry(lru, KEY, tokens, cache, cks)
     rng = random.Random(12)
     prompt = tokens[: cut + 3] + [rng.randrange(1, 500) for _ in range(70)]
-    (got,) = serve(lily, lru, [prompt], 2048)
-    (cold,) = serve(lily, None, [prompt], 2048)
+    got, cold = reused_and_cold(lily, lru, prompt, 2048)
     assert got[0] == cut
     assert_same_bits(got, cold)
 

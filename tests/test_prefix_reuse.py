@@ -107,6 +107,13 @@ def serve(model, lru, requests, step, segments=None):
     return out
 
 
+def reused_and_cold(model, lru, prompt, step, segments=None):
+    """``prompt`` served from ``lru`` (reusing what it can), then cold: (got, cold) as ``serve`` gives them."""
+    (got,) = serve(model, lru, [prompt], step, segments=segments)
+    (cold,) = serve(model, None, [prompt], step, segments=segments)
+    return got, cold
+
+
 def cache_arrays(cache):
     arrays = []
     for c in cache:
@@ -157,8 +164,7 @@ def test_reuse_at_random_divergence_points_equals_cold_prefill(lily, reference_b
     points = sorted(rng.sample(range(0, 95), 6)) + [0]
     for d in points:
         prompt = history[:d] + [rng.randrange(1, 500) for _ in range(rng.randrange(2, 30))]
-        (got,) = serve(lily, lru, [prompt], step)
-        (cold,) = serve(lily, None, [prompt], step)
+        got, cold = reused_and_cold(lily, lru, prompt, step)
         assert_same_bits(got, cold)
         # The last checkpoint at or before the divergence on the cold grid
         # (chunk ends every 16 tokens; the first prompt also cut at its end).
@@ -176,8 +182,7 @@ def test_reuse_on_the_emulated_kernels_equals_cold_prefill(chunked_lily, install
     history = [rng.randrange(1, 500) for _ in range(260)]
     serve(chunked_lily, lru, [history], step)
     prompt = history[:230] + [rng.randrange(1, 500) for _ in range(200)]
-    (got,) = serve(chunked_lily, lru, [prompt], step)
-    (cold,) = serve(chunked_lily, None, [prompt], step)
+    got, cold = reused_and_cold(chunked_lily, lru, prompt, step)
     assert got[0] == 192 and chunked_passes_ran()
     assert_same_bits(got, cold)
 
@@ -196,8 +201,7 @@ def test_reuse_from_inside_the_previous_prompt_s_last_call_equals_cold_prefill(c
     serve(chunked_lily, lru, [history], step)
     prompt = history[:280] + [rng.randrange(1, 500) for _ in range(250)]
     assert pr.plan(lru, KEY, prompt).position == 256
-    (got,) = serve(chunked_lily, lru, [prompt], step)
-    (cold,) = serve(chunked_lily, None, [prompt], step)
+    got, cold = reused_and_cold(chunked_lily, lru, prompt, step)
     assert got[0] == 256
     assert_same_bits(got, cold)
     # A follow-up whose cold prefill ends in a call under a chunk (384 ->
@@ -227,8 +231,7 @@ def test_a_reused_prompt_decodes_through_the_cold_prompt_s_batched_step(lily, in
     history = [rng.randrange(1, 500) for _ in range(60)]
     serve(lily, lru, [history], 16)
     prompt = history[:50] + [rng.randrange(1, 500) for _ in range(9)]
-    (got,) = serve(lily, lru, [prompt], 16)
-    (cold,) = serve(lily, None, [prompt], 16)
+    got, cold = reused_and_cold(lily, lru, prompt, 16)
     assert got[0] > 0 and forms and set(forms) == {True}
     assert_same_bits(got, cold)
 
@@ -269,8 +272,7 @@ def test_exact_policy_resumes_only_on_the_new_prompt_s_chunk_grid(lily, referenc
     assert pr.plan(lru, KEY, prompt, None) is None
     assert pr.plan(lru, KEY, prompt, None, mode="longest").position == 29
     # Through the generator with the same segments: exact.
-    (got,) = serve(lily, lru, [prompt], step, segments=[[prompt[:5], prompt[5:]]])
-    (cold,) = serve(lily, None, [prompt], step, segments=[[prompt[:5], prompt[5:]]])
+    got, cold = reused_and_cold(lily, lru, prompt, step, segments=[[prompt[:5], prompt[5:]]])
     assert got[0] == 29
     assert_same_bits(got, cold)
 
@@ -282,8 +284,7 @@ def test_short_prompts_and_divergence_at_token_zero(lily, reference_backend, ins
     history = [rng.randrange(1, 500) for _ in range(40)]
     serve(lily, lru, [history], step)
     for prompt in (history[:10], history[:17], [history[0] + 1] + history[1:], history[:1] + [7]):
-        (got,) = serve(lily, lru, [prompt], step)
-        (cold,) = serve(lily, None, [prompt], step)
+        got, cold = reused_and_cold(lily, lru, prompt, step)
         # Shorter than any checkpoint, a prompt whose last token is the first
         # checkpoint's (p = 16 < 17 is fine; never the whole prompt), a
         # divergence at token 0: nothing or 16 reused, always the cold bits.
@@ -394,8 +395,7 @@ def test_cache_files_round_trip_and_a_foreign_file_is_refused(lily, alt_checkpoi
     fresh = LRUPromptCache(max_size=10)
     pr.add_entry(fresh, KEY, tokens, cache, cks)
     prompt = history[:35] + [3, 1, 4, 1, 5]
-    (got,) = serve(lily, fresh, [prompt], 16)
-    (cold,) = serve(lily, None, [prompt], 16)
+    got, cold = reused_and_cold(lily, fresh, prompt, 16)
     assert got[0] == 32
     assert_same_bits(got, cold)
 

@@ -24,12 +24,11 @@ import argparse
 import contextlib
 import json
 import math
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
-from bench.common import machine_info, prompt_ids, software_info, write_report
+from bench.common import prompt_ids, write_json, write_report
 
 PROMPT_TOKENS = 6000
 COLD = (2048, 4096, 5999)
@@ -142,10 +141,7 @@ def main() -> int:
         lines.append(f"| {r['setting']} | {r['variant']} | {r['ends']} | {r['logits_equal']} | "
                      f"{r['max_abs_logit_diff']:.3g} | {r['first_layer_differing'] or ''} |")
     write_report(args.out, "cut_invariance.md", "\n".join(lines) + "\n")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "cut_invariance.json").write_text(json.dumps(
-        {"machine": machine_info(), "software": software_info(), "prompt_tokens": PROMPT_TOKENS,
-         "cold": list(COLD), "rows": rows}, indent=1))
+    write_json(args.out, "cut_invariance.json", {"prompt_tokens": PROMPT_TOKENS, "cold": list(COLD), "rows": rows})
     return 0
 
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import mlx.core as mx
 
-from bench.common import machine_info, software_info, write_report
+from bench.common import write_json, write_report
 
 HQ, HKV, D = 16, 2, 256
 POSITIONS = 8192
@@ -91,9 +90,7 @@ def main() -> int:
         lines.append(f"| {r['fn']} | {r['pair']} | {r['first']} | {r['second']} | "
                      f"{r['rows_equal']} / {r['shared_rows']} | {r['max_abs_diff']:.3g} |")
     write_report(args.out, "sdpa_rows.md", "\n".join(lines) + "\n")
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "sdpa_rows.json").write_text(json.dumps(
-        {"machine": machine_info(), "software": software_info(), "rows": rows}, indent=1))
+    write_json(args.out, "sdpa_rows.json", {"rows": rows})
     return 0
 
 
