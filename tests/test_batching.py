@@ -11,6 +11,7 @@ give the tokens its prompt gives alone (the CPU's matmuls are row-exact).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, batch_generate
 from mlx_lm.models.cache import make_prompt_cache
@@ -229,3 +230,33 @@ def test_one_model_call_reads_its_padding_mask_once(models, monkeypatch):
     assert gated_deltanet._padding_only(mask, CHUNKED_FROM) is None and len(reads) == 1
     padded = mx.array([[False] + [True] * (CHUNKED_FROM - 1)])
     assert gated_deltanet._padding_only(padded, CHUNKED_FROM) is padded and len(reads) == 2
+
+
+def test_a_padding_decode_step_is_stock_s_in_the_fused_step(models, reference_backend):
+    # The fused DeltaNet decode step (the server's batched step and the
+    # one-row masked step) passes the padding mask into the decode op: a
+    # padding row's qkv enters the convolution as zeros, a zero row is
+    # shifted into its conv state and its recurrent state is kept, as stock's
+    # layer does on a cache without lengths. Bits against stock's layer.
+    from mlx_lm.models.cache import ArraysCache
+
+    stock, lily, _ = models
+    i = next(j for j, layer in enumerate(lily.layers) if layer.is_linear)
+    ours, theirs = lily.layers[i], stock.layers[i]
+    la = ours.linear_attn
+    B = 3
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((B, 1, la.hidden_size)).astype(np.float32)).astype(mx.bfloat16)
+    conv = mx.array(rng.standard_normal((B, la.conv_kernel_size - 1, la.conv_dim)).astype(np.float32)).astype(
+        mx.bfloat16)
+    state = mx.array(rng.standard_normal((B, la.num_v_heads, la.head_v_dim, la.head_k_dim)).astype(np.float32))
+    mask = mx.array([[True], [False], [True]])
+    cache = ArraysCache(2)
+    cache[0], cache[1] = conv, state
+    want = theirs(x, mask, cache)
+    got, got_conv, got_state = ours._linear_step(x, conv, state, mask)
+    for name, g, w in (("out", got, want), ("conv state", got_conv, cache[0]), ("state", got_state, cache[1])):
+        assert g.dtype == w.dtype and mx.array_equal(g, w).item(), name
+    # The padding row: its recurrent state kept, a zero row shifted in.
+    assert mx.array_equal(got_state[1], state[1]).item()
+    assert mx.array_equal(got_conv[1], mx.concatenate([conv[1, 1:], mx.zeros_like(conv[1, :1])])).item()

@@ -54,12 +54,16 @@ def assert_same_bits(got, want, what):
 
 
 def assert_masked_rows_kept(args, kwargs, got):
+    """A padding row keeps its recurrent state; its conv state is kept, or
+    (``padding_shifts_conv``) shifted up by one row with a zero row last."""
     conv_in, state_in = args[4], args[8]
     for b, real in enumerate(np.array(kwargs.get("mask", mx.ones((got[1].shape[0], 1), mx.bool_)))[:, 0]):
         if real:
             continue
         kept_state = state_in[b : b + 1] if state_in is not None else mx.zeros_like(got[2][b : b + 1])
         kept_conv = conv_in[b : b + 1] if conv_in is not None else mx.zeros_like(got[1][b : b + 1])
+        if kwargs.get("padding_shifts_conv"):
+            kept_conv = mx.concatenate([kept_conv[:, 1:], mx.zeros_like(kept_conv[:, :1])], axis=1)
         assert mx.array_equal(got[1][b : b + 1], kept_conv).item(), f"row {b}: conv state changed"
         assert mx.array_equal(got[2][b : b + 1], kept_state).item(), f"row {b}: state changed"
 
@@ -68,10 +72,12 @@ def assert_masked_rows_kept(args, kwargs, got):
 
 
 @pytest.mark.parametrize("B", [1, 2, 5, 16])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("masked", [False, "keep", "shift"])
 def test_rows_meet_the_contract(B, masked):
     emulator_or_skip()
     args, kwargs = rows_call(B, seed=B, mask=MASKS[B] if masked else None)
+    if masked == "shift":
+        kwargs["padding_shifts_conv"] = True
     assert gated_delta_decode_supports(*args, **kwargs) is None
     got = gated_delta_decode_kernel.emulate(*args, **kwargs)
     want = gated_delta_decode_reference(*args, **kwargs)
@@ -121,6 +127,11 @@ def test_the_reference_is_stock_s_masked_step():
     y, s = gated_delta_update(q, k, v.reshape(5, 1, Hv, Dv), a, b, A_log, dt_bias, state, mask, use_kernel=False)
     stock = (gated_rms_norm_reference(y, z, norm_weight, eps), conv, s)
     assert_same_bits(gated_delta_decode_reference(*args, **kwargs), stock, "reference vs stock")
+    # A cache without lengths (the server's decode): stock shifts the zeroed
+    # row into the conv state; the recurrent state and out as above.
+    shifted = (stock[0], conv_input[:, 1:], s)
+    assert_same_bits(gated_delta_decode_reference(*args, **kwargs, padding_shifts_conv=True), shifted,
+                     "reference vs stock, no lengths")
     # Without a mask: the plain step, as before.
     plain = gated_delta_decode_reference(*args)
     assert_same_bits(gated_delta_decode_reference(*args, mask=mx.ones((5, 1), mx.bool_)), plain, "all real")

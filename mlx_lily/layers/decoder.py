@@ -411,18 +411,16 @@ class LilyDecoderLayer(DecoderLayer):
         la = self.linear_attn
         qkv, z, b, a = self._linear_in(x)
         B = x.shape[0]
-        if mask is not None:  # a padding step enters the convolution as zeros (stock) ...
-            qkv = mx.where(mask[..., None], qkv, 0)
         if conv_state is None:
             conv_state = mx.zeros((B, la.conv_kernel_size - 1, la.conv_dim), dtype=x.dtype)
-        y, conv_state, new_state = K.gated_delta_decode(
+        # A padding step (mask False) enters the convolution as zeros, shifts
+        # a zero row into the conv state and keeps the recurrent state, as
+        # stock's layer does on a cache without lengths: in the kernel, not
+        # as two selects a layer (60 launches a step, the states read twice).
+        y, conv_state, state = K.gated_delta_decode(
             qkv, z, a, b, conv_state, la.conv1d.weight, la.A_log, la.dt_bias, state,
-            la.norm.weight, la.norm.eps, la.num_k_heads,
+            la.norm.weight, la.norm.eps, la.num_k_heads, mask=mask, padding_shifts_conv=True,
         )
-        # ... and leaves the recurrent state as it was (stock). The op's own
-        # mask would keep the conv state too, which stock does only for
-        # length-limited caches.
-        state = new_state if mask is None else mx.where(mask.reshape(-1, 1, 1, 1), new_state, state)
         return self._linear_out(y, x), conv_state, state
 
     def _linear_in(self, x: mx.array):

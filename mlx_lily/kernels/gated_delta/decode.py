@@ -59,7 +59,8 @@ MAX_ELEMENTS = 2**31
 
 
 def gated_delta_decode_reference(
-    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None,
+    padding_shifts_conv=False,
 ):
     """qkv [B, T, C], z [B, T, Hv, Dv], a, b [B, T, Hv], conv_state [B, K-1, C]
     (the previous call's last K-1 conv input rows; None: zeros, a sequence's
@@ -71,9 +72,9 @@ def gated_delta_decode_reference(
     step's qkv enters the convolution as zeros, its out is computed as for
     any step, and its recurrent state is kept (``gated_delta_update``'s
     mask). Its conv state is kept too, as stock keeps it for a row past its
-    length (``cache.lengths``: the K-1 rows from the row's end); without
-    lengths stock shifts a zero row in, which for left padding, the only
-    padding such a cache has, is the same zeros.
+    length (``cache.lengths``: the K-1 rows from the row's end); with
+    ``padding_shifts_conv`` the zero row is shifted in, as stock does for a
+    cache without lengths (the server's decode steps).
     """
     B, T, Hv, Dv = z.shape
     key_dim = (qkv.shape[-1] - Hv * Dv) // 2
@@ -85,7 +86,7 @@ def gated_delta_decode_reference(
         qkv = mx.where(mask[..., None], qkv, 0)
     conv_input = mx.concatenate([conv_state, qkv], axis=1)
     next_conv = contiguous(conv_input[:, -n_keep:, :])
-    if mask is not None:
+    if mask is not None and not padding_shifts_conv:
         next_conv = mx.where(mask[:, -1:, None], next_conv, conv_state)
     conv_out = conv1d_silu_reference(conv_input, conv_weight)
     q, k, v = mx.split(conv_out, [key_dim, 2 * key_dim], axis=-1)
@@ -99,7 +100,8 @@ def gated_delta_decode_reference(
 
 
 def gated_delta_decode_supports(
-    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None,
+    padding_shifts_conv=False,
 ) -> Optional[str]:
     """None when the kernel takes this call, else why not."""
     if z.ndim != 4 or qkv.ndim != 3:
@@ -152,7 +154,8 @@ def gated_delta_decode_supports(
 
 
 def _launch(
-    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None,
+    padding_shifts_conv=False,
 ) -> Launch:
     B, _, Hv, Dv = z.shape
     Hk = int(num_k_heads)
@@ -191,6 +194,7 @@ def _launch(
             ("CONV_K", K),
             ("NSG", nsg),
             ("HAS_STATE", has_state),
+            ("PAD_SHIFTS", bool(padding_shifts_conv)),
         ],
         finish=lambda outputs: tuple(outputs),
     )
@@ -233,9 +237,10 @@ def _sample():
 
 
 def _fuzz(rng):
-    """A random decode call: 1-3 rows (with padding steps or none), heads
-    (value/key ratio 1-3), head dims, conv width, a state or none, bf16 or
-    fp16 activations, and the gate/norm parameters' dtypes."""
+    """A random decode call: 1-3 rows (with padding steps or none; they keep
+    or shift the conv state), heads (value/key ratio 1-3), head dims, conv
+    width, a state or none, bf16 or fp16 activations, and the gate/norm
+    parameters' dtypes."""
     from .testing import gated_delta_decode_inputs
 
     Hk = int(rng.integers(1, 4))
@@ -251,6 +256,8 @@ def _fuzz(rng):
     args = list(args)
     pick = lambda: KERNEL_DTYPES[int(rng.integers(len(KERNEL_DTYPES)))]  # noqa: E731
     args[6], args[7], args[9] = args[6].astype(pick()), args[7].astype(pick()), args[9].astype(pick())
+    if mask is not None and rng.random() < 0.5:
+        kwargs = dict(kwargs, padding_shifts_conv=True)
     return tuple(args), kwargs
 
 

@@ -37,7 +37,10 @@
 //           (rms_norm's output dtype: InT promoted with the norm weight's),
 //           Dk (a multiple of 32, <= 256), Dv, Hk, Hv (a multiple of Hk),
 //           CONV_K (the convolution's width, >= 2), NSG (SIMD groups),
-//           HAS_STATE (false: the recurrent state starts at zero).
+//           HAS_STATE (false: the recurrent state starts at zero),
+//           PAD_SHIFTS (a padding step's conv state: true shifts a zero row
+//           in, as stock's cache without lengths; false keeps it, as stock's
+//           cache with lengths keeps a row past its end).
 // Inputs:   qkv [B, 1, C] (C = 2 Hk Dk + Hv Dv); z [B, 1, Hv, Dv];
 //           a, b [B, 1, Hv]; conv_state [B, CONV_K - 1, C];
 //           conv_weight [C, CONV_K, 1]; A_log, dt_bias [Hv];
@@ -90,8 +93,9 @@ for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
     float x = static_cast<float>(conv_state[conv_at + j * CONV_DIM + channel]);
     acc += x * static_cast<float>(conv_weight[channel * CONV_K + j]);
     if (writes_state) {
-      // A real step shifts the rows up by one; a padding step keeps them.
-      if (!real_step) {
+      // A real step shifts the rows up by one; a padding step keeps them,
+      // or shifts them too (PAD_SHIFTS).
+      if (!real_step && !PAD_SHIFTS) {
         conv_state_out[conv_at + j * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
       } else if (j > 0) {
         conv_state_out[conv_at + (j - 1) * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
@@ -101,8 +105,12 @@ for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
   // A padding step's input enters the convolution as zero (stock's where).
   float x_new = real_step ? static_cast<float>(qkv[qkv_at + channel]) : 0.0f;
   acc += x_new * static_cast<float>(conv_weight[channel * CONV_K + CONV_K - 1]);
-  if (writes_state && real_step) {
-    conv_state_out[conv_at + (CONV_K - 2) * CONV_DIM + channel] = qkv[qkv_at + channel];
+  if (writes_state && (real_step || PAD_SHIFTS)) {
+    InT last_row = static_cast<InT>(0.0f);
+    if (real_step) {
+      last_row = qkv[qkv_at + channel];
+    }
+    conv_state_out[conv_at + (CONV_K - 2) * CONV_DIM + channel] = last_row;
   }
   // silu(x) = x * sigmoid(x), each rounded to InT as MLX's ops round it.
   float x = static_cast<float>(static_cast<InT>(acc));
