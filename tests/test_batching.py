@@ -260,3 +260,26 @@ def test_a_padding_decode_step_is_stock_s_in_the_fused_step(models, reference_ba
     # The padding row: its recurrent state kept, a zero row shifted in.
     assert mx.array_equal(got_state[1], state[1]).item()
     assert mx.array_equal(got_conv[1], mx.concatenate([conv[1, 1:], mx.zeros_like(conv[1, :1])])).item()
+
+
+def test_the_batched_step_advances_every_layer_s_counters_with_one_op():
+    # Each attention layer's offset (+1) and each DeltaNet layer's left
+    # padding (-1), as stock's layers advance them: once the values are seen
+    # equal, one array serves all, each cache holding its own object.
+    from types import SimpleNamespace
+
+    from mlx_lily.layers.batch_step import advance_together
+
+    caches = [SimpleNamespace(offset=mx.array([3, 7])) for _ in range(4)]
+    held = {}
+    advance_together(held, "offset", caches, "offset", 1)  # first step: one read compares them
+    assert [c.offset.tolist() for c in caches] == [[4, 8]] * 4 and "offset" in held
+    assert len({id(c.offset) for c in caches}) == 4
+    caches[2].offset += 5  # an in-place update of one cache's counter reaches no other
+    assert [c.offset.tolist() for c in caches] == [[4, 8], [4, 8], [9, 13], [4, 8]]
+    caches[2].offset = caches[2].offset - 5  # reassigned (rows left, trimmed): compared again
+    advance_together(held, "offset", caches, "offset", 1)
+    assert [c.offset.tolist() for c in caches] == [[5, 9]] * 4 and "offset" in held
+    caches[1].offset = mx.array([0, 0])  # counters that differ advance one by one
+    advance_together(held, "offset", caches, "offset", 1)
+    assert [c.offset.tolist() for c in caches] == [[6, 10], [1, 1], [6, 10], [6, 10]] and "offset" not in held

@@ -149,12 +149,49 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
     for layer, c, (a, b) in zip(model.layers, cache, zip(outputs[0::2], outputs[1::2])):
         if layer.is_linear:
             c[0], c[1] = a, b
-            c.advance(1)
         else:
             c.keys, c.values = a, b
-            c.offset = c.offset + 1
             c._idx += 1
+    held = model.__dict__.setdefault("_lily_batch_counters", {})
+    advance_together(held, "offset", [cache[i] for i in model._cuts()], "offset", 1)
+    linear = [c for layer, c in zip(model.layers, cache) if layer.is_linear]
+    if linear and linear[0].left_padding is not None:
+        advance_together(held, "left_padding", linear, "left_padding", -1)
     return outputs[-1]
+
+
+def advance_together(held: dict, key: str, caches: list, attr: str, delta: int) -> None:
+    """``c.<attr> += delta`` for every cache, as stock's layers advance them
+    (each BatchKVCache's offset; each ArraysCache's left padding, which only
+    the first one's mask reads), with one op instead of one a layer.
+
+    Every layer's counter holds the same values: mlx-lm applies each filter,
+    extend, prefill and stock layer pass to all of them alike. Where every
+    cache still holds the array this function gave it the step before, one
+    sum serves all; a counter replaced since (the batch's first step, rows
+    joined or left) has them compared first, one read, right after the reads
+    mlx-lm's filter and prefill already make; counters that differ advance
+    one by one. Each cache gets its own array object sharing the one result,
+    so an in-place update of one (``offset += n``) reaches no other. Without
+    this, every counter but the one the step reads grows a chain of one lazy
+    op per token for the batch's lifetime."""
+    values = [getattr(c, attr) for c in caches]
+    last = held.get(key)
+    shared = last is not None and len(last) == len(values) and all(v is w for v, w in zip(values, last))
+    if not shared and len(values) > 1:
+        shared = all(v is not None and v.shape == values[0].shape for v in values) and bool(
+            mx.all(mx.stack(values) == values[0]).item())
+    if not shared:
+        held.pop(key, None)
+        for c, v in zip(caches, values):
+            if v is not None:
+                setattr(c, attr, v + delta)
+        return
+    new = values[0] + delta
+    views = tuple(new.astype(new.dtype) for _ in caches)  # distinct objects, one array
+    for c, v in zip(caches, views):
+        setattr(c, attr, v)
+    held[key] = views
 
 
 def _states(la: Any, cache: ArraysCache, rows: int, dtype: mx.Dtype) -> list:
