@@ -201,3 +201,18 @@ def test_decode_split_times_the_servers_batched_step(tmp_path, monkeypatch):
     assert "| phase | B = 1 | B = 2 |" in text and "Pipelined" in text
     row = next(line for line in text.splitlines() if line.startswith("| - batched step |"))
     assert all(float(v) > 0 for v in row.strip("|").split("|")[1:])
+
+
+def test_sdpa_first_call_times_each_shape_first_and_later(tmp_path, monkeypatch):
+    import json
+
+    from bench.diagnostics.prefill import sdpa_first_call
+
+    monkeypatch.setattr(sdpa_first_call, "WARMUP_SHAPE", (8, 16))
+    monkeypatch.setattr(sdpa_first_call, "SHAPES", (("small", 12, 40), ("smaller", 3, 9)))
+    monkeypatch.setattr(sdpa_first_call, "REPEATS", 1)
+    assert sdpa_first_call.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sdpa_first_call.json").read_text())["rows"]
+    assert [(r["queries"], r["keys"]) for r in rows] == [(12, 40), (3, 9)]
+    assert all(r["first_ms"] > 0 and r["later_ms"] > 0 for r in rows)
+    assert "| small | 12 | 40 |" in (tmp_path / "sdpa_first_call.md").read_text()
