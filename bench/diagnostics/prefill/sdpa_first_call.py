@@ -2,10 +2,11 @@
 
     python3 -m bench.diagnostics.prefill.sdpa_first_call [--out DIR]
 
-On CUDA, lily's prefill attention is MLX's fused sdpa (``kernels/attention/
-cuda_prefill.py``), which MLX runs through cuDNN with an execution plan built
-and cached per shape (queries, keys). A prompt resumed from a prefix
-checkpoint ends in a call whose shape is new (its own number of queries over
+On CUDA, lily's prefill attention is MLX's sdpa (``kernels/attention/
+cuda_prefill.py``), for which MLX keeps state per shape (queries, keys): a
+cuDNN execution plan where cuDNN takes the call, the matmuls' heuristics on
+its unfused path. A prompt resumed from a prefix checkpoint ends in a call
+whose shape is new (its own number of queries over
 the whole history's keys), so a plan built there is part of that request's
 time to first token. This times, at the real head shapes (16 query / 2 KV
 heads of 256, bf16, causal), each call's first run and its second at the same
