@@ -6,9 +6,9 @@ On CUDA, lily's prefill attention is MLX's sdpa (``kernels/attention/
 cuda_prefill.py``), for which MLX keeps state per shape (queries, keys): a
 cuDNN execution plan where cuDNN takes the call, the matmuls' heuristics on
 its unfused path. A prompt resumed from a prefix checkpoint ends in a call
-whose shape is new (its own number of queries over
-the whole history's keys), so a plan built there is part of that request's
-time to first token. This times, at the real head shapes (16 query / 2 KV
+whose shape is new (its own number of queries over the whole history's keys),
+so whatever MLX builds there is part of that request's time to first token.
+This times, at the real head shapes (16 query / 2 KV
 heads of 256, bf16, causal), each call's first run and its second at the same
 shape, synchronously, after an unrelated shape has warmed MLX up: the
 difference is what a shape met for the first time costs. The shapes are those
