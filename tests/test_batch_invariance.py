@@ -133,16 +133,20 @@ def test_a_batch_over_the_kernels_rows_runs_unfused_with_one_notice(lily, fresh_
 
 def test_the_batched_step_skips_the_one_row_forms_checks(demo_checkpoint, monkeypatch):
     """On the server's caches the batched step takes each decode token; the
-    one-row forms' per-layer checks (40 calls a token at the real depth) are
-    not made unless it declines. Kernels as on CUDA, stubbed (the compiled
-    steps run; bench.diagnostics.decode.host_cost)."""
+    one-row forms' per-layer checks (40 calls a token at the real depth) and
+    the attention mask (the step reads the left padding in place) are not
+    made unless it declines. Kernels as on CUDA, stubbed (the compiled steps
+    run; bench.diagnostics.decode.host_cost)."""
     from bench.diagnostics.decode.host_cost import stubbed_kernels
+    from mlx_lily.layers import text_model
     from mlx_lily.layers.decoder import LilyDecoderLayer
     from mlx_lily.layers.text_model import _OneToken
     from mlx_lily.warmup import prompt_cache
 
-    calls = []
+    calls, masks_built = [], []
     base = LilyDecoderLayer._takes_decode
+    build_mask = text_model.create_attention_mask
+    monkeypatch.setattr(text_model, "create_attention_mask", lambda *a, **k: masks_built.append(1) or build_mask(*a, **k))
 
     def counted(self, x, *rest):
         if isinstance(x, _OneToken):  # the model's one-row check (a layer's own call passes its input)
@@ -157,6 +161,7 @@ def test_the_batched_step_skips_the_one_row_forms_checks(demo_checkpoint, monkey
             cache = prompt_cache(model, server)
             mx.eval(model(prompt, cache=cache))
             calls.clear()
+            masks_built.clear()
             call_trace.start()
             try:
                 for _ in range(3):
@@ -167,3 +172,4 @@ def test_the_batched_step_skips_the_one_row_forms_checks(demo_checkpoint, monkey
             assert paths == {path}
             # generate's caches: the one-row forms are checked, one call per layer and token.
             assert calls == ([] if server else [1] * 3 * len(model.layers)), (server, calls)
+            assert len(masks_built) == (0 if server else 3), (server, masks_built)

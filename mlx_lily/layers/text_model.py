@@ -83,21 +83,25 @@ class LilyTextModel(Qwen3_5TextModel):
         # None for one token without padding; the server's batch caches give
         # arrays, which the layers' fused steps and the batched step take.
         one = _one_token(inputs.shape[0])
-        fa_mask = create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
         ssm_mask = create_ssm_mask(one, cache[self.ssm_idx]) if self.ssm_idx is not None else None
 
-        def one_row() -> bool:
+        def fa_mask() -> Any:
+            return create_attention_mask(one, cache[self.fa_idx]) if self.fa_idx is not None else None
+
+        def one_row(masks: DecodeMasks) -> bool:
             return compiled and inputs.shape[0] == 1 and all(
-                layer._takes_decode(one, ssm_mask if layer.is_linear else fa_mask, c)
+                layer._takes_decode(one, ssm_mask if layer.is_linear else masks.fa_mask, c)
                 for layer, c in zip(self.layers, cache)
             )
 
         if rows is None:
-            fits = one_row()
-            return DecodeMasks(fa_mask, ssm_mask, version, None, fits) if fits else None
+            masks = DecodeMasks(fa_mask(), ssm_mask, version, None, one_row)
+            return masks if masks.one_row else None
         batch = all(layer._lily_fits() for layer in self.layers)
         # The server's caches: the batched step takes the token unless it
-        # declines, so the one-row forms' 40 checks wait until asked.
+        # declines (it reads the left padding in place, no attention mask),
+        # so the attention mask and the one-row forms' 40 checks wait until
+        # a later tier asks.
         return DecodeMasks(fa_mask, ssm_mask, version, rows if batch else None, one_row)
 
     # -- the segments ---------------------------------------------------------------
@@ -326,16 +330,23 @@ class DecodeMasks:
     """What ``_segment_masks`` found for a decode token: the attention and
     DeltaNet masks stock builds, the weights' version, the batch's rows where
     the batched step may take it (else None), and whether the one-row forms
-    (whole step, segments) may: a bool, or a function that answers it,
-    called once, when a tier first asks (``one_row``)."""
+    (whole step, segments) may. The attention mask may be given as a function
+    that builds it, and the one-row answer as a function of these masks; each
+    is called once, when a tier first asks (``fa_mask``, ``one_row``)."""
 
     def __init__(self, fa_mask: Any, ssm_mask: Any, version: int, rows: Optional[int],
-                 one_row: Union[bool, Callable[[], bool]]):
-        self.fa_mask, self.ssm_mask, self.version, self.rows = fa_mask, ssm_mask, version, rows
+                 one_row: Union[bool, Callable[["DecodeMasks"], bool]]):
+        self._fa_mask, self.ssm_mask, self.version, self.rows = fa_mask, ssm_mask, version, rows
         self._one_row = one_row
+
+    @property
+    def fa_mask(self) -> Any:
+        if callable(self._fa_mask):
+            self._fa_mask = self._fa_mask()
+        return self._fa_mask
 
     @property
     def one_row(self) -> bool:
         if callable(self._one_row):
-            self._one_row = bool(self._one_row())
+            self._one_row = bool(self._one_row(self))
         return self._one_row
