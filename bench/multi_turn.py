@@ -60,31 +60,98 @@ def rerender(reply: List[int], keep: int, rng: random.Random, vocab: int) -> Lis
     return reply[:keep] + [rng.randrange(4, vocab) for _ in range(max(1, len(reply) - keep))]
 
 
+class Phases:
+    """Where one request's TTFT goes, from wall-clock stamps (no added
+    synchronization: each prefill call of mlx-lm's batch generator already
+    waits for its chunk, as lily's checkpoint recording does for its states):
+
+    * ``fetch_s``: the prompt cache's fetch (lily: the checkpoint plan and the
+      restored caches, still lazy);
+    * ``prefill_s``: ``PromptProcessingBatch.prompt`` calls until the first
+      token (``prefill_calls`` of them), lily's checkpoint recording included;
+    * ``record_s``: of which the recording (``prefix_reuse.RECORDER``);
+    * ``rest_s``: the rest of the TTFT: the generator's setup, the batch
+      caches' merge, the first decode step (the prompt's last token), the
+      first token's log-probabilities."""
+
+    def __init__(self):
+        self.times = {"fetch_s": 0.0, "prefill_s": 0.0, "record_s": 0.0, "prefill_calls": 0}
+        self.open = True
+
+    def __enter__(self) -> "Phases":
+        import importlib
+
+        from mlx_lily import prefix_reuse
+
+        generate = importlib.import_module("mlx_lm.generate")
+        self._cls, self._recorder = generate.PromptProcessingBatch, prefix_reuse.RECORDER
+        base_prompt, base_record = self._cls.prompt, self._recorder.after_prompt
+        phases = self
+
+        def prompt(batch, tokens, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return base_prompt(batch, tokens, *args, **kwargs)
+            finally:
+                if phases.open:
+                    phases.times["prefill_s"] += time.perf_counter() - start
+                    phases.times["prefill_calls"] += any(tokens)  # the generator also calls it with no rows
+
+        def after_prompt(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return base_record(*args, **kwargs)
+            finally:
+                if phases.open:
+                    phases.times["record_s"] += time.perf_counter() - start
+
+        self._base = base_prompt
+        self._cls.prompt = prompt
+        self._recorder.after_prompt = after_prompt
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._cls.prompt = self._base
+        self._recorder.__dict__.pop("after_prompt", None)
+
+    def close(self, ttft: float) -> Dict[str, float]:
+        """The phases of a TTFT of ``ttft`` s (later calls not counted)."""
+        self.open = False
+        t = self.times
+        out = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in t.items()}
+        out["rest_s"] = round(ttft - t["fetch_s"] - t["prefill_s"], 5)
+        return out
+
+
 def request(model, lru, tokens: List[int], step: int, max_tokens: int):
     """One request as the server's batched path runs it; (reused tokens,
-    TTFT s, first log-probs, generated tokens). ``lru`` None: a cold request."""
+    TTFT s, first log-probs, generated tokens, the TTFT's phases). ``lru``
+    None: a cold request."""
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
     mx.synchronize()
-    start = time.perf_counter()
-    cache, rest = (None, tokens) if lru is None else lru.fetch_nearest_cache(KEY, tokens)
-    reused = len(tokens) - len(rest)
-    gen = BatchGenerator(model, prefill_step_size=step)
-    gen.insert(prompts=[rest], max_tokens=[max_tokens], caches=[cache], all_tokens=[tokens[:reused]])
-    ttft, first, out = None, None, []
-    while True:
-        _, responses = gen.next()
-        for r in responses:
-            if first is None:
-                mx.eval(r.logprobs)
-                ttft, first = time.perf_counter() - start, r.logprobs
-            out.append(r.token)
-            if r.finish_reason is not None:
-                if lru is not None:
-                    lru.insert_cache(KEY, r.all_tokens[:], r.prompt_cache)
-                gen.close()
-                return reused, ttft, first, out
+    with Phases() as phases:
+        start = time.perf_counter()
+        cache, rest = (None, tokens) if lru is None else lru.fetch_nearest_cache(KEY, tokens)
+        phases.times["fetch_s"] = time.perf_counter() - start
+        reused = len(tokens) - len(rest)
+        gen = BatchGenerator(model, prefill_step_size=step)
+        gen.insert(prompts=[rest], max_tokens=[max_tokens], caches=[cache], all_tokens=[tokens[:reused]])
+        ttft, first, out, split = None, None, [], None
+        while True:
+            _, responses = gen.next()
+            for r in responses:
+                if first is None:
+                    mx.eval(r.logprobs)
+                    ttft, first = time.perf_counter() - start, r.logprobs
+                    split = phases.close(ttft)
+                out.append(r.token)
+                if r.finish_reason is not None:
+                    if lru is not None:
+                        lru.insert_cache(KEY, r.all_tokens[:], r.prompt_cache)
+                    gen.close()
+                    return reused, ttft, first, out, split
 
 
 def run_engine(engine: str, model_path: str, args) -> Dict[str, Any]:
@@ -115,13 +182,15 @@ def run_engine(engine: str, model_path: str, args) -> Dict[str, Any]:
         for t, message in enumerate(messages):
             prompt = history + message
             if t > 0:  # untimed for the ratio: meets the prompt's length first (module docstring)
-                _, first_cold_ttft, _, _ = request(model, None, prompt, step, 1)
-            reused, ttft, first, reply = request(model, lru, prompt, step, args.reply_tokens)
+                _, first_cold_ttft, _, _, _ = request(model, None, prompt, step, 1)
+            reused, ttft, first, reply, phases = request(model, lru, prompt, step, args.reply_tokens)
             row: Dict[str, Any] = {
                 "turn": t + 1, "prompt_tokens": len(prompt), "tokens_reused": reused, "ttft_s": ttft,
+                "phases": phases,
             }
             if t > 0:
-                _, cold_ttft, cold_first, _ = request(model, None, prompt, step, 1)
+                _, cold_ttft, cold_first, _, cold_phases = request(model, None, prompt, step, 1)
+                row["cold_phases"] = cold_phases
                 row["first_cold_ttft_s"] = first_cold_ttft
                 row["first_at_length_s"] = first_cold_ttft - cold_ttft
                 row["cold_ttft_s"] = cold_ttft
@@ -192,6 +261,19 @@ def markdown(section: Dict[str, Any]) -> str:
                          f"{f(r.get('first_cold_ttft_s'))} |")
         if result.get("error"):
             lines.append(f"| {name} | error: {result['error']} |||||||")
+    lines += ["", "Where each TTFT goes (ms; `Phases`): follow-up / cold request of the same prompt", "",
+              "| engine | turn | fetch | prefill (calls) | of which recording | rest |", "|---|---:|---:|---:|---:|---:|"]
+    for name in ("lily", "stock"):
+        for r in (section.get(name) or {}).get("turns", []):
+            pair = [p for p in (r.get("phases"), r.get("cold_phases")) if p]
+            if not pair:
+                continue
+
+            def ms(key):
+                return " / ".join(f"{1e3 * p[key]:.1f}" for p in pair)
+            calls = " / ".join(str(p["prefill_calls"]) for p in pair)
+            lines.append(f"| {name} | {r['turn']} | {ms('fetch_s')} | {ms('prefill_s')} ({calls}) | "
+                         f"{ms('record_s')} | {ms('rest_s')} |")
     lines.append("")
     for name in ("lily", "stock"):
         result = section.get(name) or {}

@@ -236,6 +236,38 @@ def test_a_reused_prompt_decodes_through_the_cold_prompt_s_batched_step(lily, in
     assert_same_bits(got, cold)
 
 
+def test_a_reused_prompt_decodes_at_the_cold_prompt_s_kv_capacity(lily, installed, emulator_backend, monkeypatch):
+    # Resumed at 288 (a chunk end off stock's 256-row grid), the prompt's
+    # rest grows the KV buffers to 288 + 256 rows; the batched step cuts them
+    # to the cold prompt's whole capacity, so the reused prompt replays the
+    # cold prompt's trace and decodes with its attention grid.
+    from mlx_lily.layers import batch_step
+    from mlx_lily.layers import text_model as T
+
+    monkeypatch.setattr(T, "CAPACITY_STEP", 512)
+    capacities = []
+    stock_reserve = batch_step.reserve_batch_rows
+
+    def spy(cache, rows, attention, dtype):
+        stock_reserve(cache, rows, attention, dtype)
+        capacities.append(cache.keys.shape[2])
+
+    monkeypatch.setattr(batch_step, "reserve_batch_rows", spy)
+    rng = random.Random(7)
+    lru = LRUPromptCache(max_size=4)
+    history = [rng.randrange(1, 500) for _ in range(300)]
+    serve(lily, lru, [history], 16)
+    prompt = history[:290] + [rng.randrange(1, 500) for _ in range(10)]
+    capacities.clear()
+    (got,) = serve(lily, lru, [prompt], 16)
+    reused = set(capacities)
+    capacities.clear()
+    (cold,) = serve(lily, None, [prompt], 16)
+    assert got[0] == 288
+    assert reused == set(capacities) == {512}
+    assert_same_bits(got, cold)
+
+
 def test_a_prefill_cut_at_a_64_token_piece_keeps_its_bits_on_the_chunked_kernels(chunked_lily, emulator_backend):
     """The chunked DeltaNet passes split a call into 64-token pieces from its
     first token. A prompt cut where a piece ends (both calls long enough for
@@ -438,8 +470,22 @@ def test_bench_multi_turn_records_reuse_and_identical_outputs(demo_checkpoint, r
     for r in lily["turns"][1:]:
         assert r["first_cold_ttft_s"] > 0 and r["first_at_length_s"] == r["first_cold_ttft_s"] - r["cold_ttft_s"]
     assert "first_cold_ttft_s" not in lily["turns"][0] and lily["first_at_length_s_median"] is not None
+    # Each TTFT's phases add up to it; lily records checkpoints in its
+    # prefill calls, stock none; a follow-up prefills only its rest, in
+    # --prefill-step-size chunks (the prompt's last token is the decode step's).
+    for engine in (lily, stock):
+        for r in engine["turns"]:
+            for phases, ttft in ((r["phases"], r["ttft_s"]), (r.get("cold_phases"), r.get("cold_ttft_s"))):
+                if phases is None:
+                    continue
+                assert phases["prefill_calls"] >= 1 and min(phases[k] for k in ("fetch_s", "prefill_s", "rest_s")) >= 0
+                assert abs(phases["fetch_s"] + phases["prefill_s"] + phases["rest_s"] - ttft) < 1e-4
+                assert (phases["record_s"] > 0) == (engine is lily) and phases["record_s"] <= phases["prefill_s"]
+    for r in lily["turns"]:
+        assert r["phases"]["prefill_calls"] == -(-(r["prompt_tokens"] - r["tokens_reused"] - 1) // 16)
     assert not pr.installed()
-    assert "| lily | 3 |" in multi_turn.markdown(section)
+    table = multi_turn.markdown(section)
+    assert "| lily | 3 |" in table and "| stock | 3 |" in table.split("Where each TTFT goes")[1]
 
 
 def test_an_unknown_policy_is_named_in_one_notice(fresh_notices, monkeypatch, capsys):

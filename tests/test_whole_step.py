@@ -113,6 +113,26 @@ def test_reserve_rows_keeps_the_filled_rows_and_zeros_the_rest():
     assert cache.keys.shape[2] == 2 * T.CAPACITY_STEP and cache.offset == 3
 
 
+def test_reserve_rows_cuts_a_partial_capacity_back_to_the_rows_whole_capacity(monkeypatch):
+    # A reused prefix (a checkpoint's position, not on stock's 256-row grid)
+    # plus the rest of the prompt leaves the buffer at position + k * 256
+    # rows: it takes the whole capacity of its rows, as a cold prompt's does,
+    # not the one above its partial capacity.
+    monkeypatch.setattr(T, "CAPACITY_STEP", 512)
+    cache = KVCache()
+    keys = mx.random.normal((1, 2, 288, 4)).astype(mx.bfloat16)
+    cache.state = (keys, keys + 1, 288)
+    more = mx.random.normal((1, 2, 11, 4)).astype(mx.bfloat16)
+    cache.update_and_fetch(more, more + 1)
+    assert cache.keys.shape[2] == 288 + KVCache.step and cache.offset == 299
+    T.reserve_rows(cache, 300)
+    assert cache.keys.shape[2] == 512 == T.held_capacity(544, 300)
+    assert mx.array_equal(cache.keys[:, :, :288], keys).item()
+    assert mx.array_equal(cache.values[:, :, 288:299], more + 1).item()
+    assert not mx.any(cache.keys[:, :, 299:]).item()
+    assert T.held_capacity(1024, 300) == 1024 and T.held_capacity(512, 513) == 1024
+
+
 def test_the_whole_step_needs_the_attention_kernels(lily, monkeypatch):
     # On the reference backend (and where the decode kernels failed their
     # self-check) the step stays in segments, stock's op sequence.

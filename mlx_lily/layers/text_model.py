@@ -279,15 +279,28 @@ def whole_capacity(rows: int) -> int:
     return -(-rows // CAPACITY_STEP) * CAPACITY_STEP
 
 
+def held_capacity(capacity: int, rows: int) -> int:
+    """The capacity ``reserve_rows`` gives a buffer of ``capacity`` rows that
+    must hold ``rows``: kept if it is already a whole number of steps with
+    room, else the smallest whole one for the rows. A buffer grown in stock's
+    256-row steps from a reused prefix (a checkpoint's position plus the rest
+    of the prompt) is cut back to the cold prompt's capacity, not rounded up
+    past it: the same trace of the compiled step, and the same decode bits."""
+    if capacity % CAPACITY_STEP == 0 and capacity >= rows:
+        return capacity
+    return whole_capacity(rows)
+
+
 def reserve_rows(cache: KVCache, rows: int, filled: Optional[int] = None) -> None:
     """Give a KVCache room for ``rows`` rows, its capacity a multiple of
-    CAPACITY_STEP (stock's KVCache grows 256 rows at a time). Growing keeps
-    the rows up to ``filled`` (default: its offset; a BatchKVCache's write
-    index) and adds zeros; rows past it are never read (the attention is
-    bounded by the position). The cache stays a valid cache for stock's code."""
+    CAPACITY_STEP (stock's KVCache grows 256 rows at a time;
+    ``held_capacity``). It keeps the rows up to ``filled`` (default: its
+    offset; a BatchKVCache's write index) and the rest are zeros; rows past
+    it are never read (the attention is bounded by the position). The cache
+    stays a valid cache for stock's code."""
     filled = cache.offset if filled is None else filled
     capacity = cache.keys.shape[2]
-    wanted = whole_capacity(max(rows, capacity))
+    wanted = held_capacity(capacity, max(rows, filled))
     if wanted == capacity:
         return
 

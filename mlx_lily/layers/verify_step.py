@@ -139,12 +139,12 @@ def _spans(text_model: Any, cache: List[Any], attn: List[int], offset: int, P: i
         for i in attn:
             _room(cache[i], offset + P)
         return [offset + i + 1 for i in range(P)]
-    from .text_model import reserve_rows, whole_capacity
+    from .text_model import held_capacity, reserve_rows
 
-    # The whole step grows its buffers to whole_capacity(max(rows, capacity))
-    # as tokens come; a rejected draft may have grown this buffer past what
-    # the stream's kept tokens needed, so the capacity the stream had before
-    # its first verified token stands for the history.
+    # The whole step sets its buffers' capacity with held_capacity as tokens
+    # come; a rejected draft may have grown this buffer past what the
+    # stream's kept tokens needed, so the capacity the stream had before its
+    # first verified token stands for the history.
     # (Kept on the stream's first KV cache: (offset, capacity) then.)
     first = cache[attn[0]]
     base = getattr(first, "_lily_verify_base", None)
@@ -152,7 +152,11 @@ def _spans(text_model: Any, cache: List[Any], attn: List[int], offset: int, P: i
         base = first._lily_verify_base = (offset, first.keys.shape[2])
     for i in attn:
         reserve_rows(cache[i], offset + P)
-    return [whole_capacity(max(offset + i + 1, base[1])) for i in range(P)]
+    spans, capacity = [], base[1]
+    for i in range(P):
+        capacity = held_capacity(capacity, offset + i + 1)
+        spans.append(capacity)
+    return spans
 
 
 def _room(cache: KVCache, rows: int) -> None:
