@@ -216,3 +216,26 @@ def test_sdpa_first_call_times_each_shape_first_and_later(tmp_path, monkeypatch)
     assert [(r["queries"], r["keys"]) for r in rows] == [(12, 40), (3, 9)]
     assert all(r["first_ms"] > 0 and r["later_ms"] > 0 for r in rows)
     assert "| small | 12 | 40 |" in (tmp_path / "sdpa_first_call.md").read_text()
+
+
+def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp_path):
+    import json
+
+    from bench.diagnostics.tuning import moe_decode_sweep
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    default = decode.GATE_UP_GROUP
+    code = moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--dims", "128,16,3,64,128",
+                                  "--batch", "1,5", "--groups", "1,16"])
+    assert code == 0 and decode.GATE_UP_GROUP == default
+    record = json.loads((tmp_path / "moe-decode-sweep.json").read_text())
+    assert [r["batch"] for r in record["rows"]] == [1, 5] and record["groups"] == [1, 16]
+    for r in record["rows"]:
+        assert set(r["groups"]) == {"1", "16"} and all(e["same_bits"] for e in r["groups"].values())
+        assert r["fastest"] in r["groups"] and r["expert_bytes"] > 0 and r["contract"] == "met"
+    # Five rows pick more distinct experts than one: more bytes to read.
+    assert record["rows"][1]["expert_bytes"] > record["rows"][0]["expert_bytes"]
+    assert "| 5 |" in (tmp_path / "moe-decode-sweep.md").read_text()
+    with pytest.raises(SystemExit):
+        moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--groups", "3"])

@@ -46,11 +46,17 @@ from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 ROUTE_NORM_SG = 8  # SIMD groups of a row's RMSNorm, beside its top-k's one
 ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
 GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
+# Gate/up takes the rows that use an expert this many at a time (its
+# accumulators are registers: fewer rows a pass, more threadgroups resident);
+# any value gives every row the same bits.
+GATE_UP_GROUPS = (1, 2, 4, 8, 16)
+GATE_UP_GROUP = 4
 DOWN_THREADS, DOWN_ROWS = 256, 32
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
-# verification (at most 32: gate/up and down give each row a lane). Every B
+# verification (at most 16: gate/up and down give each row a lane, and gate/up
+# packs a row's index in four bits). Every B
 # runs the same build (B is read from the inputs' shapes at run time), so
 # that a row's result is the same bits whatever B is.
 MAX_BATCH = 16
@@ -202,7 +208,7 @@ def _launch_gate_up(xn, inds, switch_mlp, shared_expert) -> Launch:
         output_shapes=[(B, k + 1, IMAX)],
         output_dtypes=[xn.dtype],
         template=[("T", xn.dtype), ("E", gw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
-                  ("MAX_BATCH", MAX_BATCH)],
+                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP)],
         finish=lambda outputs: outputs[0],
     )
 

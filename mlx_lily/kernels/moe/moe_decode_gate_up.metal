@@ -29,9 +29,12 @@
 // finishes the row. That sequence depends on row b's xn and the expert's
 // weights only: not on B, on the other rows, or on which threadgroup holds
 // the expert, so each row's result is the same bits whatever the batch (the
-// batch invariance of moe_decode). Every loop over the batch runs to
-// MAX_BATCH with a uniform branch per row (constant indices keep the
-// accumulators in registers).
+// batch invariance of moe_decode), nor on GROUP: the rows that use the
+// expert are taken GROUP at a time, each pass reading the expert's rows again
+// (from cache after the first), so that a lane holds GROUP rows'
+// accumulators, not MAX_BATCH's. Every loop over a pass's rows runs to GROUP
+// with a uniform branch per row (constant indices keep the accumulators in
+// registers).
 // Gate and up are rounded to bf16 (each quantized matmul's output is bf16 in
 // stock) and SwiGLU rounds each step as mlx-lm's does:
 // act = bf16(bf16(gate * bf16(sigmoid(gate))) * up).
@@ -40,7 +43,8 @@
 //
 // Template: T, E (experts), K (top k), D (hidden size, a multiple of 64), I
 //           (experts' hidden size), IS (shared expert's), IMAX (= max(I,
-//           IS)), MAX_BATCH (rows at most, <= 32: a lane per row).
+//           IS)), MAX_BATCH (rows at most, <= 16: a lane per row, and four
+//           bits a row in the packed member list), GROUP (rows a pass).
 // Inputs:   xn [B, D] bf16; inds [B, K] uint32 (launch 1); gate_w, up_w [E,
 //           I, D / 8] uint32 (value j of a word in bits 4j..4j+3), gate_s,
 //           gate_b, up_s, up_b [E, I, D / 64] bf16; sgate_w, sup_w [IS, D /
@@ -98,10 +102,26 @@ const uint r = block * ROWS_PER_TG + sg;  // this SIMD group's hidden row
 // it loads nothing and stores nothing, but runs the loops (no early return
 // before the SIMD sums).
 const bool live = active && r < rows;
-uint member[MAX_BATCH];
+// Lane b < B holds row b's 1 + slot for this expert (the shared expert: K + 1;
+// 0 where row b does not use it). The members, in row order, are packed four
+// bits a row into member_rows (16 rows at most: MAX_BATCH <= 16), and taken
+// GROUP at a time: each pass keeps GROUP rows' accumulators in registers and
+// reads the rows' weights again (from cache after the first pass), so the
+// registers a lane needs follow GROUP, not MAX_BATCH.
+const uint my_slot = (live && lane < B) ? (is_shared ? uint(K) + 1u : last_slot) : 0u;
+uint member_rows_lo = 0u;
+uint member_rows_hi = 0u;
+uint members = 0u;
 for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-  const uint slot_of_b = simd_shuffle(last_slot, b % SIMD_WIDTH);
-  member[b] = (!live || b >= B) ? 0u : (is_shared ? uint(K) + 1u : slot_of_b);
+  const uint slot_of_b = simd_shuffle(my_slot, b % SIMD_WIDTH);
+  if (slot_of_b != 0u) {  // uniform
+    if (members < 8u) {
+      member_rows_lo |= b << (4u * members);
+    } else {
+      member_rows_hi |= b << (4u * (members - 8u));
+    }
+    members += 1u;
+  }
 }
 
 const device uint32_t* gw = is_shared ? sgate_w : gate_w;
@@ -111,99 +131,111 @@ const device uint32_t* uw = is_shared ? sup_w : up_w;
 const device T* us = is_shared ? sup_s : up_s;
 const device T* ub = is_shared ? sup_b : up_b;
 const uint row = live ? row_base + r : 0u;
-
-// -- this lane's weights: step s + 1's loads are issued before step s's
-// multiplies, so that two steps' words are in flight (scalars, not arrays
-// indexed by the step: a loop nvcc leaves rolled would put those in local
-// memory).
 const uint4 no_words = {0u, 0u, 0u, 0u};
-uint4 next_gate = no_words;
-uint4 next_up = no_words;
-float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
-if (live && lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
-  next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
-  next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
-  next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
-  next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
-  next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
-  next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
-}
 
-float acc_gate[MAX_BATCH];
-float acc_up[MAX_BATCH];
-float x_sum[MAX_BATCH];
-for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-  acc_gate[b] = 0.0f;
-  acc_up[b] = 0.0f;
-}
-for (uint s = 0; s < STEPS; ++s) {
-  const uint k0 = s * SPAN + lane * VALUES;
-  const bool present = k0 < uint(D);
-  const uint4 words_gate = next_gate;
-  const uint4 words_up = next_up;
-  const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
-  const uint k_next = k0 + SPAN;
-  if (live && s + 1 < STEPS && k_next < uint(D)) {
-    next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
-    next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
-    next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
-    next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + k_next / 64]);
-    next_s_up = static_cast<float>(us[row * ROW_GROUPS + k_next / 64]);
-    next_b_up = static_cast<float>(ub[row * ROW_GROUPS + k_next / 64]);
+for (uint first = 0; first < members; first += uint(GROUP)) {  // uniform
+  // This pass's rows: member first + g, for g < GROUP while there is one.
+  uint pass_row[GROUP];
+  bool in_pass[GROUP];
+  for (uint g = 0; g < uint(GROUP); ++g) {
+    const uint m = first + g;
+    in_pass[g] = m < members;
+    pass_row[g] = m < 8u ? (member_rows_lo >> (4u * m)) & 0xFu : (member_rows_hi >> (4u * (m - 8u))) & 0xFu;
   }
-  for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-    x_sum[b] = 0.0f;
+
+  // -- this lane's weights: step s + 1's loads are issued before step s's
+  // multiplies, so that two steps' words are in flight (scalars, not arrays
+  // indexed by the step: a loop nvcc leaves rolled would put those in local
+  // memory).
+  uint4 next_gate = no_words;
+  uint4 next_up = no_words;
+  float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
+  if (lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
+    next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
+    next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
+    next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
   }
-  for (uint c = 0; c < 4; ++c) {
-    // Chunk c (word c): values m and m + 4 of its eight under the bf16
-    // pattern 0x4300 are the bf16 numbers 128 + q (exact after - 128).
-    const uint wg = c == 0 ? words_gate.x : (c == 1 ? words_gate.y : (c == 2 ? words_gate.z : words_gate.w));
-    const uint wu = c == 0 ? words_up.x : (c == 1 ? words_up.y : (c == 2 ? words_up.z : words_up.w));
-    const uint4 pairs_gate = {(wg & 0x000F000Fu) | 0x43004300u, ((wg >> 4) & 0x000F000Fu) | 0x43004300u,
-                              ((wg >> 8) & 0x000F000Fu) | 0x43004300u, ((wg >> 12) & 0x000F000Fu) | 0x43004300u};
-    const uint4 pairs_up = {(wu & 0x000F000Fu) | 0x43004300u, ((wu >> 4) & 0x000F000Fu) | 0x43004300u,
-                            ((wu >> 8) & 0x000F000Fu) | 0x43004300u, ((wu >> 12) & 0x000F000Fu) | 0x43004300u};
-    float q_gate[8];
-    float q_up[8];
-    for (uint m = 0; m < 4; ++m) {
-      q_gate[m] = lily_tile_unpack(pairs_gate, 2 * m) - 128.0f;
-      q_gate[m + 4] = lily_tile_unpack(pairs_gate, 2 * m + 1) - 128.0f;
-      q_up[m] = lily_tile_unpack(pairs_up, 2 * m) - 128.0f;
-      q_up[m + 4] = lily_tile_unpack(pairs_up, 2 * m + 1) - 128.0f;
+
+  float acc_gate[GROUP];
+  float acc_up[GROUP];
+  float x_sum[GROUP];
+  for (uint g = 0; g < uint(GROUP); ++g) {
+    acc_gate[g] = 0.0f;
+    acc_up[g] = 0.0f;
+  }
+  for (uint s = 0; s < STEPS; ++s) {
+    const uint k0 = s * SPAN + lane * VALUES;
+    const bool present = k0 < uint(D);
+    const uint4 words_gate = next_gate;
+    const uint4 words_up = next_up;
+    const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
+    const uint k_next = k0 + SPAN;
+    if (s + 1 < STEPS && k_next < uint(D)) {
+      next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
+      next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
+      next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
+      next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + k_next / 64]);
+      next_s_up = static_cast<float>(us[row * ROW_GROUPS + k_next / 64]);
+      next_b_up = static_cast<float>(ub[row * ROW_GROUPS + k_next / 64]);
     }
-    for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-      if (member[b] != 0u) {  // uniform
-        const uint4 xw = present ? lily_tile_load16(xn + b * uint(D) + k0 + 8 * c) : no_words;
-        float dot_gate = 0.0f;
-        float dot_up = 0.0f;
-        for (uint i = 0; i < 8; ++i) {
-          const float x = lily_tile_unpack_as<T>(xw, i);
-          x_sum[b] += x;
-          dot_gate = fma(q_gate[i], x, dot_gate);
-          dot_up = fma(q_up[i], x, dot_up);
+    for (uint g = 0; g < uint(GROUP); ++g) {
+      x_sum[g] = 0.0f;
+    }
+    for (uint c = 0; c < 4; ++c) {
+      // Chunk c (word c): values m and m + 4 of its eight under the bf16
+      // pattern 0x4300 are the bf16 numbers 128 + q (exact after - 128).
+      const uint wg = c == 0 ? words_gate.x : (c == 1 ? words_gate.y : (c == 2 ? words_gate.z : words_gate.w));
+      const uint wu = c == 0 ? words_up.x : (c == 1 ? words_up.y : (c == 2 ? words_up.z : words_up.w));
+      const uint4 pairs_gate = {(wg & 0x000F000Fu) | 0x43004300u, ((wg >> 4) & 0x000F000Fu) | 0x43004300u,
+                                ((wg >> 8) & 0x000F000Fu) | 0x43004300u, ((wg >> 12) & 0x000F000Fu) | 0x43004300u};
+      const uint4 pairs_up = {(wu & 0x000F000Fu) | 0x43004300u, ((wu >> 4) & 0x000F000Fu) | 0x43004300u,
+                              ((wu >> 8) & 0x000F000Fu) | 0x43004300u, ((wu >> 12) & 0x000F000Fu) | 0x43004300u};
+      float q_gate[8];
+      float q_up[8];
+      for (uint m = 0; m < 4; ++m) {
+        q_gate[m] = lily_tile_unpack(pairs_gate, 2 * m) - 128.0f;
+        q_gate[m + 4] = lily_tile_unpack(pairs_gate, 2 * m + 1) - 128.0f;
+        q_up[m] = lily_tile_unpack(pairs_up, 2 * m) - 128.0f;
+        q_up[m + 4] = lily_tile_unpack(pairs_up, 2 * m + 1) - 128.0f;
+      }
+      for (uint g = 0; g < uint(GROUP); ++g) {
+        if (in_pass[g]) {  // uniform
+          const uint4 xw = present ? lily_tile_load16(xn + pass_row[g] * uint(D) + k0 + 8 * c) : no_words;
+          float dot_gate = 0.0f;
+          float dot_up = 0.0f;
+          for (uint i = 0; i < 8; ++i) {
+            const float x = lily_tile_unpack_as<T>(xw, i);
+            x_sum[g] += x;
+            dot_gate = fma(q_gate[i], x, dot_gate);
+            dot_up = fma(q_up[i], x, dot_up);
+          }
+          acc_gate[g] = fma(s_gate, dot_gate, acc_gate[g]);
+          acc_up[g] = fma(s_up, dot_up, acc_up[g]);
         }
-        acc_gate[b] = fma(s_gate, dot_gate, acc_gate[b]);
-        acc_up[b] = fma(s_up, dot_up, acc_up[b]);
       }
     }
+    for (uint g = 0; g < uint(GROUP); ++g) {
+      acc_gate[g] = fma(b_gate, x_sum[g], acc_gate[g]);
+      acc_up[g] = fma(b_up, x_sum[g], acc_up[g]);
+    }
   }
-  for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-    acc_gate[b] = fma(b_gate, x_sum[b], acc_gate[b]);
-    acc_up[b] = fma(b_up, x_sum[b], acc_up[b]);
-  }
-}
 
-// -- finish each row that uses this expert: gate and up, then SwiGLU ---------------
-for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-  if (member[b] != 0u) {  // uniform
-    float gate = simd_sum(acc_gate[b]);
-    float up = simd_sum(acc_up[b]);
-    if (lane == 0) {
-      gate = static_cast<float>(static_cast<T>(gate));
-      up = static_cast<float>(static_cast<T>(up));
-      const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
-      const float silu = static_cast<float>(static_cast<T>(gate * sig));
-      act[(b * (uint(K) + 1u) + member[b] - 1u) * uint(IMAX) + r] = static_cast<T>(silu * up);
+  // -- finish each row of the pass: gate and up, then SwiGLU --------------------------
+  for (uint g = 0; g < uint(GROUP); ++g) {
+    if (in_pass[g]) {  // uniform
+      float gate = simd_sum(acc_gate[g]);
+      float up = simd_sum(acc_up[g]);
+      const uint slot = simd_shuffle(my_slot, pass_row[g]);
+      if (lane == 0) {
+        gate = static_cast<float>(static_cast<T>(gate));
+        up = static_cast<float>(static_cast<T>(up));
+        const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
+        const float silu = static_cast<float>(static_cast<T>(gate * sig));
+        act[(pass_row[g] * (uint(K) + 1u) + slot - 1u) * uint(IMAX) + r] = static_cast<T>(silu * up);
+      }
     }
   }
 }
