@@ -48,9 +48,13 @@ ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
 GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
 # Gate/up takes the rows that use an expert this many at a time (its
 # accumulators are registers: fewer rows a pass, more threadgroups resident);
-# any value gives every row the same bits.
+# any value gives every row the same bits. One row a pass was the fastest at
+# every B on the H200 (gate/up at the real shapes, B = 1 / 4 / 8 / 16: 8.8 /
+# 28.5 / 55.0 / 103.9 µs, against 35.9 / 122.5 / 227.6 / 399.4 with all 16
+# rows' accumulators; moe_decode_sweep, bench/results/2026-12-03-nvidia-h200-e77d914).
+# A row's later passes read the expert's rows from cache. Metal: not measured.
 GATE_UP_GROUPS = (1, 2, 4, 8, 16)
-GATE_UP_GROUP = 4
+GATE_UP_GROUP = 1
 DOWN_THREADS, DOWN_ROWS = 256, 32
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
