@@ -233,3 +233,63 @@ def test_batched_masked_calls_compile_for_cuda_without_local_memory(tmp_path):
     assert one == many  # B is the grid's rows only: one build serves every batch
     for text in nvcc_ptx(tmp_path, {"gdd_batch": many}).values():
         assert "ld.local" not in text and "st.local" not in text
+
+
+# -- (f) P positions of one stream in one launch (speculative verification) -------------------
+
+
+@pytest.mark.parametrize("P,with_state,K_conv,dtype", [
+    (1, True, 4, mx.bfloat16), (3, True, 4, mx.bfloat16), (5, False, 4, mx.bfloat16),
+    (4, True, 2, mx.float16), (6, True, 3, mx.bfloat16), (MAX_BATCH, True, 4, mx.bfloat16),
+])
+def test_steps_give_each_position_the_one_row_kernel_s_bits(P, with_state, K_conv, dtype):
+    # The launch of P positions against P one-row launches, each fed the
+    # previous one's conv state and state: every output the same bits, and
+    # the contract against the reference.
+    from mlx_lily.kernels.gated_delta.decode import gated_delta_decode_steps_agree, gated_delta_decode_steps_kernel
+    from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_steps_inputs
+
+    emulator_or_skip()
+    args, _ = gated_delta_decode_steps_inputs(2, 4, 32, 8, P, K=K_conv, with_state=with_state, seed=P, dtype=dtype)
+    got = gated_delta_decode_steps_kernel.emulate(*args)
+    conv, state = args[4], args[8]
+    outs, convs, states = [], [], []
+    for p in range(P):
+        one = list(args)
+        one[:4] = [x[p:p + 1] for x in args[:4]]
+        one[4], one[8] = conv, state
+        out, conv, state = gated_delta_decode_kernel.emulate(*one)
+        outs.append(out)
+        convs.append(conv)
+        states.append(state)
+    want = tuple(mx.concatenate(parts, axis=0) for parts in (outs, convs, states))
+    assert_same_bits(got, want, f"{P} positions")
+    assert gated_delta_decode_steps_agree(got, None, *args) is None
+
+
+def test_steps_take_one_stream_and_at_most_max_batch_positions():
+    from mlx_lily.kernels.gated_delta.decode import gated_delta_decode_steps_supports
+    from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_steps_inputs
+
+    args, _ = gated_delta_decode_steps_inputs(2, 4, 32, 8, 3)
+    assert gated_delta_decode_steps_supports(*args) is None
+    two_streams = list(args)
+    two_streams[4] = mx.concatenate([args[4], args[4]], axis=0)
+    assert "one stream" in gated_delta_decode_steps_supports(*two_streams)
+    two_states = list(args)
+    two_states[8] = mx.concatenate([args[8], args[8]], axis=0)
+    assert "one stream" in gated_delta_decode_steps_supports(*two_states)
+    many, _ = gated_delta_decode_steps_inputs(2, 4, 32, 8, MAX_BATCH + 1)
+    assert f"1 to {MAX_BATCH}" in gated_delta_decode_steps_supports(*many)
+    # Elsewhere the op runs its reference: the one-row reference per position.
+    assert K.gated_delta_decode_steps.choose(*many)[1] == "reference"
+
+
+def test_steps_compile_for_cuda_without_local_memory(tmp_path):
+    from mlx_lily.kernels.gated_delta.decode import gated_delta_decode_steps_kernel
+    from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_steps_inputs
+
+    args, _ = gated_delta_decode_steps_inputs(16, 32, 128, 128, 4)
+    unit = gated_delta_decode_steps_kernel.cuda_translation_unit(*args)
+    for text in nvcc_ptx(tmp_path, {"gdd_steps": unit}).values():
+        assert "ld.local" not in text and "st.local" not in text

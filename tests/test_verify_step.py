@@ -90,9 +90,14 @@ def _compare(model, positions, form, prompt=PROMPT):
 
 
 def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
+    from mlx_lily import kernels as K
+
     positions = len(DRAFTS)
+    K.gated_delta_decode_steps.last_path = None
     paths, passed, alone = _compare(emulated["model"], positions, "view")
     assert paths == {"lily fused decode"}
+    # The DeltaNet layers took their positions in one launch each.
+    assert K.gated_delta_decode_steps.last_path == "kernel"
     # Back one position: the states of the run that fed one token fewer.
     for c in passed:
         c.trim(1)
@@ -100,6 +105,15 @@ def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
     for t in DRAFTS[: positions - 1]:
         emulated["model"].language_model.model(mx.array([[t]]), cache=shorter)
     assert_caches_equal(passed, shorter)
+
+
+def test_the_pass_runs_the_one_row_kernel_per_position_where_the_steps_kernel_is_off(emulated, monkeypatch):
+    from mlx_lily import kernels as K
+
+    monkeypatch.setattr(verify_step, "_steps_on", lambda *args: False)
+    K.gated_delta_decode_steps.last_path = None
+    _compare(emulated["model"], 3, "view")
+    assert K.gated_delta_decode_steps.last_path is None
 
 
 def test_the_pass_in_the_whole_steps_form(emulated, monkeypatch):

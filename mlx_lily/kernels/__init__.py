@@ -7,7 +7,7 @@ from ..toolchain.registry import OPS, LilyOp, gpu_backend, kernels_enabled
 from .attention.qk_norm_rope import qk_norm_rope
 from .attention.sdpa import attention
 from .gated_delta.conv import conv_qk_norm
-from .gated_delta.decode import gated_delta_decode
+from .gated_delta.decode import gated_delta_decode, gated_delta_decode_steps
 from .gated_delta.norm import gated_rms_norm
 from .gated_delta.recurrence import gated_delta
 from .linear.gemv import quantized_matvec
@@ -21,6 +21,7 @@ from .moe.router import router_topk
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv_qk_norm", "gated_delta", "gated_delta_decode",
+    "gated_delta_decode_steps",
     "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
     "quantized_matvec", "quantized_matvec_tiles", "decode_matvec",
 ]

@@ -11,10 +11,11 @@ invariance": a row's result is the same bits alone or in a batch of 1..16):
 * every GEMV (projections, router, shared-expert gate) and the MoE chain
   (``moe_decode``) take the P positions as P rows: each weight is read once
   for all positions, each row reduced as a one-row decode step reduces it;
-* Gated DeltaNet: the recurrence is sequential, so its decode kernel runs
-  once per position, in order, one row each (P small launches; the state is
-  small), and the state after each position is kept: the rollback of a
-  rejected draft puts one of them back (``TrimmableArraysCache.push_steps``);
+* Gated DeltaNet: the recurrence is sequential, so one launch of its decode
+  kernel's body takes the P positions in order (``gated_delta_decode_steps``;
+  where that kernel is off, the one-row kernel runs once per position), and
+  the state after each position is kept: the rollback of a rejected draft
+  puts one of them back (``TrimmableArraysCache.push_steps``);
 * attention: the P keys and values are written into the stream's KV cache,
   then position i attends to the cache up to itself with the one-row decode
   kernel (P launches reading the cache in place, no copy), over the very view
@@ -219,20 +220,37 @@ def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
 
 def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array):
     """``LilyDecoderLayer._linear_step`` for P positions [P, 1, D] of one
-    stream: the GEMVs and the MoE chain on P rows, the DeltaNet decode kernel
-    once per position, in order."""
+    stream: the GEMVs and the MoE chain on P rows; the DeltaNet decode of the
+    P positions in order, in one launch (``gated_delta_decode_steps``: each
+    position the bits of a one-row decode step) where its kernel is on, else
+    the one-row kernel once per position."""
     la = layer.linear_attn
     qkv, z, b, a = layer._linear_in(x)
+    P = x.shape[0]
+    weights = (la.conv1d.weight, la.A_log, la.dt_bias)
+    rest = (la.norm.weight, la.norm.eps, la.num_k_heads)
+    if P > 1 and _steps_on(qkv, z, a, b, conv_state, *weights, state, *rest):
+        y, convs, states = K.gated_delta_decode_steps(qkv, z, a, b, conv_state, *weights, state, *rest)
+        return layer._linear_out(y, x), [convs[p:p + 1] for p in range(P)], [states[p:p + 1] for p in range(P)]
     ys, convs, states = [], [], []
-    for p in range(x.shape[0]):
+    for p in range(P):
         y, conv_state, state = K.gated_delta_decode(
-            qkv[p:p + 1], z[p:p + 1], a[p:p + 1], b[p:p + 1], conv_state, la.conv1d.weight, la.A_log,
-            la.dt_bias, state, la.norm.weight, la.norm.eps, la.num_k_heads,
-        )
+            qkv[p:p + 1], z[p:p + 1], a[p:p + 1], b[p:p + 1], conv_state, *weights, state, *rest)
         ys.append(y)
         convs.append(conv_state)
         states.append(state)
     return layer._linear_out(mx.concatenate(ys, axis=0), x), convs, states
+
+
+def _steps_on(*args) -> bool:
+    """Whether ``gated_delta_decode_steps`` runs these positions on its kernel
+    (the one-row decode kernel's body, one launch): its reference, stock's
+    ops, would not give the decode kernel's bits."""
+    from ..kernels.gated_delta.decode import gated_delta_decode_steps_supports
+
+    return (K.gated_delta_decode_steps.planned_path()[0] == "kernel"
+            and K.gated_delta_decode.planned_path()[0] == "kernel"
+            and gated_delta_decode_steps_supports(*args) is None)
 
 
 def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,

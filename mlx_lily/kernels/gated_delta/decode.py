@@ -195,6 +195,7 @@ def _launch(
             ("NSG", nsg),
             ("HAS_STATE", has_state),
             ("PAD_SHIFTS", bool(padding_shifts_conv)),
+            ("STEPS", 1),
         ],
         finish=lambda outputs: tuple(outputs),
     )
@@ -286,5 +287,109 @@ gated_delta_decode = register(
         sample=_sample,
         compare=gated_delta_decode_compare,
         fuzz=_fuzz,
+    )
+)
+
+
+# -- P positions of one stream (speculative verification) ---------------------------
+
+
+def gated_delta_decode_steps_reference(
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads,
+):
+    """qkv [P, 1, C] etc.: P consecutive positions of one stream, conv_state
+    [1, K-1, C], state [1, Hv, Dv, Dk] or None -> (out [P, 1, Hv, Dv], the
+    conv state after each position [P, K-1, C], the state after each [P, Hv,
+    Dv, Dk]): ``gated_delta_decode`` once per position, in order."""
+    outs, convs, states = [], [], []
+    for p in range(qkv.shape[0]):
+        out, conv_state, state = gated_delta_decode_reference(
+            qkv[p:p + 1], z[p:p + 1], a[p:p + 1], b[p:p + 1], conv_state, conv_weight, A_log, dt_bias, state,
+            norm_weight, eps, num_k_heads)
+        outs.append(out)
+        convs.append(conv_state)
+        states.append(state)
+    return tuple(mx.concatenate(parts, axis=0) for parts in (outs, convs, states))
+
+
+def gated_delta_decode_steps_supports(
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads,
+) -> Optional[str]:
+    """None when the kernel takes these P positions in one launch, else why not."""
+    P = qkv.shape[0] if qkv.ndim == 3 else 0
+    if not 1 <= P <= MAX_BATCH:
+        return f"qkv {tuple(qkv.shape)}: {P} positions (kernel: 1 to {MAX_BATCH})"
+    K = conv_weight.shape[1] if conv_weight.ndim == 3 else 0
+    if conv_state is not None and tuple(conv_state.shape) != (1, K - 1, qkv.shape[-1]):
+        return f"conv_state {tuple(conv_state.shape)} (kernel: one stream's, [1, K-1, C])"
+    if state is not None and state.shape[0] != 1:
+        return f"state {tuple(state.shape)} (kernel: one stream's, [1, Hv, Dv, Dk])"
+    # The rest as a call of P rows (each row's checks are the same).
+    rows = lambda x: None if x is None else mx.broadcast_to(x, (P, *x.shape[1:]))  # noqa: E731
+    return gated_delta_decode_supports(qkv, z, a, b, rows(conv_state), conv_weight, A_log, dt_bias, rows(state),
+                                       norm_weight, eps, num_k_heads)
+
+
+def _launch_steps(
+    qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads,
+) -> Launch:
+    P = qkv.shape[0]
+    one = _launch(qkv[:1], z[:1], a[:1], b[:1], conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps,
+                  num_k_heads)
+    inputs = list(one.inputs)
+    inputs[:4] = [qkv, z, a, b]
+    inputs[-1] = mx.ones((P,), mx.bool_)  # no padding step among a stream's positions
+    _, _, Hv, Dv = z.shape
+    C, K = qkv.shape[-1], conv_weight.shape[1]
+    return Launch(
+        inputs=inputs,
+        grid=(one.grid[0], 1, 1),
+        threadgroup=one.threadgroup,
+        output_shapes=[(P, 1, Hv, Dv), (P, K - 1, C), (P, *one.output_shapes[2][1:])],
+        output_dtypes=one.output_dtypes,
+        template=[(name, P if name == "STEPS" else value) for name, value in one.template],
+        finish=lambda outputs: tuple(outputs),
+    )
+
+
+def _steps_sample():
+    """Three positions of one stream with a state."""
+    from .testing import gated_delta_decode_steps_inputs
+
+    return gated_delta_decode_steps_inputs(Hk=2, Hv=4, Dk=32, Dv=32, P=3, seed=9)
+
+
+def gated_delta_decode_steps_agree(got, want, *args, **kwargs) -> Optional[str]:
+    """Each position against the reference's, as ``gated_delta_decode_agree`` judges one."""
+    if args:
+        want = on_cpu(gated_delta_decode_steps_reference, *args, **kwargs)
+    for p in range(got[0].shape[0]):
+        mismatch = gated_delta_decode_agree(tuple(g[p:p + 1] for g in got), tuple(w[p:p + 1] for w in want))
+        if mismatch is not None:
+            return f"position {p}: {mismatch}"
+    return None
+
+
+gated_delta_decode_steps_kernel = Kernel(
+    name="gated_delta_decode_steps",
+    input_names=gated_delta_decode_kernel.input_names,
+    output_names=gated_delta_decode_kernel.output_names,
+    body=Path(__file__).with_name("gated_delta_decode.metal"),
+    launch=_launch_steps,
+    reference=gated_delta_decode_steps_reference,
+    sample=_steps_sample,
+    agree=gated_delta_decode_steps_agree,
+)
+
+
+gated_delta_decode_steps = register(
+    LilyOp(
+        "gated_delta_decode_steps",
+        gated_delta_decode_steps_reference,
+        kernel=gated_delta_decode_steps_kernel,
+        supports=gated_delta_decode_steps_supports,
+        description="Gated DeltaNet decode of P positions of one stream in order (speculative verification)",
+        sample=_steps_sample,
+        compare=gated_delta_decode_compare,
     )
 )

@@ -68,15 +68,30 @@ uint tid = thread_index_in_threadgroup;
 uint lane = thread_index_in_simdgroup;
 uint sg = simdgroup_index_in_threadgroup;
 uint head = threadgroup_position_in_grid.x;
-uint row = threadgroup_position_in_grid.y;
 uint key_head = head / VALUE_HEADS_PER_KEY_HEAD;
 bool writes_qk_state = head % VALUE_HEADS_PER_KEY_HEAD == 0;
+
+// STEPS > 1: the rows are one stream's consecutive positions (a speculative
+// round's verification), taken in order by every threadgroup. Position p
+// reads its conv window from the inputs (the conv state's rows, then the
+// earlier positions' qkv), never from another threadgroup's outputs, and its
+// recurrent state from the state this threadgroup wrote for p - 1 (each lane
+// reads back the very elements it wrote). Each position does what a
+// one-row call does with the outputs of the position before, so its outputs
+// are the same bits as that call's.
+for (uint step = 0; step < uint(STEPS); ++step) {
+uint row = STEPS > 1 ? step : threadgroup_position_in_grid.y;
 bool real_step = step_mask[row];
 // This row's slices of the per-row inputs and outputs.
 uint qkv_at = row * CONV_DIM;
 uint conv_at = row * (CONV_K - 1) * CONV_DIM;
 uint head_at = row * Hv + head;
 uint row_state_at = row * Hv * Dv * Dk;
+// Where this row's conv window and recurrent state come from: its own
+// inputs, or (STEPS > 1) the stream's single conv state and state and the
+// previous position's written state.
+uint conv_in_at = STEPS > 1 ? 0u : conv_at;
+uint state_in_at = STEPS > 1 ? 0u : row_state_at;
 
 // -- convolution + SiLU, and the conv state's update ---------------------------
 for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
@@ -90,15 +105,20 @@ for (uint i = tid; i < HEAD_CHANNELS; i += THREADS) {
   bool writes_state = !is_qk || writes_qk_state;
   float acc = 0.0f;
   for (int j = 0; j < CONV_K - 1; ++j) {
-    float x = static_cast<float>(conv_state[conv_at + j * CONV_DIM + channel]);
+    // Window row j: the conv state's row step + j, or past its rows the
+    // qkv of position step + j - (CONV_K - 1) (STEPS > 1 only).
+    const uint w = step + uint(j);
+    const InT held = w < uint(CONV_K - 1) ? conv_state[conv_in_at + w * CONV_DIM + channel]
+                                          : qkv[(w - uint(CONV_K - 1)) * CONV_DIM + channel];
+    float x = static_cast<float>(held);
     acc += x * static_cast<float>(conv_weight[channel * CONV_K + j]);
     if (writes_state) {
       // A real step shifts the rows up by one; a padding step keeps them,
       // or shifts them too (PAD_SHIFTS).
       if (!real_step && !PAD_SHIFTS) {
-        conv_state_out[conv_at + j * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
+        conv_state_out[conv_at + j * CONV_DIM + channel] = held;
       } else if (j > 0) {
-        conv_state_out[conv_at + (j - 1) * CONV_DIM + channel] = conv_state[conv_at + j * CONV_DIM + channel];
+        conv_state_out[conv_at + (j - 1) * CONV_DIM + channel] = held;
       }
     }
   }
@@ -172,8 +192,10 @@ for (uint dv = sg; dv < Dv; dv += NSG) {
   float kv = 0.0f;
   for (int i = 0; i < KEYS_PER_LANE; ++i) {
     S[i] = 0.0f;
-    if (HAS_STATE) {
-      S[i] = state_in[state_at + i * SIMD_WIDTH];
+    if (step > 0) {
+      S[i] = state_out[state_at - Hv * Dv * Dk + i * SIMD_WIDTH];
+    } else if (HAS_STATE) {
+      S[i] = state_in[state_in_at + (head * Dv + dv) * Dk + lane + i * SIMD_WIDTH];
     }
     S[i] = S[i] * g;
     kv += S[i] * k_lane[i];
@@ -186,7 +208,7 @@ for (uint dv = sg; dv < Dv; dv += NSG) {
     y += S[i] * q_lane[i];
     // A padding step keeps the state (y still reads the updated one, as stock's).
     float next = S[i];
-    if (!real_step) {
+    if (!real_step) {  // STEPS == 1 only (the launcher's rule)
       next = 0.0f;
       if (HAS_STATE) {
         next = state_in[state_at + i * SIMD_WIDTH];
@@ -213,4 +235,7 @@ for (uint i = tid; i < Dv; i += THREADS) {
   float zf = static_cast<float>(z[head_at * Dv + i]);
   float silu_z = zf / (1.0f + metal::precise::exp(-zf));
   out[head_at * Dv + i] = static_cast<InT>(normed * silu_z);
+}
+// The next position reuses the threadgroup arrays.
+threadgroup_barrier(mem_flags::mem_threadgroup);
 }

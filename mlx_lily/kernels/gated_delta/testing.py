@@ -79,3 +79,14 @@ def gated_delta_decode_batch(rows, mask=None):
             args[i] = mx.concatenate([r[i] for r in rows], axis=0)
     kwargs = {} if mask is None else {"mask": mx.array(np.asarray(mask, dtype=bool).reshape(-1, 1))}
     return tuple(args), kwargs
+
+
+def gated_delta_decode_steps_inputs(Hk, Hv, Dk, Dv, P, K=4, with_state=True, seed=0, dtype=mx.bfloat16):
+    """P consecutive positions of one stream: the per-position inputs of P
+    rows, the stream's one conv state and state."""
+    args, _ = gated_delta_decode_inputs(Hk, Hv, Dk, Dv, K=K, with_state=with_state, seed=seed, dtype=dtype, B=P)
+    args = list(args)
+    args[4] = args[4][:1]
+    if args[8] is not None:
+        args[8] = args[8][:1]
+    return tuple(args), {}
