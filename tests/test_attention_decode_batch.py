@@ -224,6 +224,46 @@ def test_batched_calls_the_decode_kernel_declines(emulator_backend):
     assert_rows_exact(got, requests)
 
 
+# -- rows of one view, each at its own length (speculative verification) ----------------------
+
+
+@pytest.mark.parametrize("capacity", [45, A.SPLIT_FROM + 76])
+def test_rows_of_one_view_at_their_own_lengths_are_one_row_calls(emulator_backend, capacity):
+    # P positions of one stream attend to one cache view, position i to its
+    # first length[i] rows: one launch gives each row the bits of a one-row
+    # call bounded at that length (the view's form: single pass or split).
+    rng = np.random.default_rng(capacity)
+    P = 4
+    q = mx.array(rng.standard_normal((P, HQ, 1, D)).astype(np.float32)).astype(mx.bfloat16)
+    k = mx.array(rng.standard_normal((1, HKV, capacity, D)).astype(np.float32)).astype(mx.bfloat16)
+    v = mx.array(rng.standard_normal((1, HKV, capacity, D)).astype(np.float32)).astype(mx.bfloat16)
+    lengths = mx.array([capacity - 9, capacity - 8, capacity - 2, capacity], dtype=mx.int32)
+    rows = lambda a: mx.broadcast_to(a, (P, *a.shape[1:]))  # noqa: E731  (no copy)
+    assert A.attention_supports(q, rows(k), rows(v), D**-0.5, None, lengths) is None
+    got = A.attention(q, rows(k), rows(v), D**-0.5, None, length=lengths)
+    assert A.attention.last_path == "kernel"
+    for i in range(P):
+        alone = A.attention(q[i:i + 1], k, v, D**-0.5, None, length=lengths[i:i + 1])
+        assert mx.array_equal(got[i:i + 1], alone).item(), i
+        n = int(lengths[i].item())
+        assert_within_one_bf16_step(got[i:i + 1], attention_exact(q[i:i + 1], k[:, :, :n], v[:, :, :n], D**-0.5))
+    # The reference masks each row at its own length.
+    want = A.attention_reference(q, rows(k), rows(v), D**-0.5, None, lengths)
+    assert A.attention_agree(got, want) is None
+    assert key_span_mask(capacity, lengths).shape == (P, 1, 1, capacity)
+
+
+def test_rows_of_one_view_need_a_length_per_row(emulator_backend):
+    q = mx.zeros((3, HQ, 1, D), mx.bfloat16)
+    k = mx.zeros((3, HKV, 8, D), mx.bfloat16)
+    assert "[B] for B <=" in A.attention_supports(q, k, k, 0.1, None, mx.array([4, 5], mx.int32))
+    assert "no mask" in A.attention_supports(q, k, k, 0.1, "causal", mx.array([4, 5, 6], mx.int32))
+    many = mx.zeros((MAX_BATCH + 1, HQ, 1, D), mx.bfloat16)
+    kk = mx.zeros((MAX_BATCH + 1, HKV, 8, D), mx.bfloat16)
+    assert "[B] for B <=" in A.attention_supports(many, kk, kk, 0.1, None, mx.full((MAX_BATCH + 1,), 4, mx.int32))
+    assert "batch 3" in A.attention_supports(q, k[:2], k[:2], 0.1, None, mx.array([4, 5, 6], mx.int32))
+
+
 # -- CUDA build ------------------------------------------------------------------------------
 
 
@@ -248,4 +288,12 @@ def test_the_batched_decode_compiles_with_nvcc_and_fits_its_threadgroups(tmp_pat
         threads["attention_decode_" + cuda_cache.template_suffix(launch.template)] = launch.threadgroup[0]
         units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, length,
                                                                      split=split, start=start))
+    # Rows of one view at their own lengths (no start): the one-row form's
+    # blocks, a length per row.
+    q, k = mx.zeros((4, 16, 1, 256), mx.bfloat16), mx.zeros((4, 2, 4096, 256), mx.bfloat16)
+    length = mx.full((4,), 4000, mx.int32)
+    launch = A._launch_decode(q, k, k, 0.1, None, length, split=True, key_block=A.decode_key_block(4096, 2))
+    threads["attention_decode_" + cuda_cache.template_suffix(launch.template)] = launch.threadgroup[0]
+    units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, length, split=True,
+                                                                 key_block=A.decode_key_block(4096, 2)))
     assert_units_fit(units, threads, tmp_path / "attention_batch", include, which)

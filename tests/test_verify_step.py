@@ -122,10 +122,25 @@ def test_the_pass_in_the_whole_steps_form(emulated, monkeypatch):
     monkeypatch.setattr(T, "compile_enabled", lambda: True)
     monkeypatch.setattr(verify_step, "compile_enabled", lambda: True)
     monkeypatch.setattr(mx, "compile", lambda fn: fn)
+    from mlx_lily import kernels as K
+
+    rows_seen = []
+    attention = K.attention
+
+    def spy(q, *args, **kwargs):
+        rows_seen.append(q.shape[0])
+        return attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(K, "attention", spy)
     model = emulated["model"]
     model.language_model.model.__dict__.pop("_lily_whole_ok", None)
     paths, passed, _ = _compare(model, 3, "whole")
     assert paths == {"lily whole decode step"}
+    # The pass's attention took its 3 positions in one call a layer (rows of
+    # one view, each bounded at its own length; the step's first call runs
+    # once eagerly, then as traced): the same bits as above.
+    attention_layers = sum(not layer.is_linear for layer in model.language_model.model.layers)
+    assert attention_layers > 0 and rows_seen.count(3) in (attention_layers, 2 * attention_layers)
     assert all(c.keys.shape[2] % T.CAPACITY_STEP == 0 for c in passed if type(c) is KVCache)
 
 

@@ -17,14 +17,15 @@ invariance": a row's result is the same bits alone or in a batch of 1..16):
   the state after each position is kept: the rollback of a rejected draft
   puts one of them back (``TrimmableArraysCache.push_steps``);
 * attention: the P keys and values are written into the stream's KV cache,
-  then position i attends to the cache up to itself with the one-row decode
-  kernel (P launches reading the cache in place, no copy), over the very view
-  a decode step alone would read: the cache's filled rows (the layer's fused
-  step and the compiled segments) or the buffer at the capacity the compiled
-  whole step would hold, bounded by ``length`` (``form="whole"``). The
-  batched attention kernel is not used: its key blocks follow each row's
-  span, the one-row kernel's follow the view, so at long contexts their bits
-  differ.
+  then position i attends to the cache up to itself as the one-row decode
+  kernel reads it, over the very view a decode step alone would read: the
+  cache's filled rows (the layer's fused step and the compiled segments; P
+  launches) or the buffer at the capacity the compiled whole step would hold,
+  bounded by ``length`` (``form="whole"``; one launch for the P positions
+  where they share that capacity: rows of one view, each at its own length,
+  read in place). The batched attention kernel (a ``start`` per row) is not
+  used: its key blocks follow each row's span, the one-row kernel's follow
+  the view, so at long contexts their bits differ.
 
 ``verify_form`` says whether (and in which form) the pass takes a call:
 lily's kernels on, every layer on its fused decode path, one stream's
@@ -267,6 +268,14 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
     keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position)
     values_cache = write_rows(values_cache, values.transpose(2, 1, 0, 3), position)
     scale = layer.self_attn.scale
+    if form == "whole" and P > 1 and len(set(spans)) == 1:
+        # One launch: position i as a one-row call over the same view,
+        # bounded at its own length (the decode kernel's rows of one view).
+        shape = (P, *keys_cache.shape[1:])
+        k = mx.broadcast_to(keys_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
+        v = mx.broadcast_to(values_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
+        out = K.attention(queries, k, v, scale, None, length=rows + 1)
+        return layer._attention_out(out, gate, x), keys_cache, values_cache
     outs = []
     for i in range(P):
         k, v = keys_cache[..., : spans[i], :], values_cache[..., : spans[i], :]

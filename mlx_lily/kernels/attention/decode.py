@@ -62,10 +62,13 @@ class RowForm:
 
 def key_span_mask(capacity: int, length=None, start=None) -> mx.array:
     """The boolean mask of keys [start, length) over a view of ``capacity``
-    rows: [capacity] for a length alone (as before), else [B, 1, 1, capacity]
-    (``start`` [B]; ``length`` [1] shared or [B] per row, or None: the view's end)."""
+    rows: [capacity] for one length alone (as before), else [B, 1, 1, capacity]
+    (``start`` [B] or None: 0; ``length`` [1] shared or [B] per row, or None:
+    the view's end)."""
     positions = mx.arange(capacity, dtype=mx.int32)
     if start is None:
+        if length.size > 1:  # rows of one view, each ending at its own length
+            return (positions < length.reshape(-1, 1)).reshape(-1, 1, 1, capacity)
         return positions < length
     mask = positions >= start.reshape(-1, 1)
     if length is not None:
@@ -79,8 +82,13 @@ def span_reason(q, k, mask, length, start) -> Optional[str]:
     if length is None and start is None:
         return None
     if start is None:
-        if mask is not None or length.dtype != mx.int32 or length.size != 1:
-            return "a length bound needs no mask and one int32 length"
+        if mask is not None or length.dtype != mx.int32 or length.ndim != 1:
+            return "a length bound needs no mask and int32 lengths [1] or [B]"
+        # One length; or (the verification pass's positions) one per row, each
+        # row read as a one-row call bounded by its own length.
+        B = q.shape[0] if q.ndim == 4 else 0
+        if length.size != 1 and (length.size != B or B > MAX_BATCH):
+            return f"length {tuple(length.shape)} (decode kernel: [1], or [B] for B <= {MAX_BATCH} rows)"
         return None
     if mask is not None:
         return "a key start needs no mask"

@@ -128,7 +128,8 @@ def decode_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[s
     why = span_reason(q, k, mask, length, start)
     if why is not None:
         return why
-    max_batch = 1 if start is None else MAX_BATCH
+    rows_of_one_view = start is None and length is not None and length.size > 1
+    max_batch = MAX_BATCH if start is not None or rows_of_one_view else 1
     why = _shapes_reason("decode", q, k, v, mask, DECODE_HEAD_DIMS, _decode_dtypes_reason, max_batch)
     if why is not None:
         return why
@@ -197,7 +198,9 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
             ("BLOCK", key_block if split else 0),
             ("BOUNDED", length is not None),
             ("BATCHED", batched),
-            ("ROW_ENDS", batched and length.size > 1),
+            # Each row's own end: a batch cache's rows, or (without a start)
+            # rows of one view read as one-row calls, each bounded by its length.
+            ("ROW_ENDS", length is not None and length.size > 1),
             ("SPLIT_FROM_KEYS", row_form.split_from if batched else 0),
             ("MIN_BLOCK", row_form.min_block if batched else 0),
             ("SPLIT_TGS", row_form.split_threadgroups if batched else 0),
@@ -393,6 +396,17 @@ def _bounded_check_inputs(length, capacity, Hq=4, Hkv=2, D=64, seed=11):
     return q, k, v, scale, None, mx.array([length], dtype=mx.int32)
 
 
+def _rows_check_inputs(lengths, capacity, Hq=4, Hkv=2, D=64, seed=13):
+    """Rows of one view (a speculative round's positions), each bounded by
+    its own length: the queries of len(lengths) rows, the bounded check's
+    cache broadcast to them (no copy), lengths [B]."""
+    _, k, v, scale, _, _ = _bounded_check_inputs(max(lengths), capacity, Hq, Hkv, D, seed)
+    B = len(lengths)
+    q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed)).astype(mx.bfloat16)
+    k, v = mx.broadcast_to(k, (B, *k.shape[1:])), mx.broadcast_to(v, (B, *v.shape[1:]))
+    return q, k, v, scale, None, mx.array(lengths, dtype=mx.int32)
+
+
 KERNELS = (
     attention_decode_kernel,
     attention_combine_kernel,
@@ -434,6 +448,7 @@ class AttentionKernels(KernelGroup):
 
         # Bounded: 19 of 45 rows, so the split has blocks with no key.
         # Batched: three left-padded rows, one of them split into blocks.
+        # Rows of one view: three positions of a stream, 17 to 19 keys.
         return [
             ("decode", single, _decode_check_inputs(19)),
             ("decode", split, _decode_check_inputs(19)),
@@ -441,6 +456,8 @@ class AttentionKernels(KernelGroup):
             ("decode", split, _bounded_check_inputs(19, 45)),
             ("decode", batch_one_block, batch_check_inputs()),
             ("decode", batch_split, batch_check_inputs()),
+            ("decode", single, _rows_check_inputs([17, 18, 19], 45)),
+            ("decode", split, _rows_check_inputs([17, 18, 19], 45)),
             ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
         ]
 
