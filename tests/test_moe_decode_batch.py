@@ -216,6 +216,27 @@ def test_gate_up_gives_the_same_bits_whatever_rows_a_pass_it_takes(group, monkey
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (group, name)
 
 
+@pytest.mark.parametrize("setting", [
+    {"GATE_UP_SIMD_GROUPS": 4}, {"GATE_UP_SIMD_GROUPS": 16, "GATE_UP_GROUP": 2},
+    {"DOWN_SIMD_GROUPS": 4, "DOWN_ROWS_PER_SG": 1}, {"DOWN_SIMD_GROUPS": 16, "DOWN_ROWS_PER_SG": 8},
+    {"DOWN_SIMD_GROUPS": 2, "DOWN_ROWS_PER_SG": 2},
+])
+def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
+    # SIMD groups per threadgroup and down's rows per SIMD group are speed
+    # choices (moe_decode_sweep): every one gives every row the recorded bits.
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    for name, value in setting.items():
+        assert value in (decode.GATE_UP_GROUPS if name == "GATE_UP_GROUP" else decode.DOWN_ROWS_CHOICES
+                         if name == "DOWN_ROWS_PER_SG" else decode.SIMD_GROUP_CHOICES)
+        monkeypatch.setattr(decode, name, value)
+    for name in ("b3", "b16_k8"):
+        got = moe_decode_kernel.emulate(*fixture_call(name))
+        mx.eval(got)
+        assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
+
+
 if __name__ == "__main__":  # writes the fixtures, with the kernels of the checkout it runs in
     for fixture in FIXTURES:
         out = moe_decode_kernel.emulate(*fixture_call(fixture))

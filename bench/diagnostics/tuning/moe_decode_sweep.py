@@ -1,14 +1,17 @@
-"""The MoE decode chain's gate/up launch at each choice of rows per pass.
+"""The MoE decode chain's launch choices: the data to tune them.
 
 ``moe_decode_gate_up`` takes the batch rows that use an expert ``GROUP`` at a
 time (``kernels/moe/decode.py``, ``GATE_UP_GROUP``): each pass keeps that many
 rows' accumulators in registers and reads the expert's rows again, so the
 choice trades registers a lane (threadgroups resident on a core) against
-passes. Every choice gives every row the same bits; this tool checks that on
-the device and times each, per batch size B (server decode batches, the
-verification pass's positions):
+passes. With ``--launch`` the tool also tries gate/up's SIMD groups per
+threadgroup and down's SIMD groups and output rows per SIMD group
+(``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``). Every
+choice gives every row the same bits; this tool checks that on the device
+and times each, per batch size B (server decode batches, the verification
+pass's positions):
 
-    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time]
+    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time] [--launch]
 
 Random weights at the real Qwen3.6-35B-A3B MoE shapes (hidden 2048, 256
 experts, top 8, expert and shared hidden 512; 4-bit group 64), one call of
@@ -71,17 +74,29 @@ def _device_us(fn, rounds: int = ROUNDS) -> dict:
     return per
 
 
-def sweep(batch: int, groups, backend: str, dims, device_time: bool) -> dict:
+def variants(groups, launch: bool) -> dict:
+    """{label: {module constant: value}}: each GROUP, then (``launch``) each
+    of gate/up's SIMD groups and down's SIMD groups x rows per SIMD group."""
+    out = {f"group {g}": {"GATE_UP_GROUP": g} for g in groups}
+    if launch:
+        out.update({f"gate_up sg {n}": {"GATE_UP_SIMD_GROUPS": n} for n in decode.SIMD_GROUP_CHOICES})
+        out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r}
+                    for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
+    return out
+
+
+def sweep(batch: int, choices: dict, backend: str, dims, device_time: bool) -> dict:
     D, E, k, I, IS = dims
     args, kwargs = moe_decode_inputs(D, E, k, I, IS, seed=batch, rows=batch)
     mx.eval(args[:4])
     _, inds, _ = decode.moe_decode_route_kernel.run_on(backend, *args[:2], *args[3:7])
     row = {"batch": batch, "expert_bytes": _expert_bytes(args, inds), "groups": {}}
     first_bits = None
-    saved = decode.GATE_UP_GROUP
-    try:
-        for group in groups:
-            decode.GATE_UP_GROUP = group
+    for label, setting in choices.items():
+        saved = {name: getattr(decode, name) for name in setting}
+        try:
+            for name, value in setting.items():
+                setattr(decode, name, value)
 
             def fn():
                 return decode.moe_decode_kernel.run_on(backend, *args, **kwargs)
@@ -96,45 +111,56 @@ def sweep(batch: int, groups, backend: str, dims, device_time: bool) -> dict:
             entry = {"same_bits": bool(np.array_equal(bits, first_bits))}
             if device_time:
                 per = _device_us(fn)
-                entry.update({"gate_up_us": per.get("gate_up"), "chain_us": sum(per.values())})
+                entry.update({"gate_up_us": per.get("gate_up"), "down_us": per.get("down"),
+                              "chain_us": sum(per.values())})
                 entry["gate_up_gb_s"] = row["expert_bytes"] / entry["gate_up_us"] / 1e3 if entry["gate_up_us"] else None
             else:
                 entry["chain_us"] = 1e3 * time_in_graph(fn, (), {}, calls=8, graphs=5)
-            row["groups"][str(group)] = entry
-            log(f"B = {batch}, GROUP {group}: " + ", ".join(
-                f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}" for key, value in entry.items()))
-    finally:
-        decode.GATE_UP_GROUP = saved
+        except RuntimeError as exc:  # e.g. CUDA: too many registers for the threadgroup
+            if first_bits is None:
+                raise
+            entry = {"same_bits": None, "error": " ".join(str(exc).split())[:200]}
+        finally:
+            for name, value in saved.items():
+                setattr(decode, name, value)
+        row["groups"][label] = entry
+        log(f"B = {batch}, {label}: " + ", ".join(
+            f"{key} {value:.1f}" if isinstance(value, float) else f"{key} {value}" for key, value in entry.items()))
     timed = "gate_up_us" if device_time else "chain_us"
-    row["fastest"] = min(row["groups"], key=lambda g: row["groups"][g][timed])
+    ran = [g for g in row["groups"] if g.startswith("group") and row["groups"][g].get(timed)]
+    row["fastest"] = min(ran, key=lambda g: row["groups"][g][timed]).split()[-1] if ran else None
+    if device_time:
+        downs = [g for g in row["groups"] if g.startswith("down") and row["groups"][g].get("down_us")]
+        row["fastest_down"] = min(downs, key=lambda g: row["groups"][g]["down_us"]) if downs else None
     return row
 
 
 def markdown(record: dict) -> str:
     device = record["device_time"]
-    groups = record["groups"]
-    unit = "gate/up device µs (GB/s of its expert bytes)" if device else "whole chain µs, calls in one graph"
-    lines = [f"MoE decode gate/up by rows per pass (GROUP); {unit}; default GROUP {record['default_group']}", "",
-             "| B | expert MB | " + " | ".join(f"GROUP {g}" for g in groups) + " | fastest | same bits |",
-             "|---:|---:|" + "---:|" * len(groups) + "---|---|"]
+    labels = list(record["rows"][0]["groups"]) if record["rows"] else []
+    unit = "device µs of gate/up (GB/s of its expert bytes) / down / the chain" if device \
+        else "whole chain µs, calls in one graph"
+    lines = [f"MoE decode launch choices; {unit}. Defaults: GROUP {record['default_group']}, "
+             f"{record['defaults']}", "",
+             "| B | expert MB | choice | " + ("gate/up | down | chain" if device else "chain") + " | same bits |",
+             "|---:|---:|---|" + ("---:|---:|---:|" if device else "---:|") + "---|"]
     for r in record["rows"]:
-        cells = []
-        for g in groups:
-            e = r["groups"][str(g)]
-            if device:
+        for label in labels:
+            e = r["groups"][label]
+            if "error" in e:
+                cells = f"did not run: {e['error']}" + (" | |" if device else "")
+            elif device:
                 gbs = f" ({e['gate_up_gb_s']:.0f})" if e.get("gate_up_gb_s") else ""
-                cells.append(f"{e['gate_up_us']:.1f}{gbs}" if e.get("gate_up_us") else "")
+                cells = " | ".join([f"{e['gate_up_us']:.1f}{gbs}" if e.get("gate_up_us") else "",
+                                    f"{e['down_us']:.1f}" if e.get("down_us") else "", f"{e['chain_us']:.1f}"])
             else:
-                cells.append(f"{e['chain_us']:.1f}")
-        same = all(e["same_bits"] for e in r["groups"].values())
-        lines.append(f"| {r['batch']} | {r['expert_bytes'] / 1e6:.1f} | " + " | ".join(cells)
-                     + f" | {r['fastest']} | {'yes' if same else 'NO'} |")
-    if device:
-        lines += ["", "Whole chain (route, gate/up, down, combine), device µs:", "",
-                  "| B | " + " | ".join(f"GROUP {g}" for g in groups) + " |", "|---:|" + "---:|" * len(groups)]
-        for r in record["rows"]:
-            lines.append(f"| {r['batch']} | " + " | ".join(f"{r['groups'][str(g)]['chain_us']:.1f}" for g in groups)
-                         + " |")
+                cells = f"{e['chain_us']:.1f}"
+            same = "" if e["same_bits"] is None else ("yes" if e["same_bits"] else "NO")
+            lines.append(f"| {r['batch']} | {r['expert_bytes'] / 1e6:.1f} | {label} | {cells} | {same} |")
+    lines.append("")
+    for r in record["rows"]:
+        lines.append(f"- B = {r['batch']}: fastest GROUP {r['fastest']}"
+                     + (f", fastest down {r['fastest_down']}" if r.get("fastest_down") else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +172,8 @@ def main(argv=None) -> int:
                         help=f"rows per pass to try, of {decode.GATE_UP_GROUPS}")
     parser.add_argument("--device-time", action="store_true",
                         help="each kernel's device time (NVIDIA, needs PyTorch)")
+    parser.add_argument("--launch", action="store_true",
+                        help="also gate/up's SIMD groups and down's SIMD groups x rows per SIMD group")
     parser.add_argument("--dims", default=None, help=argparse.SUPPRESS)  # tests: "D,E,k,I,IS"
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
@@ -168,14 +196,17 @@ def main(argv=None) -> int:
         why = torch_cuda_missing()
         if why:
             raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
-    rows = [sweep(b, groups, backend, dims, args.device_time) for b in batches]
+    choices = variants(groups, args.launch)
+    rows = [sweep(b, choices, backend, dims, args.device_time) for b in batches]
+    defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG")}
     record = {"when": now_iso(), "machine": machine_info(), "software": software_info(), "backend": backend,
               "dims": dict(zip(("D", "E", "k", "I", "IS"), dims)), "device_time": args.device_time,
-              "default_group": decode.GATE_UP_GROUP, "groups": groups, "rows": rows}
+              "default_group": decode.GATE_UP_GROUP, "defaults": defaults, "groups": groups,
+              "choices": choices, "rows": rows}
     write_json(args.out, "moe-decode-sweep.json", record)
     write_report(args.out, "moe-decode-sweep.md", markdown(record))
-    if not all(e["same_bits"] for r in rows for e in r["groups"].values()):
-        log("a choice of GROUP changed a row's bits: the kernel's contract is broken")
+    if any(e["same_bits"] is False for r in rows for e in r["groups"].values()):
+        log("a launch choice changed a row's bits: the kernels' contract is broken")
         return 1
     if any(r["contract"] != "met" for r in rows):
         log("the kernels missed the op's contract: " + "; ".join(r["contract"] for r in rows))

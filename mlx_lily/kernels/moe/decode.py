@@ -41,11 +41,16 @@ from .combine import moe_combine_reference
 from .experts import quantized_as_kernel_takes
 from .router import TOPK_HEADER, router_topk_ground_truth, router_topk_reference
 
-# Must match the bodies: threads, and rows per threadgroup (gate/up: hidden
-# rows of one expert; down: output rows of one expert).
 ROUTE_NORM_SG = 8  # SIMD groups of a row's RMSNorm, beside its top-k's one
 ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
-GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
+# Launch shapes, passed to the bodies as template constants; none changes a
+# row's sums (moe_decode_sweep times the choices). Gate/up: SIMD groups per
+# threadgroup, a hidden row of one expert each. Down: SIMD groups per
+# threadgroup and output rows per SIMD group (its weights held in registers).
+GATE_UP_SIMD_GROUPS = 8
+DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG = 8, 4
+SIMD_GROUP_CHOICES = (2, 4, 8, 16)
+DOWN_ROWS_CHOICES = (1, 2, 4, 8)
 # Gate/up takes the rows that use an expert this many at a time (its
 # accumulators are registers: fewer rows a pass, more threadgroups resident);
 # any value gives every row the same bits. One row a pass was the fastest at
@@ -55,7 +60,6 @@ GATE_UP_THREADS, GATE_UP_ROWS = 256, 8
 # A row's later passes read the expert's rows from cache. Metal: not measured.
 GATE_UP_GROUPS = (1, 2, 4, 8, 16)
 GATE_UP_GROUP = 1
-DOWN_THREADS, DOWN_ROWS = 256, 32
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
@@ -207,12 +211,12 @@ def _launch_gate_up(xn, inds, switch_mlp, shared_expert) -> Launch:
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
     return Launch(
         inputs=[xn, inds, gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
-        grid=(math.ceil(IMAX / GATE_UP_ROWS) * GATE_UP_THREADS, 1 + B * k, 1),
-        threadgroup=(GATE_UP_THREADS, 1, 1),
+        grid=(math.ceil(IMAX / GATE_UP_SIMD_GROUPS) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
+        threadgroup=(GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, k + 1, IMAX)],
         output_dtypes=[xn.dtype],
         template=[("T", xn.dtype), ("E", gw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
-                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP)],
+                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS)],
         finish=lambda outputs: outputs[0],
     )
 
@@ -225,12 +229,12 @@ def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert
     D = dw.shape[-2]
     return Launch(
         inputs=[act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
-        grid=(math.ceil(D / DOWN_ROWS) * DOWN_THREADS, 1 + B * k, 1),
-        threadgroup=(DOWN_THREADS, 1, 1),
+        grid=(math.ceil(D / (DOWN_SIMD_GROUPS * DOWN_ROWS_PER_SG)) * DOWN_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
+        threadgroup=(DOWN_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, k + 1, D)],
         output_dtypes=[act.dtype],
         template=[("T", act.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS),
-                  ("IMAX", IMAX), ("MAX_BATCH", MAX_BATCH)],
+                  ("IMAX", IMAX), ("MAX_BATCH", MAX_BATCH), ("NSG", DOWN_SIMD_GROUPS), ("ROWS", DOWN_ROWS_PER_SG)],
         finish=lambda outputs: outputs[0],
     )
 

@@ -30,7 +30,8 @@
 //
 // Template: T, E (experts), K (top k), D (hidden size), I (experts' hidden
 //           size), IS (shared expert's), IMAX (= max(I, IS)), MAX_BATCH (rows
-//           at most, <= 32: a lane per row); I and IS multiples of 64.
+//           at most, <= 32: a lane per row); I and IS multiples of 64; NSG
+//           (SIMD groups per threadgroup), ROWS (output rows per SIMD group).
 // Inputs:   act [B, K + 1, IMAX] bf16 (launch 2); inds [B, K] uint32 (launch
 //           1); scores [B, K] bf16; gate_logit [B, 1, 1] bf16; down_w [E, D, I
 //           / 8] uint32, down_s, down_b [E, D, I / 64] bf16; sdown_w [D, IS /
@@ -42,11 +43,12 @@
 //           (THREADS, 1, 1).
 
 constexpr uint SIMD_WIDTH = 32;
-// 8 SIMD groups of 4 output rows: 32 rows a threadgroup, 64 blocks at D =
-// 2048; at one row, 9 entries (576 threadgroups), at 16 rows 129 (of which
-// those of repeated picks do nothing).
-constexpr uint SIMD_GROUPS = 8;
-constexpr uint ROWS_PER_SG = 4;
+// NSG SIMD groups of ROWS output rows (the launcher's choice; by default 8 of
+// 4: 32 rows a threadgroup, 64 blocks at D = 2048; at one row, 9 entries
+// (576 threadgroups), at 16 rows 129, of which those of repeated picks do
+// nothing).
+constexpr uint SIMD_GROUPS = NSG;
+constexpr uint ROWS_PER_SG = ROWS;
 constexpr uint ROWS_PER_TG = SIMD_GROUPS * ROWS_PER_SG;
 constexpr uint UNIT = 16;                 // 4-bit weights per lane and load (uint2)
 constexpr uint UNITS_PER_LANE = (uint(IMAX) / UNIT + SIMD_WIDTH - 1) / SIMD_WIDTH;

@@ -44,7 +44,8 @@
 // Template: T, E (experts), K (top k), D (hidden size, a multiple of 64), I
 //           (experts' hidden size), IS (shared expert's), IMAX (= max(I,
 //           IS)), MAX_BATCH (rows at most, <= 16: a lane per row, and four
-//           bits a row in the packed member list), GROUP (rows a pass).
+//           bits a row in the packed member list), GROUP (rows a pass), NSG
+//           (SIMD groups per threadgroup).
 // Inputs:   xn [B, D] bf16; inds [B, K] uint32 (launch 1); gate_w, up_w [E,
 //           I, D / 8] uint32 (value j of a word in bits 4j..4j+3), gate_s,
 //           gate_b, up_s, up_b [E, I, D / 64] bf16; sgate_w, sup_w [IS, D /
@@ -56,9 +57,9 @@
 //           (THREADS, 1, 1).
 
 constexpr uint SIMD_WIDTH = 32;
-// 8 SIMD groups, a hidden row each: 64 blocks of an expert at I = 512; at one
-// row, 9 entries (576 threadgroups).
-constexpr uint SIMD_GROUPS = 8;
+// NSG SIMD groups (the launcher's choice, 8 by default), a hidden row each:
+// 64 blocks of an expert at I = 512; at one row, 9 entries (576 threadgroups).
+constexpr uint SIMD_GROUPS = NSG;
 constexpr uint ROWS_PER_TG = SIMD_GROUPS;
 constexpr uint VALUES = 32;                   // a lane's 4-bit values per step: 16 bytes
 constexpr uint SPAN = SIMD_WIDTH * VALUES;    // a SIMD group's step
