@@ -359,6 +359,24 @@ def _steps_sample():
     return gated_delta_decode_steps_inputs(Hk=2, Hv=4, Dk=32, Dv=32, P=3, seed=9)
 
 
+def _steps_fuzz(rng):
+    """A random stream of 1 to 5 positions: heads (value/key ratio 1-3), head
+    dims, conv width, a state or none, bf16 or fp16, the gate/norm
+    parameters' dtypes."""
+    from .testing import gated_delta_decode_steps_inputs
+
+    Hk = int(rng.integers(1, 4))
+    Hv = Hk * int(rng.integers(1, 4))
+    args, kwargs = gated_delta_decode_steps_inputs(
+        Hk, Hv, int(rng.choice([32, 64])), int(rng.choice([8, 32, 48])), int(rng.integers(1, 6)),
+        K=int(rng.choice([2, 3, 4])), with_state=rng.random() < 0.7, seed=int(rng.integers(1 << 30)),
+        dtype=ACTIVATION_DTYPES[int(rng.integers(len(ACTIVATION_DTYPES)))])
+    args = list(args)
+    pick = lambda: KERNEL_DTYPES[int(rng.integers(len(KERNEL_DTYPES)))]  # noqa: E731
+    args[6], args[7], args[9] = args[6].astype(pick()), args[7].astype(pick()), args[9].astype(pick())
+    return tuple(args), kwargs
+
+
 def gated_delta_decode_steps_agree(got, want, *args, **kwargs) -> Optional[str]:
     """Each position against the reference's, as ``gated_delta_decode_agree`` judges one."""
     if args:
@@ -391,5 +409,8 @@ gated_delta_decode_steps = register(
         description="Gated DeltaNet decode of P positions of one stream in order (speculative verification)",
         sample=_steps_sample,
         compare=gated_delta_decode_compare,
+        fuzz=_steps_fuzz,
+        # Only the speculative verification pass calls it, not a plain prefill or decode.
+        in_model=False,
     )
 )
