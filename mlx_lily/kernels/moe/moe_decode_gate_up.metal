@@ -18,10 +18,11 @@
 // D as the decode GEMV splits K: per step a lane loads 16 bytes of each row
 // (its unit: 32 4-bit values, half a quantization group), so a SIMD group
 // reads 512 contiguous bytes of a row per load (D / 1024 steps, two at D =
-// 2048; each step's loads issued a step ahead). Each word is unpacked once (the bf16 pattern trick
-// of gemv.metal: no integer-to-float conversion) and applied to every row of
-// the batch that uses this expert, which reads its 8 values of xn at a chunk
-// in one 16-byte load.
+// 2048; each step's loads issued a step ahead). Each word is unpacked once a
+// pass (the bf16 pattern trick of gemv.metal: no integer-to-float
+// conversion) and applied to the pass's rows of the batch that use this
+// expert, each of which reads its 8 values of xn at a chunk in one 16-byte
+// load.
 // Per row b and per unit, in order (units by step, chunks of 8 values in
 // order): dot = fma chain over the chunk's 8 q * x, acc = fma(scale, dot,
 // acc); after the unit's last chunk acc = fma(bias, sum(x over the unit),
