@@ -40,7 +40,7 @@ import mlx.core as mx
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import log, machine_info, now_iso, software_info, write_report
-from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, torch_cuda_missing, weight_bytes
+from bench.diagnostics.tuning.weight_reads import CALLS, device_us, rotation, sweep_backend, weight_bytes
 from bench.ops import time_call, time_in_graph as ops_time_in_graph
 from mlx_lily.kernels.linear.gemv import (
     ROWS_CHOICES,
@@ -50,7 +50,6 @@ from mlx_lily.kernels.linear.gemv import (
 )
 from mlx_lily.kernels.linear.gemv_tiles import simdgroup_choices as tile_simdgroup_choices
 from mlx_lily.kernels.linear.gemv_tiles import quantized_matvec_tiles_kernel, quantized_matvec_tiles_supports
-from mlx_lily.toolchain.registry import gpu_backend
 from mlx_lily.kernels.linear.testing import gemv_call
 
 # 32 SIMD groups (1024 threads) exceed an H200 SM's registers at the body's
@@ -185,13 +184,7 @@ def main(argv=None) -> int:
         parser.error(f"--batch {args.batch!r}: numbers of rows, 1 to 16, comma-separated")
     if not all(1 <= b <= 16 for b in batches):
         parser.error(f"--batch {args.batch}: 1 to 16 rows")
-    backend = args.backend or gpu_backend()
-    if backend is None:
-        raise SystemExit("needs a GPU (Metal or CUDA)")
-    if args.device_time:
-        why = torch_cuda_missing()
-        if why:
-            raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
+    backend = sweep_backend(args.backend, args.device_time)
     wanted = [w.strip() for w in args.calls.split(",")] if args.calls else None
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
     if not calls:

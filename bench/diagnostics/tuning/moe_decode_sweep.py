@@ -37,10 +37,10 @@ import numpy as np
 
 import mlx_lily.kernels  # noqa: F401  (registers the ops)
 from bench.common import log, machine_info, now_iso, software_info, write_json, write_report
+from bench.diagnostics.tuning.weight_reads import sweep_backend
 from bench.ops import time_in_graph
 from mlx_lily.kernels.moe import decode
 from mlx_lily.kernels.moe.testing import moe_decode_inputs
-from mlx_lily.toolchain.registry import gpu_backend
 
 # hidden, experts, top k, expert hidden, shared hidden: Qwen3.6-35B-A3B's MoE.
 REAL_DIMS = (2048, 256, 8, 512, 512)
@@ -187,15 +187,7 @@ def main(argv=None) -> int:
     if not groups or not all(g in decode.GATE_UP_GROUPS for g in groups):
         parser.error(f"--groups {args.groups}: each one of {decode.GATE_UP_GROUPS}")
     dims = tuple(int(v) for v in args.dims.split(",")) if args.dims else REAL_DIMS
-    backend = args.backend or gpu_backend()
-    if backend is None:
-        raise SystemExit("needs a GPU (Metal or CUDA)")
-    if args.device_time:
-        from bench.diagnostics.tuning.weight_reads import torch_cuda_missing
-
-        why = torch_cuda_missing()
-        if why:
-            raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
+    backend = sweep_backend(args.backend, args.device_time)
     choices = variants(groups, args.launch)
     rows = [sweep(b, choices, backend, dims, args.device_time) for b in batches]
     defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG")}

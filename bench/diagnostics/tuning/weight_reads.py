@@ -72,3 +72,19 @@ def torch_cuda_missing() -> str:
     except ImportError as exc:
         return str(exc)
     return "" if torch.cuda.is_available() else "torch.cuda is not available"
+
+
+def sweep_backend(backend: str, device_time: bool) -> str:
+    """The backend a tuning sweep runs on (``backend``, a test's 'emulator',
+    or the GPU's), or SystemExit saying what is missing: a GPU, or for
+    ``device_time`` PyTorch with CUDA."""
+    from mlx_lily.toolchain.registry import gpu_backend
+
+    backend = backend or gpu_backend()
+    if backend is None:
+        raise SystemExit("needs a GPU (Metal or CUDA)")
+    if device_time:
+        why = torch_cuda_missing()
+        if why:
+            raise SystemExit(f"--device-time needs PyTorch with CUDA ({why})")
+    return backend
