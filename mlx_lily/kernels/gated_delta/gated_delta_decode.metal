@@ -40,7 +40,10 @@
 //           HAS_STATE (false: the recurrent state starts at zero),
 //           PAD_SHIFTS (a padding step's conv state: true shifts a zero row
 //           in, as stock's cache without lengths; false keeps it, as stock's
-//           cache with lengths keeps a row past its end).
+//           cache with lengths keeps a row past its end), STEPS (1: B rows,
+//           a step each; P > 1: the P rows are one stream's positions, with
+//           conv_state [1, CONV_K - 1, C] and state_in [1, Hv, Dv, Dk], every
+//           step real, grid (NSG * 32 * Hv, 1, 1); outputs per position).
 // Inputs:   qkv [B, 1, C] (C = 2 Hk Dk + Hv Dv); z [B, 1, Hv, Dv];
 //           a, b [B, 1, Hv]; conv_state [B, CONV_K - 1, C];
 //           conv_weight [C, CONV_K, 1]; A_log, dt_bias [Hv];
