@@ -264,6 +264,22 @@ def test_rows_of_one_view_need_a_length_per_row(emulator_backend):
     assert "batch 3" in A.attention_supports(q, k[:2], k[:2], 0.1, None, mx.array([4, 5, 6], mx.int32))
 
 
+def test_a_failed_rows_check_turns_off_only_that_form(emulator_backend, monkeypatch):
+    # The rows form has self-checks of its own: if they fail on a machine,
+    # decode keeps its kernels, rows calls run the reference, and the
+    # verification pass (which asks rows_on) takes one row a call instead.
+    kernels = A.attention_kernels
+    assert kernels.ready_on("emulator")[0] and kernels.rows_on("emulator")
+    ok, paths = kernels._checked["emulator"]
+    monkeypatch.setitem(kernels._checked, "emulator", (ok, dict(paths, rows="a stand-in failure")))
+    assert kernels.decode_on("emulator") and not kernels.rows_on("emulator")
+    q = mx.zeros((3, HQ, 1, D), mx.bfloat16) + 0.5
+    k = mx.broadcast_to(mx.ones((1, HKV, 8, D), mx.bfloat16), (3, HKV, 8, D))
+    lengths = mx.array([4, 5, 6], mx.int32)
+    got = kernels.run_on("emulator", q, k, k, 0.1, None, lengths)
+    assert mx.array_equal(got, A.attention_reference(q, k, k, 0.1, None, lengths)).item()
+
+
 # -- CUDA build ------------------------------------------------------------------------------
 
 

@@ -116,6 +116,22 @@ def test_the_pass_runs_the_one_row_kernel_per_position_where_the_steps_kernel_is
     assert K.gated_delta_decode_steps.last_path is None
 
 
+def test_the_whole_form_takes_a_row_a_call_where_the_rows_form_is_off(emulated, monkeypatch):
+    monkeypatch.setattr(T, "compile_enabled", lambda: True)
+    monkeypatch.setattr(verify_step, "compile_enabled", lambda: True)
+    monkeypatch.setattr(mx, "compile", lambda fn: fn)
+    monkeypatch.setattr(verify_step, "_rows_on", lambda: False)
+    from mlx_lily import kernels as K
+
+    rows_seen = []
+    attention = K.attention
+    monkeypatch.setattr(K, "attention", lambda q, *a, **kw: rows_seen.append(q.shape[0]) or attention(q, *a, **kw))
+    model = emulated["model"]
+    model.language_model.model.__dict__.pop("_lily_whole_ok", None)
+    _compare(model, 3, "whole")
+    assert rows_seen and set(rows_seen) == {1}
+
+
 def test_the_pass_in_the_whole_steps_form(emulated, monkeypatch):
     """Where the compiled whole step decodes (run eagerly here), the pass
     reads the attention's keys at the whole step's capacity, bounded."""

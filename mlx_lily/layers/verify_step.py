@@ -243,6 +243,15 @@ def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array)
     return layer._linear_out(mx.concatenate(ys, axis=0), x), convs, states
 
 
+def _rows_on() -> bool:
+    """Whether the attention's decode kernel takes rows of one view at their
+    own lengths here (its self-checks of that form passed)."""
+    from ..kernels.attention.sdpa import attention_kernels
+
+    backend = kernel_backend()[0]
+    return backend is not None and attention_kernels.rows_on(backend)
+
+
 def _steps_on(*args) -> bool:
     """Whether ``gated_delta_decode_steps`` runs these positions on its kernel
     (the one-row decode kernel's body, one launch): its reference, stock's
@@ -268,7 +277,7 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
     keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position)
     values_cache = write_rows(values_cache, values.transpose(2, 1, 0, 3), position)
     scale = layer.self_attn.scale
-    if form == "whole" and P > 1 and len(set(spans)) == 1:
+    if form == "whole" and P > 1 and len(set(spans)) == 1 and _rows_on():
         # One launch: position i as a one-row call over the same view,
         # bounded at its own length (the decode kernel's rows of one view).
         shape = (P, *keys_cache.shape[1:])

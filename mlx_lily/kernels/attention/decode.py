@@ -113,3 +113,25 @@ def batch_check_inputs(Hq=4, Hkv=2, D=64, seed=12):
     requests = [decode_request(n, Hq, Hkv, D, seed=seed + n) for n in (2, 19, 7)]
     args, kwargs = batch_decode_inputs(requests, [22, 3, 0], 24, per_row_ends=True)
     return (*args, kwargs)
+
+
+def rows_of_one_view(q, k, v, scale, mask, length=None, start=None) -> bool:
+    """B rows, no start, a length per row: a stream's positions over one
+    view, each read as a one-row call bounded at its own length."""
+    return start is None and length is not None and length.size > 1
+
+
+def rows_check_inputs(lengths, capacity, Hq=4, Hkv=2, D=64, seed=13):
+    """The attention self-check's rows of one view (a speculative round's
+    positions): len(lengths) queries over one cache of ``capacity`` rows,
+    broadcast to them (no copy), whose rows past the longest length are
+    large (reading one shows), and lengths [B], as (q, k, v, scale, mask,
+    length)."""
+    keys = mx.random.split(mx.random.key(seed), 3)
+    B = len(lengths)
+    q = mx.random.normal((B, Hq, 1, D), key=keys[0]).astype(mx.bfloat16)
+    past = mx.arange(capacity)[None, None, :, None] >= max(lengths)
+    k, v = (mx.where(past, 64.0, mx.random.normal((1, Hkv, capacity, D), key=key)).astype(mx.bfloat16)
+            for key in keys[1:])
+    rows = (B, Hkv, capacity, D)
+    return q, mx.broadcast_to(k, rows), mx.broadcast_to(v, rows), D**-0.5, None, mx.array(lengths, dtype=mx.int32)

@@ -35,7 +35,8 @@ from .cuda_prefill import (  # noqa: F401 - re-exported
     causal_with_aligned_keys,
 )
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
-from .decode import MAX_BATCH, RowForm, batch_check_inputs, key_span_mask, span_reason
+from .decode import (MAX_BATCH, RowForm, batch_check_inputs, key_span_mask, rows_check_inputs,
+                     rows_of_one_view, span_reason)
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
 
@@ -128,8 +129,7 @@ def decode_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[s
     why = span_reason(q, k, mask, length, start)
     if why is not None:
         return why
-    rows_of_one_view = start is None and length is not None and length.size > 1
-    max_batch = MAX_BATCH if start is not None or rows_of_one_view else 1
+    max_batch = MAX_BATCH if start is not None or rows_of_one_view(q, k, v, scale, mask, length, start) else 1
     why = _shapes_reason("decode", q, k, v, mask, DECODE_HEAD_DIMS, _decode_dtypes_reason, max_batch)
     if why is not None:
         return why
@@ -396,17 +396,6 @@ def _bounded_check_inputs(length, capacity, Hq=4, Hkv=2, D=64, seed=11):
     return q, k, v, scale, None, mx.array([length], dtype=mx.int32)
 
 
-def _rows_check_inputs(lengths, capacity, Hq=4, Hkv=2, D=64, seed=13):
-    """Rows of one view (a speculative round's positions), each bounded by
-    its own length: the queries of len(lengths) rows, the bounded check's
-    cache broadcast to them (no copy), lengths [B]."""
-    _, k, v, scale, _, _ = _bounded_check_inputs(max(lengths), capacity, Hq, Hkv, D, seed)
-    B = len(lengths)
-    q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed)).astype(mx.bfloat16)
-    k, v = mx.broadcast_to(k, (B, *k.shape[1:])), mx.broadcast_to(v, (B, *v.shape[1:]))
-    return q, k, v, scale, None, mx.array(lengths, dtype=mx.int32)
-
-
 KERNELS = (
     attention_decode_kernel,
     attention_combine_kernel,
@@ -456,8 +445,8 @@ class AttentionKernels(KernelGroup):
             ("decode", split, _bounded_check_inputs(19, 45)),
             ("decode", batch_one_block, batch_check_inputs()),
             ("decode", batch_split, batch_check_inputs()),
-            ("decode", single, _rows_check_inputs([17, 18, 19], 45)),
-            ("decode", split, _rows_check_inputs([17, 18, 19], 45)),
+            ("rows", single, rows_check_inputs([17, 18, 19], 45)),
+            ("rows", split, rows_check_inputs([17, 18, 19], 45)),
             ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
         ]
 
@@ -519,21 +508,28 @@ class AttentionKernels(KernelGroup):
         decode self-checks passed)."""
         return self.ready_on(backend)[0] and self._failed(backend, "decode") is None
 
+    def rows_on(self, backend: str) -> bool:
+        """Whether calls of rows of one view at their own lengths run the
+        decode kernel on ``backend`` (their own self-checks passed too: a
+        failure there turns off only that form, whose callers then take one
+        row a call)."""
+        return self.decode_on(backend) and self._failed(backend, "rows") is None
+
     def _failed(self, backend: str, path: Optional[str]) -> Optional[str]:
         """Why ``path``'s self-check failed on ``backend``, or None."""
         return self._checked.get(backend, (None, {}))[1].get(path)
 
     def _path(self, *args, **kwargs) -> Optional[str]:
         if decode_supports(*args, **kwargs) is None:
-            return "decode"
+            return "rows" if rows_of_one_view(*args, **kwargs) else "decode"
         if prefill_supports(*args, **kwargs) is None:
             return "prefill"
         return None
 
     def run_on(self, backend: str, q, k, v, scale, mask, length=None, start=None):
         path = self._path(q, k, v, scale, mask, length, start)
-        failed = self._failed(backend, path)
-        if path == "decode" and failed is None:
+        failed = self._failed(backend, path) or (self._failed(backend, "decode") if path == "rows" else None)
+        if path in ("decode", "rows") and failed is None:
             return run_decode(backend, q, k, v, scale, mask, length, start=start)
         if path == "prefill" and failed is None:
             return run_prefill(backend, q, k, v, scale, mask)
