@@ -16,9 +16,12 @@ Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps,
 baseline_decode_tps, speedup, tokens_identical, accepted, rounds, plain (tokens
 decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``),
 round_ms: the host's ms per round building the drafts, building the verify
-pass, waiting for the GPU, accepting},
+pass, submitting a round built ahead, waiting for the GPU, accepting, and
+(where every token came from a round) the rest of the round's wall time},
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
-{acceptance, k, speedup}) under --out and prints the tables.
+{acceptance, k, speedup}; with --profile, ``profile`` rows {draft, k, per,
+kernels, gpu_ms}: per decode token without drafts, per oracle round at each
+k) under --out and prints the tables.
 
     python -m bench --spec --shape qwen3.6-35b-a3b --context 4K     # H200
     python -m bench --spec --shape demo --context 64 --decode-steps 8  # CPU
@@ -58,7 +61,11 @@ def baseline(model: Any, prompt: mx.array, steps: int):
     return tokens, _decode_tps(times)
 
 
-def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, want: List[int], vocab: int):
+def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, want: List[int], vocab: int,
+                prompt_cache: Any = None):
+    """(tokens, decode tok/s, the loop's stats) of one MTP run. ``want``: the
+    baseline's tokens from the first generated one on (the oracle's drafts);
+    ``prompt_cache``: caches already holding the tokens before ``prompt``."""
     from mlx_lily.mtp_decode import mtp_generate_step
 
     def oracle(done: int, drafts: List[int]) -> List[int]:
@@ -68,10 +75,62 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
     stats: Dict[str, Any] = {"seconds": {}}
     tokens, times = [], []
     for token, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=steps, stats=stats,
+                                         prompt_cache=prompt_cache,
                                          draft_hook=None if draft == "mtp" else oracle):
         tokens.append(int(token))
         times.append(time.perf_counter())
     return tokens, _decode_tps(times), stats
+
+
+# Kernel names in the profile, cut to this many characters (MLX's names
+# carry their template arguments; lily's their source's hash).
+NAME_CHARS = 72
+# Kernels printed per round: those a round launches most beyond one token.
+ADDED_SHOWN = 12
+
+
+def _tally(kernels: Dict[str, List[float]], per: int) -> Dict[str, Any]:
+    """Launches and device ms per unit (token or round) of a profiled run,
+    and launches per unit by kernel name, most first."""
+    calls: Dict[str, float] = {}
+    for name, times in kernels.items():
+        calls[name[:NAME_CHARS]] = calls.get(name[:NAME_CHARS], 0.0) + len(times) / per
+    return {"kernels": round(sum(calls.values()), 1),
+            "gpu_ms": round(sum(sum(v) for v in kernels.values()) / 1e3 / per, 4),
+            "by_kernel": {name: round(n, 2) for name, n in sorted(calls.items(), key=lambda kv: -kv[1])}}
+
+
+def gpu_profile(model: Any, prompt: mx.array, steps: int, ks: List[int], want: List[int], vocab: int) -> Dict[str, Any]:
+    """Kernels and device ms per decode token without drafts, and per oracle
+    round (every draft kept) at each k, recorded by the CUDA profiler
+    (``bench.gpu_time``) over ``steps`` tokens; the prompt but its last token
+    is prefilled outside the recording. Where kernels cannot be timed here:
+    the reason."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from bench.gpu_time import kernel_times, why_unavailable
+
+    why = why_unavailable()
+    if why is not None:
+        return {"note": why}
+
+    def prefilled() -> List[Any]:
+        cache = make_prompt_cache(model)
+        model(prompt[None, :-1], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    cache = prefilled()
+    kernels = kernel_times(lambda: list(generate_step(prompt[-1:], model, max_tokens=steps, prompt_cache=cache)))
+    rows = [{"draft": "none", "k": 0, "per": "token", **_tally(kernels, steps)}]
+    for k in ks:
+        cache, runs = prefilled(), []
+        kernels = kernel_times(lambda: runs.append(
+            speculative(model, prompt[-1:], steps, k, "oracle", want, vocab, cache)))
+        rounds = runs[0][2]["rounds"]
+        rows.append({"draft": "oracle", "k": k, "per": "round", "rounds": rounds, **_tally(kernels, max(1, rounds))})
+    return {"rows": rows}
 
 
 def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, float]]:
@@ -126,6 +185,9 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--k", default="1,2,3", help="drafts per round to run (1 to 3)")
     parser.add_argument("--reps", type=int, default=10, help="calls timed per verify width (median)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record kernels and device ms per decode token and per oracle round "
+                             "(CUDA profiler; needs PyTorch with CUDA)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for spec-*.json")
     args = parser.parse_args(argv)
 
@@ -151,18 +213,37 @@ def main(argv: List[str] | None = None) -> int:
     for draft in DRAFTS:
         for k in ks:
             tokens, tps, stats = speculative(model, prompt, steps, k, draft, want, vocab)
+            round_ms = {part: round(1e3 * t / max(1, stats["rounds"]), 4) for part, t in stats["seconds"].items()}
+            if not stats["plain"] and stats["rounds"] and tps:
+                # The rest of a round's wall time (the tokens' yields, the
+                # caches' trims); only where every token came from a round.
+                round_ms["other"] = round(1e3 * (len(tokens) - 1) / tps / stats["rounds"] - sum(round_ms.values()), 4)
             row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
                    "speedup": round(tps / base_tps, 4) if base_tps else None,
                    "tokens_identical": tokens == want_steps,
                    "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
-                   "round_ms": {part: round(1e3 * t / max(1, stats["rounds"]), 4)
-                                for part, t in stats["seconds"].items()}}
+                   "round_ms": round_ms}
             summary.append(row)
             parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
             print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}  "
                   f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}  "
                   f"identical {row['tokens_identical']}  "
                   f"round ms: {parts}")
+    profile = None
+    if args.profile:
+        profile = gpu_profile(model, prompt, steps, ks, want, vocab)
+        if "note" in profile:
+            print(f"profile: not recorded ({profile['note']})")
+        token = profile.get("rows", [{}])[0].get("by_kernel", {})
+        for row in profile.get("rows", []):
+            print(f"profile {row['draft']:8s} k={row['k']}  per {row['per']:5s}: {row['kernels']:7.1f} kernels, "
+                  f"{row['gpu_ms']:.3f} device ms")
+            if row["k"]:
+                added = sorted(((n - token.get(name, 0.0), name) for name, n in row["by_kernel"].items()),
+                               reverse=True)
+                for more, name in added[:ADDED_SHOWN]:
+                    if more >= 0.5:
+                        print(f"    {more:+6.1f} {name}")
     costs = verify_costs(model, prompt, args.reps)
     for row in costs:
         print(f"verify {row['positions']} positions: {row['ms']:.3f} ms, x{row['ratio']} of one decode step")
@@ -183,7 +264,7 @@ def main(argv: List[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
                     "mlx": mx.__version__},
         "model": path, "context": context, "decode_steps": steps,
-        "summary": summary, "verify_cost": costs, "projected": proj,
+        "summary": summary, "verify_cost": costs, "profile": profile, "projected": proj,
         "projected_at_0.85_k1": at,
     }, indent=2) + "\n")
     print(f"wrote {file}")

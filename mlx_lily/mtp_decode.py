@@ -57,9 +57,11 @@ from .trimmable_cache import make_plain, make_trimmable
 MAX_DRAFT = 3
 # A round's parts, as ``stats["seconds"]`` sums them where asked: building
 # and submitting the head's drafts, building the verify pass (both also for a
-# round built ahead and backed out), waiting for the GPU (the round's one
-# wait), accepting and rolling the caches back.
-ROUND_PARTS = ("draft", "verify_build", "wait", "accept")
+# round built ahead and backed out), submitting a round built ahead (queuing
+# its kernels; a round built once the count is known is submitted by the
+# wait), waiting for the GPU (the round's one wait), accepting and rolling
+# the caches back.
+ROUND_PARTS = ("draft", "verify_build", "submit", "wait", "accept")
 # Greedy rounds stop drafting while the drafts are rejected: after
 # PAUSE_AFTER_MISSES rounds in a row that keep no draft, the next tokens are
 # decoded one at a time without drafts (generate_step's step, pipelined as it
@@ -314,7 +316,10 @@ def mtp_generate_step(
                 mx.async_eval(current.logprobs, current.targets)
                 ahead = build(current.out, mx.concatenate([current.drafts, current.targets[k:]]),
                               current.targets[k], ntoks + k + 1)
+                t0 = time.perf_counter()
                 mx.async_eval(ahead.logprobs, ahead.targets)
+                if timing is not None:
+                    timing["submit"] = timing.get("submit", 0.0) + time.perf_counter() - t0
             t0 = time.perf_counter()
             mx.eval(current.logprobs, current.drafts, current.targets)
             t1 = time.perf_counter()

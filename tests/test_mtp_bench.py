@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import spec
+from mlx_lily.mtp_decode import ROUND_PARTS
 
 
 def test_spec_bench_writes_its_rows(tmp_path):
@@ -25,9 +28,15 @@ def test_spec_bench_writes_its_rows(tmp_path):
         assert set(row) >= {"draft", "k", "decode_tps", "baseline_decode_tps", "speedup", "tokens_identical"}
         assert row["tokens_identical"] is True and row["decode_tps"] > 0
         assert abs(row["speedup"] - row["decode_tps"] / row["baseline_decode_tps"]) < 1e-2 * row["speedup"] + 1e-3
-        # The host's time per round, by part.
-        assert set(row["round_ms"]) == {"draft", "verify_build", "wait", "accept"}
-        assert all(ms >= 0 for ms in row["round_ms"].values()) and sum(row["round_ms"].values()) > 0
+        # The host's time per round, by part; "other" only where every
+        # token came from a round.
+        parts = set(row["round_ms"])
+        assert {"draft", "verify_build", "wait", "accept"} <= parts <= set(ROUND_PARTS) | {"other"}
+        assert ("other" in parts) == (row["plain"] == 0)
+        if row["draft"] == "oracle":  # every round kept its drafts: each next one was built ahead
+            assert "submit" in parts
+        assert all(ms >= 0 for part, ms in row["round_ms"].items() if part != "other")
+        assert sum(row["round_ms"].values()) > 0
     for k in (1, 2, 3):
         adversarial = rows[("adversarial", k)]
         assert adversarial["accepted"] == 0
@@ -40,3 +49,27 @@ def test_spec_bench_writes_its_rows(tmp_path):
     at = next(r for r in data["projected"] if r["acceptance"] == 0.85 and r["k"] == 1)
     assert abs(at["speedup"] - (1 + 0.85) / costs[2]["ratio"]) < 1e-3
     assert data["projected_at_0.85_k1"] == at["speedup"]
+    # No --profile: no kernel profile.
+    assert data["profile"] is None
+
+
+def test_spec_profile_tallies_launches_per_unit():
+    kernels = {"custom_kernel_gate_up_" + "x" * 80: [10.0, 12.0, 14.0, 16.0], "copy": [1.0, 1.0]}
+    got = spec._tally(kernels, 2)
+    assert got["kernels"] == 3.0 and got["gpu_ms"] == pytest.approx(0.027)
+    name = ("custom_kernel_gate_up_" + "x" * 80)[: spec.NAME_CHARS]
+    assert got["by_kernel"] == {name: 2.0, "copy": 1.0} and list(got["by_kernel"]) == [name, "copy"]
+
+
+def test_spec_profile_says_why_not_without_a_gpu(tmp_path):
+    import mlx.core as mx
+
+    if mx.default_device() == mx.gpu:
+        pytest.skip("this machine has a GPU: the profile would run")
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    model = make_checkpoint(tmp_path / "head", mtp=True)
+    assert spec.main(["--model", str(model), "--context", "16", "--decode-steps", "3", "--reps", "1", "--k", "1",
+                      "--profile", "--out", str(tmp_path)]) == 0
+    (file,) = tmp_path.glob("spec-*.json")
+    assert json.loads(file.read_text())["profile"] == {"note": "no GPU"}
