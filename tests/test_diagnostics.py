@@ -237,11 +237,13 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
         assert r["fastest"] in ("1", "16") and r["expert_bytes"] > 0 and r["contract"] == "met"
     # --launch adds gate/up's and down's launch shapes, each the same bits.
     choices = moe_decode_sweep.variants([1], True)
-    assert "gate_up sg 16" in choices and choices["down sg 2 x 8"] == {"DOWN_SIMD_GROUPS": 2, "DOWN_ROWS_PER_SG": 8}
+    assert "gate_up sg 16" in choices and choices["down sg 2 x 8"] == {"DOWN_SIMD_GROUPS": 2, "DOWN_ROWS_PER_SG": 8,
+                                                                      "DOWN_BY_BATCH": False}
     picked = {label: choices[label] for label in ("group 1", "gate_up sg 4", "down sg 4 x 1")}
     row = moe_decode_sweep.sweep(3, picked, "emulator", (128, 16, 3, 64, 128), False)
     assert all(e["same_bits"] for e in row["groups"].values()) and row["contract"] == "met"
     assert (decode.GATE_UP_SIMD_GROUPS, decode.DOWN_SIMD_GROUPS, decode.DOWN_ROWS_PER_SG) == defaults
+    assert decode.DOWN_BY_BATCH is True
     # Five rows pick more distinct experts than one: more bytes to read.
     assert record["rows"][1]["expert_bytes"] > record["rows"][0]["expert_bytes"]
     assert "| 5 |" in (tmp_path / "moe-decode-sweep.md").read_text()

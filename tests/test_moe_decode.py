@@ -199,7 +199,9 @@ def test_the_reference_is_stock_s_block_to_the_bit(normalize, monkeypatch):
     assert K.moe_decode.last_path == "reference"
 
 
-def test_compiles_for_cuda_without_local_memory(tmp_path):
+def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
+    from mlx_lily.kernels.moe import decode
+
     units = {}
     # The real shape (D 2048, 256 experts top-8, I 512) and a small odd one.
     # The real shape in fp16 too.
@@ -227,6 +229,15 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         # The no-residual form (a tensor-parallel rank's partial sum).
         units[f"combine_partial_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
             h, mx.zeros((1, k + 1, D), dt), False)
+        if D == 2048 and dt == mx.bfloat16:
+            # Down's launches on CUDA by the call's rows (CUDA_DOWN_LAUNCH_FOR_BATCH).
+            with monkeypatch.context() as m:
+                m.setattr(decode, "gpu_backend", lambda: "cuda")
+                for B in sorted({at for at, _, _ in decode.CUDA_DOWN_LAUNCH_FOR_BATCH}):
+                    rows = mx.zeros((B, k), mx.uint32)
+                    units[f"down_{tag}_b{B}"] = moe_decode_down_kernel.cuda_translation_unit(
+                        mx.zeros((B, k + 1, max(I, IS)), dt), rows, mx.zeros((B, k), dt), mx.zeros((B, 1, 1), dt),
+                        glu, shared)
     for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
         # Top-k ranks, activations and accumulators stay in registers.
         assert "ld.local" not in text and "st.local" not in text, name

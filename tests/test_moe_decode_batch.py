@@ -220,6 +220,8 @@ def test_gate_up_gives_the_same_bits_whatever_rows_a_pass_it_takes(group, monkey
     {"GATE_UP_SIMD_GROUPS": 4}, {"GATE_UP_SIMD_GROUPS": 16, "GATE_UP_GROUP": 2},
     {"DOWN_SIMD_GROUPS": 4, "DOWN_ROWS_PER_SG": 1}, {"DOWN_SIMD_GROUPS": 16, "DOWN_ROWS_PER_SG": 8},
     {"DOWN_SIMD_GROUPS": 2, "DOWN_ROWS_PER_SG": 2},
+    # CUDA's choices by B (CUDA_DOWN_LAUNCH_FOR_BATCH).
+    {"DOWN_SIMD_GROUPS": 16, "DOWN_ROWS_PER_SG": 4}, {"DOWN_SIMD_GROUPS": 4, "DOWN_ROWS_PER_SG": 4},
 ])
 def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
     # SIMD groups per threadgroup and down's rows per SIMD group are speed
@@ -235,6 +237,35 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
         got = moe_decode_kernel.emulate(*fixture_call(name))
         mx.eval(got)
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
+
+
+def test_down_launch_on_cuda_follows_the_rows_and_each_choice_is_a_tested_one(monkeypatch):
+    # Pure host logic: the launch down gets for B rows on CUDA, elsewhere and
+    # with the by-B choice off (the sweep's fixed choices).
+    from mlx_lily.kernels.moe import decode
+
+    table = decode.CUDA_DOWN_LAUNCH_FOR_BATCH
+    assert [at for at, _, _ in table] == sorted((at for at, _, _ in table), reverse=True) and table[-1][0] == 1
+    tested = {(16, 4), (4, 4), (8, 4)}  # test_the_launch_shapes_give_the_same_bits and the default
+    assert {(nsg, rows) for _, nsg, rows in table} <= tested
+    assert [decode.down_launch(b, "cuda") for b in (1, 2, 3, 7, 8, 16)] == [(16, 4)] * 2 + [(8, 4)] * 2 + [(4, 4)] * 2
+    default = (decode.DOWN_SIMD_GROUPS, decode.DOWN_ROWS_PER_SG)
+    assert decode.down_launch(16, "metal") == default and decode.down_launch(1, None) == default
+    monkeypatch.setattr(decode, "DOWN_BY_BATCH", False)
+    assert decode.down_launch(16, "cuda") == default
+    monkeypatch.setattr(decode, "DOWN_BY_BATCH", True)
+    # The launch itself: 16 rows on CUDA, 4 SIMD groups of 4 rows a threadgroup.
+    monkeypatch.setattr(decode, "gpu_backend", lambda: "cuda")
+    args, _ = moe_decode_inputs(128, 16, 3, 64, 128, seed=0, rows=16)
+    *_, glu, shared = args
+    B, k, D = 16, 3, 128
+    act = mx.zeros((B, k + 1, 128), dtype=mx.bfloat16)
+    inds = mx.zeros((B, k), dtype=mx.uint32)
+    launch = decode._launch_down(act, inds, mx.zeros((B, k), dtype=mx.bfloat16), mx.zeros((B, 1), dtype=mx.bfloat16),
+                                 glu, shared)
+    template = dict(launch.template)
+    assert (template["NSG"], template["ROWS"]) == (4, 4)
+    assert launch.threadgroup[0] == 4 * 32 and launch.grid[0] == -(-D // 16) * 4 * 32
 
 
 if __name__ == "__main__":  # writes the fixtures, with the kernels of the checkout it runs in

@@ -6,7 +6,9 @@ rows' accumulators in registers and reads the expert's rows again, so the
 choice trades registers a lane (threadgroups resident on a core) against
 passes. With ``--launch`` the tool also tries gate/up's SIMD groups per
 threadgroup and down's SIMD groups and output rows per SIMD group
-(``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``). Every
+(``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``; each at
+every B, where the default row takes down's by-B choice on CUDA,
+``CUDA_DOWN_LAUNCH_FOR_BATCH``). Every
 choice gives every row the same bits; this tool checks that on the device
 and times each, per batch size B (server decode batches, the verification
 pass's positions):
@@ -80,7 +82,7 @@ def variants(groups, launch: bool) -> dict:
     out = {f"group {g}": {"GATE_UP_GROUP": g} for g in groups}
     if launch:
         out.update({f"gate_up sg {n}": {"GATE_UP_SIMD_GROUPS": n} for n in decode.SIMD_GROUP_CHOICES})
-        out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r}
+        out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r, "DOWN_BY_BATCH": False}
                     for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
     return out
 
@@ -190,7 +192,8 @@ def main(argv=None) -> int:
     backend = sweep_backend(args.backend, args.device_time)
     choices = variants(groups, args.launch)
     rows = [sweep(b, choices, backend, dims, args.device_time) for b in batches]
-    defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG")}
+    defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
+                                                "CUDA_DOWN_LAUNCH_FOR_BATCH")}
     record = {"when": now_iso(), "machine": machine_info(), "software": software_info(), "backend": backend,
               "dims": dict(zip(("D", "E", "k", "I", "IS"), dims)), "device_time": args.device_time,
               "default_group": decode.GATE_UP_GROUP, "defaults": defaults, "groups": groups,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -35,7 +35,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextMLP
 from mlx_lm.models.switch_layers import SwiGLU, SwitchGLU
 
 from ...toolchain.kernel import Kernel, Launch, SampleCheckedKernels, SIMD_WIDTH
-from ...toolchain.registry import LilyOp, register
+from ...toolchain.registry import LilyOp, gpu_backend, register
 from ..dtypes import ACTIVATION_DTYPES, activation_dtype_reason, step_scale
 from .combine import moe_combine_reference
 from .experts import quantized_as_kernel_takes
@@ -51,6 +51,17 @@ GATE_UP_SIMD_GROUPS = 8
 DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG = 8, 4
 SIMD_GROUP_CHOICES = (2, 4, 8, 16)
 DOWN_ROWS_CHOICES = (1, 2, 4, 8)
+# Down on CUDA by B, the call's rows: (at least B, SIMD groups, rows per SIMD
+# group). Few rows run fastest in few, full threadgroups (64 output rows
+# each), many rows in more, smaller ones (16). Down's device µs on the H200
+# (moe_decode_sweep --launch, bench/results/2026-12-03-nvidia-h200-922ac27):
+# B = 1: 16 x 4 7.6, 8 x 4 11.3; B = 4: 8 x 4 23.5, 4 x 4 23.6; B = 16:
+# 4 x 4 73.8, 8 x 4 91.2. B = 8 was not timed. Elsewhere (Metal, not
+# measured; the emulator) and while DOWN_BY_BATCH is off (the sweep's
+# choices): DOWN_SIMD_GROUPS x DOWN_ROWS_PER_SG at every B. Every choice gives
+# a row the same bits.
+CUDA_DOWN_LAUNCH_FOR_BATCH = ((8, 4, 4), (3, 8, 4), (1, 16, 4))
+DOWN_BY_BATCH = True
 # Gate/up takes the rows that use an expert this many at a time (its
 # accumulators are registers: fewer rows a pass, more threadgroups resident);
 # any value gives every row the same bits. One row a pass was the fastest at
@@ -221,20 +232,31 @@ def _launch_gate_up(xn, inds, switch_mlp, shared_expert) -> Launch:
     )
 
 
+def down_launch(batch: int, backend: Optional[str]) -> Tuple[int, int]:
+    """(SIMD groups per threadgroup, output rows per SIMD group) of down for
+    ``batch`` rows on ``backend`` (CUDA_DOWN_LAUNCH_FOR_BATCH)."""
+    if backend == "cuda" and DOWN_BY_BATCH:
+        for at_least, nsg, rows in CUDA_DOWN_LAUNCH_FOR_BATCH:
+            if batch >= at_least:
+                return nsg, rows
+    return DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG
+
+
 def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
     B, k = inds.shape
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     _, _, (dw, ds, db) = _parts(switch_mlp)
     _, _, (sdw, sds, sdb) = _parts(shared_expert)
     D = dw.shape[-2]
+    nsg, rows = down_launch(B, gpu_backend())
     return Launch(
         inputs=[act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
-        grid=(math.ceil(D / (DOWN_SIMD_GROUPS * DOWN_ROWS_PER_SG)) * DOWN_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
-        threadgroup=(DOWN_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
+        grid=(math.ceil(D / (nsg * rows)) * nsg * SIMD_WIDTH, 1 + B * k, 1),
+        threadgroup=(nsg * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, k + 1, D)],
         output_dtypes=[act.dtype],
         template=[("T", act.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS),
-                  ("IMAX", IMAX), ("MAX_BATCH", MAX_BATCH), ("NSG", DOWN_SIMD_GROUPS), ("ROWS", DOWN_ROWS_PER_SG)],
+                  ("IMAX", IMAX), ("MAX_BATCH", MAX_BATCH), ("NSG", nsg), ("ROWS", rows)],
         finish=lambda outputs: outputs[0],
     )
 
