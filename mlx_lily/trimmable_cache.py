@@ -86,10 +86,19 @@ class TrimmableArraysCache(ArraysCache):
         """Take the states after each of several tokens, in order (lily's
         verification pass, ``layers/verify_step.py``, computes them): each
         token's state before it is kept, as ``advance(1)`` keeps it."""
+        if self.lengths is not None or self.left_padding is not None:
+            for conv, state in states:
+                self._before = None
+                self[0], self[1] = conv, state
+                self.advance(1)
+            return
+        # One stream's cache (the pass's): what the loop above does, without
+        # its per-token calls (a round pushes P states into 30 layers).
         for conv, state in states:
-            self._before = None
-            self[0], self[1] = conv, state
-            self.advance(1)
+            self._past.append(tuple(self.cache))
+            self.cache = [conv, state, *self.cache[2:]]
+        del self._past[: -self.depth]
+        self._before = None
 
     def keeps_steps(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` tokens should run one token at a

@@ -89,6 +89,61 @@ def _compare(model, positions, form, prompt=PROMPT):
     return alone_paths, passed, alone
 
 
+def test_the_pass_declines_what_a_decode_step_alone_would_not_run_fused(emulated):
+    # verify_form holds its per-layer verdict across rounds; each change that
+    # takes a layer off its fused path, or a cache off one stream's form,
+    # turns the pass down (the caller then runs the model's own call).
+    model = emulated["model"]
+    text = model.language_model.model
+    cache = _prefilled(model)
+    assert verify_step.verify_form(text, cache, 2) == "view"
+    assert verify_step.verify_form(text, cache, verify_step.MAX_BATCH + 1) is None
+    layer = text.layers[0]
+    before = layer.__dict__.get("_lily_decode_ok")
+    layer._lily_decode_ok = False  # its fused step failed: unfused ops from now on
+    try:
+        assert verify_step.verify_form(text, cache, 2) is None
+    finally:
+        layer._lily_decode_ok = before
+    assert verify_step.verify_form(text, cache, 2) == "view"
+    linear = next(i for i, l in enumerate(text.layers) if l.is_linear)
+    attn = next(i for i, l in enumerate(text.layers) if not l.is_linear)
+    held = cache[linear].left_padding
+    cache[linear].left_padding = mx.array([1])  # a server row's cache
+    assert verify_step.verify_form(text, cache, 2) is None
+    cache[linear].left_padding = held
+    other = list(cache)
+    other[attn] = make_prompt_cache(model)[attn]  # empty: no keys yet
+    assert verify_step.verify_form(text, other, 2) is None
+    assert verify_step.verify_form(text, cache, 2) == "view"
+    from mlx_lily.models.qwen3_5_moe import specialize
+
+    specialize(model, lily=False)  # the layers on stock's classes (the bench's switch)
+    try:
+        assert verify_step.verify_form(text, cache, 2) is None
+    finally:
+        specialize(model, lily=True)
+    assert verify_step.verify_form(text, cache, 2) == "view"
+
+
+def test_push_steps_keeps_each_state_before_its_token(emulated):
+    from mlx_lily.trimmable_cache import TrimmableArraysCache
+
+    states = [(mx.array([float(i)]), mx.array([10.0 + i])) for i in range(5)]
+    pushed, stepped = TrimmableArraysCache(2, depth=3), TrimmableArraysCache(2, depth=3)
+    for c in (pushed, stepped):
+        c[0], c[1] = mx.array([-1.0]), mx.array([-2.0])
+        c.advance(1)
+    pushed.push_steps(states)
+    for conv, state in states:
+        stepped[0], stepped[1] = conv, state
+        stepped.advance(1)
+    assert pushed.trimmable_tokens() == stepped.trimmable_tokens() == 3
+    for n in (1, 2):
+        assert pushed.trim(n) == stepped.trim(n)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(pushed.cache, stepped.cache))
+
+
 def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
     from mlx_lily import kernels as K
 

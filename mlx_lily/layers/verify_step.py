@@ -66,24 +66,51 @@ def verify_form(text_model: Any, cache: List[Any], positions: int) -> Optional[s
     layers = getattr(text_model, "layers", None)
     if layers is None or getattr(text_model, "pipeline_size", 1) != 1 or len(cache) != len(layers):
         return None
-    one = _Rows(1, 1)
-    for layer, c in zip(layers, cache):
-        if type(layer) is not LilyDecoderLayer:
-            return None
-        if layer.is_linear:
+    kinds = _fused_layers(text_model, layers)
+    if kinds is None:
+        return None
+    # Each cache as the layer's fused decode step takes a one-token call
+    # (``LilyDecoderLayer._takes_decode`` without a mask), one stream's.
+    for is_linear, c in zip(kinds, cache):
+        if is_linear:
             if not (type(c) in LILY_ARRAYS_CACHES and c.left_padding is None and c.lengths is None
-                    and c[0] is not None and c[1] is not None and layer.linear_attn.sharding_group is None):
+                    and c.cache[0] is not None and c.cache[1] is not None):
                 return None
-        elif not (type(c) is KVCache and c.keys is not None and group_of(layer.self_attn) is None):
-            return None
-        # The fused decode step takes this layer's one-token call (its parts
-        # fit, it has not failed), so a decode step alone runs these kernels.
-        if not layer._takes_decode(one, None, c) or layer.mlp.sharding_group is not None:
+        elif not (type(c) is KVCache and c.keys is not None):
             return None
     if compile_enabled() and text_model.__dict__.get("_lily_whole_ok") is not False \
             and text_model._whole_takes(cache, None, None):
         return "whole"
     return "view"
+
+
+def _fused_layers(text_model: Any, layers: List[Any]) -> Optional[List[bool]]:
+    """Per layer whether it is a Gated DeltaNet one, where every layer is on
+    its fused decode path (lily's class, its parts fit, it has not failed,
+    whole on this rank), else None. Held on the text model while the layers'
+    classes and their fused paths' verdicts stay as they were: a round's
+    pass asks every time, and the answer is 40 layers' attribute look-ups."""
+    def key() -> tuple:
+        return tuple(type(layer) for layer in layers), tuple(layer.__dict__.get("_lily_decode_ok") for layer in layers)
+
+    held = text_model.__dict__.get("_lily_verify_layers")
+    if held is not None and held[0] == key():
+        return held[1]
+    kinds: Optional[List[bool]] = []
+    for layer in layers:
+        if type(layer) is not LilyDecoderLayer or not layer._lily_fits() or layer.mlp.sharding_group is not None:
+            kinds = None
+            break
+        if layer.is_linear:
+            if layer.linear_attn.sharding_group is not None:
+                kinds = None
+                break
+        elif group_of(layer.self_attn) is not None:
+            kinds = None
+            break
+        kinds.append(bool(layer.is_linear))
+    text_model.__dict__["_lily_verify_layers"] = (key(), kinds)
+    return kinds
 
 
 def verify(text_model: Any, tokens: mx.array, cache: List[Any], form: Optional[str] = None) -> Optional[mx.array]:
