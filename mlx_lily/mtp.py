@@ -86,11 +86,19 @@ class MTPHead(nn.Module):
         embeddings of x_{t+1}. Returns the head's normed hidden [B, S, D]
         (logits: the main model's lm_head of it). ``cache``: one KV cache per
         head layer; ``step`` picks the layer (draft step modulo layers)."""
+        layer = self.layers[step % len(self.layers)]
+        c = cache[step % len(self.layers)] if cache is not None else None
+        if c is not None:
+            # A speculative round's few positions: on the decode kernels,
+            # one compiled call (``verify_step.head_rows``), where it takes them.
+            from .layers.verify_step import head_rows
+
+            out = head_rows(self, layer, hidden, embeddings, c)
+            if out is not None:
+                return out
         e = self.pre_fc_norm_embedding(embeddings)
         g = self.pre_fc_norm_hidden(hidden)
         u = self.fc(mx.concatenate([e, g], axis=-1))
-        layer = self.layers[step % len(self.layers)]
-        c = cache[step % len(self.layers)] if cache is not None else None
         u = layer(u, mask=create_attention_mask(u, c), cache=c)
         return self.norm(u)
 

@@ -60,6 +60,37 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     assert "in segments, without the attention ops" in table
 
 
+def test_spec_host_cost_builds_a_round_s_parts_on_their_fast_paths(tmp_path, monkeypatch):
+    from bench.diagnostics.decode import spec_host_cost
+    from mlx_lily.layers import verify_step
+    from mlx_lily.toolchain import kernel, registry
+
+    taken = {"verify": 0, "head": 0}
+    real_verify, real_head = verify_step.verify, verify_step.head_rows
+
+    def spy_verify(*args, **kwargs):
+        out = real_verify(*args, **kwargs)
+        taken["verify"] += out is not None
+        return out
+
+    def spy_head(*args):
+        out = real_head(*args)
+        taken["head"] += out is not None
+        return out
+
+    monkeypatch.setattr(verify_step, "verify", spy_verify)
+    monkeypatch.setattr(verify_step, "head_rows", spy_head)
+    before = (registry.gpu_backend, kernel.Kernel._build, kernel.Kernel.ready_on)
+    assert spec_host_cost.main(["--layers", "4", "--calls", "2", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert (registry.gpu_backend, kernel.Kernel._build, kernel.Kernel.ready_on) == before
+    # The pass and the head's rows path took their calls (as on a GPU), not the model's own ops.
+    assert taken["verify"] > 0 and taken["head"] > 0
+    table = (tmp_path / "spec_host_cost.txt").read_text()
+    for row in ("| decode step |", "| verify pass, 2 positions |", "| verify pass, 4 positions |",
+                "| head's draft, 2 positions |"):
+        assert row in table
+
+
 def test_launch_cost_times_chains_of_launches(tmp_path):
     from bench.diagnostics.decode import launch_cost
 

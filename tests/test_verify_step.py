@@ -144,6 +144,52 @@ def test_push_steps_keeps_each_state_before_its_token(emulated):
         assert all(mx.array_equal(a, b).item() for a, b in zip(pushed.cache, stepped.cache))
 
 
+def test_the_head_takes_a_round_s_positions_on_the_decode_kernels(emulated, monkeypatch):
+    # The MTP head's calls after its prompt run its layer's rows on the decode
+    # kernels (verify_step.head_rows): each position attends up to itself,
+    # the head's cache advances as its own ops advance it, and the output is
+    # the head's forward (its bits may differ from the prompt ops': drafts
+    # only steer what is verified; greedy output is tested above and below).
+    from mlx_lily import mtp
+
+    model = emulated["model"]
+    head = mtp.head_of(model)
+    embed = model.language_model.model.embed_tokens
+    D = model.language_model.args.hidden_size
+    hidden = mx.random.normal((1, 9, D), key=mx.random.key(3)).astype(mx.bfloat16)
+    after = embed(mx.array([[7, 11, 13, 17, 19, 23, 29, 31, 37]]))
+
+    def run(rows_path: bool):
+        if not rows_path:
+            monkeypatch.setattr(verify_step, "head_rows", lambda *a: None)
+        cache = [KVCache()]
+        head(hidden[:, :6], after[:, :6], cache)  # the prompt's positions: the head's own ops
+        outs = [head(hidden[:, 6:8], after[:, 6:8], cache)]
+        cache[0].trim(1)  # a rejected draft's entry
+        outs.append(head(hidden[:, 7:9], after[:, 7:9], cache))
+        monkeypatch.undo()
+        return outs, cache[0]
+
+    calls = []
+    real = verify_step.head_rows
+    monkeypatch.setattr(verify_step, "head_rows", lambda *a: calls.append(a[2].shape[1]) or real(*a))
+    got, got_cache = run(True)
+    assert calls == [6, 2, 2]  # the first call (an empty cache) runs the head's own ops
+    want, want_cache = run(False)
+    assert got_cache.offset == want_cache.offset == 9
+    for g, w in zip(got, want):
+        assert g.shape == w.shape == (1, 2, D)
+        err = mx.max(mx.abs(g.astype(mx.float32) - w.astype(mx.float32))).item()
+        assert err <= 0.05 * mx.max(mx.abs(w.astype(mx.float32))).item(), err
+    rows = got_cache.keys[..., :9, :].astype(mx.float32)
+    ref = want_cache.keys[..., :9, :].astype(mx.float32)
+    assert mx.max(mx.abs(rows - ref)).item() <= 0.05 * mx.max(mx.abs(ref)).item()
+    # The buffers hold a whole capacity, as the main model's in the whole step.
+    from mlx_lily.layers.text_model import CAPACITY_STEP
+
+    assert got_cache.keys.shape[2] % CAPACITY_STEP == 0
+
+
 def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
     from mlx_lily import kernels as K
 

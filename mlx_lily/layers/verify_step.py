@@ -323,6 +323,61 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
     return layer._attention_out(out, gate, x), keys_cache, values_cache
 
 
+# -- the MTP head's positions ------------------------------------------------------
+
+
+def head_rows(head: Any, layer: Any, hidden: mx.array, embeddings: mx.array, cache: Any) -> Optional[mx.array]:
+    """The MTP head's forward (``mtp.MTPHead``) over S verified positions of
+    one stream (hidden, embeddings [1, S, D]) on the decode kernels, its
+    layer's S rows as the verification pass takes a round's positions: one
+    compiled step per (S, KV capacity) where compilation is on, so a round's
+    drafts cost one call's replay rather than a prompt call's ops. The head's
+    KV buffers grow to whole capacities as the main model's do in the
+    compiled whole step (``text_model.reserve_rows``); each position attends
+    up to itself. Returns the head's normed hidden [1, S, D] (its cache
+    advanced by S), or None, with nothing done, where this path does not
+    take the call (the head then runs its own ops). Drafts only steer which
+    tokens are verified, so their bits need not be the prompt ops'."""
+    S = hidden.shape[1]
+    if not (hidden.shape[0] == 1 and 1 <= S <= MAX_BATCH and type(cache) is KVCache and cache.keys is not None
+            and cache.keys.dtype == mx.bfloat16 and kernel_backend()[0] is not None
+            and type(layer) is LilyDecoderLayer and not layer.is_linear and layer._lily_fits()
+            and group_of(layer.self_attn) is None and layer.mlp.sharding_group is None):
+        return None
+    from .text_model import reserve_rows
+
+    offset = cache.offset
+    reserve_rows(cache, offset + S)
+    capacity = int(cache.keys.shape[2])
+    position = mx.array([offset], dtype=mx.int32)
+    step = _head_step(head, layer, S, capacity)
+    out, cache.keys, cache.values = step(hidden, embeddings, cache.keys, cache.values, position)
+    cache.offset += S
+    return out
+
+
+def _head_step(head: Any, layer: Any, S: int, capacity: int) -> Callable:
+    """head_rows' function for S positions at this capacity: compiled per
+    weights' version where compilation is on, else as plain ops (the
+    emulator's, which runs each kernel when it is called)."""
+    def build() -> Callable:
+        def step(hidden, embeddings, keys, values, position):
+            e = head.pre_fc_norm_embedding(embeddings)
+            g = head.pre_fc_norm_hidden(hidden)
+            u = head.fc(mx.concatenate([e, g], axis=-1)).reshape(S, 1, -1)
+            h, keys, values = _attention_rows(layer, u, keys, values, position, (capacity,) * S, "whole")
+            return head.norm(h).reshape(1, S, -1), keys, values
+        return step
+
+    if not compile_enabled():
+        return build()
+    from .decoder import weights_version
+
+    version, _ = weights_version(head.__dict__, [head])
+    store = head.__dict__.setdefault("_lily_rows", {})
+    return compiled_step(store, (id(layer), S, capacity), version, build)
+
+
 class VerifyingModel:
     """Lily's model as mlx-lm's speculative loop (``--draft-model``) sees it:
     its calls after the prompt's first ``prefill`` tokens (the loop's
