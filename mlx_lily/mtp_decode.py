@@ -358,12 +358,13 @@ def mtp_generate_step(
             if pipelined and misses >= PAUSE_AFTER_MISSES:
                 # Drafting paused: ``pause`` plain steps, each built and
                 # submitted before the token before it is read. The head
-                # takes the positions as they come, one call each (the
-                # shapes a round's drafting takes: a catch-up call of 5 to 65
-                # positions would meet prompt-kernel instances of its own),
-                # all but the last, which opens the next round.
+                # takes the positions k + 1 at a time, the widths a round's
+                # drafting takes (one call per position costs a call's host
+                # work each; a catch-up call of 5 to 65 positions would meet
+                # kernel instances of its own); the ones left at the end
+                # open the next round, with the last.
                 stats["pauses"] += 1
-                feed_head(verified, after)
+                held = [(verified, after)]  # positions the head has not taken yet
                 step = plain_step(after[-1])
                 mx.async_eval(step[1], step[2])
                 for i in range(pause):
@@ -372,7 +373,11 @@ def mtp_generate_step(
                         mx.async_eval(upcoming[1], upcoming[2])
                     out, logprobs, y = step
                     if i:
-                        feed_head(verified, after)
+                        held.append((verified, after))
+                    if sum(h.shape[1] for h, _ in held) >= k + 1:
+                        feed_head(mx.concatenate([h for h, _ in held], axis=1),
+                                  mx.concatenate([t for _, t in held]))
+                        held = []
                     verified, after = out, y[None]
                     ntoks += 1
                     stats["plain"] += 1
@@ -385,6 +390,9 @@ def mtp_generate_step(
                         _end(cache, None, int(upcoming is not None), back_out)
                         return
                     step = upcoming
+                if held:
+                    verified = mx.concatenate([h for h, _ in held] + [verified], axis=1)
+                    after = mx.concatenate([t for _, t in held] + [after])
                 # The round that follows tries the head again: one more miss
                 # pauses again, for twice as long.
                 pause, misses, full = min(2 * pause, PAUSE_MAX), PAUSE_AFTER_MISSES - 1, False

@@ -130,13 +130,13 @@ def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_paused_positions_reach_the_head_one_call_each(setup, k, monkeypatch):
-    """While drafting pauses, the head takes the plain steps' positions as
-    they come, in calls no wider than a round's (at most k + 1 positions):
-    a catch-up call over a whole pause would be a prompt call whose kernel
-    instances no round meets. Every verified position still reaches it once:
-    its cache ends where the model's does, less the last token (not yet
-    verified) and the prompt's first (no position before it)."""
+def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypatch):
+    """While drafting pauses, the head takes the plain steps' positions k + 1
+    at a time, a round's width (fewer calls than positions; a catch-up call
+    over a whole pause would meet kernel instances no round meets). Every
+    verified position still reaches it once: its cache ends where the
+    model's does, less the last token (not yet verified) and the prompt's
+    first (no position before it)."""
     from mlx_lily import mtp
 
     head = mtp.head_of(setup["model"])
@@ -159,7 +159,7 @@ def test_paused_positions_reach_the_head_one_call_each(setup, k, monkeypatch):
     assert [t for t, _, _ in out] == setup["greedy"][:steps]
     assert stats["pauses"] == 2 and stats["plain"] == 3 * PAUSE_FIRST
     prompt_width = setup["prompt"].size
-    assert widths[0] == prompt_width and max(widths[1:]) <= k + 1
+    assert widths[0] == prompt_width and max(widths[1:]) == k + 1
     head_cache = caches[-1]
     model_tokens = prompt_width + steps - 1  # the last token is not fed to the model yet
     assert head_cache[0].offset == model_tokens - 1
