@@ -32,7 +32,8 @@ from bench.counts import CUSTOM_KERNEL_PREFIX, _tree_bytes, count_nodes, trace, 
 
 # Lily's batched decode kernels whose weight or KV reads follow the rows' picks
 # or spans: name -> positions of those inputs.
-UNION_KERNELS = {"moe_decode_gate_up": range(2, 8), "moe_decode_down": range(4, 7)}
+UNION_KERNELS = {"moe_decode_gate_up": range(2, 8), "moe_decode_route_gate_up": range(4, 10),
+                 "moe_decode_down": range(4, 7)}
 SPAN_KERNELS = {"attention_decode": (1, 2)}
 
 
@@ -155,7 +156,7 @@ def batch_decode_step_counts(model: Any, cache: Sequence[Any], tokens: Sequence[
     for c, s in zip(cache, saved):
         c.state = s
     # The batched kernels' reads, as they make them (module docstring).
-    moe_layer = {"moe_decode_gate_up": 0, "moe_decode_down": 0}
+    moe_layer = {name: 0 for name in UNION_KERNELS}
     for node in nodes:
         if node["name"] != "CustomKernel":
             continue

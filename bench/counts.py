@@ -91,6 +91,8 @@ GATHERED_KERNEL_INPUTS: Dict[str, Tuple[Tuple[str, int], Sequence[int]]] = {
     # entries, exact for one row; bench/batch_counts.py counts the union).
     "moe_decode_gate_up": (("inputs", 1), range(2, 8)),
     "moe_decode_down": (("inputs", 1), range(4, 7)),
+    # Route and gate/up as one launch (a few rows): its picks are an output.
+    "moe_decode_route_gate_up": (("outputs", 1), range(4, 10)),
 }
 CUSTOM_KERNEL_PREFIX = "custom_kernel_"
 

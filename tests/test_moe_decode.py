@@ -229,6 +229,9 @@ def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
         # The no-residual form (a tensor-parallel rank's partial sum).
         units[f"combine_partial_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
             h, mx.zeros((1, k + 1, D), dt), False)
+        # Route and gate/up as one launch (a few rows).
+        units[f"routed_{tag}"] = decode.moe_decode_route_gate_up_kernel.cuda_translation_unit(
+            h, logits, mx.zeros((D,), dt), 1e-6, k, True, glu, shared)
         if D == 2048 and dt == mx.bfloat16:
             # Down's launches on CUDA by the call's rows (CUDA_DOWN_LAUNCH_FOR_BATCH).
             with monkeypatch.context() as m:
@@ -245,8 +248,13 @@ def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
         # norm (one barrier inside a row's threadgroup): no launch waits on
         # another part of its grid.
         shared = re.findall(r"\.shared[^;]*\[(\d+)\]", text)
-        if name.startswith("route"):
+        if name.startswith("route_"):
             assert [int(n) for n in shared] == [4 * ROUTE_NORM_SG], name
+        elif name.startswith("routed_"):
+            # Every row's picks, the norm's partial sums and inverse rms.
+            assert sorted(int(n) for n in shared) == sorted([4 * decode.MAX_BATCH * 8 if "2048" in name else
+                                                             4 * decode.MAX_BATCH * 3, 4 * ROUTE_NORM_SG,
+                                                             4 * decode.MAX_BATCH]), (name, shared)
         else:
             assert not re.search(r"\.shared", text), name
 

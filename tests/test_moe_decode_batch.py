@@ -239,6 +239,36 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("D, E, k, I, IS, dtype", [
+    (192, 24, 3, 64, 128, mx.bfloat16), (128, 13, 1, 64, 192, mx.bfloat16), (64, 40, 8, 64, 64, mx.float16),
+])
+def test_route_and_gate_up_as_one_launch_give_the_two_launches_bits(rows, D, E, k, I, IS, dtype):
+    # For a few rows route and gate/up run as one launch whose threadgroups
+    # each redo every row's top-k and norm: the picks, weights and
+    # activations are the two launches' bits (rows of NaN logits included).
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    assert decode.routes_in_gate_up(rows) and not decode.routes_in_gate_up(decode.ROUTED_MAX_ROWS + 1)
+    logits = np.random.default_rng(rows).standard_normal((rows, 1, E)) * 3.0
+    if rows > 1:
+        logits[1, 0, 2] = np.nan  # a row whose softmax is NaN
+    args, _ = moe_decode_inputs(D, E, k, I, IS, seed=rows + D, rows=rows, logits=logits, dtype=dtype)
+    h, router_logits, _, norm_weight, eps, top_k, normalize, glu, shared = args
+    xn, inds, scores = moe_decode_route_kernel.emulate(h, router_logits, norm_weight, eps, top_k, normalize)
+    act = decode.moe_decode_gate_up_kernel.emulate(xn, inds, glu, shared)
+    act1, inds1, scores1 = decode.moe_decode_route_gate_up_kernel.emulate(
+        h, router_logits, norm_weight, eps, top_k, normalize, glu, shared)
+    mx.eval(act, act1, inds, inds1, scores, scores1)
+    assert np.array_equal(np.array(inds), np.array(inds1))
+    assert np.array_equal(bits(scores), bits(scores1))
+    # The written part of act (each slot's first I, the shared expert's first IS).
+    for j in range(top_k + 1):
+        width = IS if j == top_k else I
+        assert np.array_equal(bits(act[:, j, :width]), bits(act1[:, j, :width])), j
+
+
 def test_down_launch_on_cuda_follows_the_rows_and_each_choice_is_a_tested_one(monkeypatch):
     # Pure host logic: the launch down gets for B rows on CUDA, elsewhere and
     # with the by-B choice off (the sweep's fixed choices).

@@ -128,7 +128,9 @@ class KernelGroup(Checked):
 class SampleCheckedKernels(KernelGroup):
     """``parts`` that run in sequence for one op (``run(backend, ...)``),
     built and self-checked together once per backend on ``sample()``'s
-    inputs. ``summary`` is what the passed self-check says; ``agree(got,
+    inputs (one call's ``(args, kwargs)``, or a list of them where the op
+    takes different parts for different calls). ``summary`` is what the
+    passed self-check says; ``agree(got,
     want, *args, **kwargs)`` judges the kernels against their own ground
     truth (``want`` supplies only the shape and dtype the result must have)."""
 
@@ -147,15 +149,16 @@ class SampleCheckedKernels(KernelGroup):
             ok, why = part.ready_on(backend)
             if not ok:
                 return False, why
-        args, kwargs = self.sample()
-        try:
-            got = self.run_on(backend, *args, **kwargs)
-            mx.eval(got)
-        except Exception as exc:  # compile errors surface at the first eval
-            return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
-        mismatch = self.agree(got, got, *args, **kwargs)
-        if mismatch is not None:
-            return False, f"{backend} self-check disagrees with the reference: {mismatch}"
+        cases = self.sample()
+        for args, kwargs in cases if isinstance(cases, list) else [cases]:
+            try:
+                got = self.run_on(backend, *args, **kwargs)
+                mx.eval(got)
+            except Exception as exc:  # compile errors surface at the first eval
+                return False, f"{backend} self-check failed to run: {type(exc).__name__}: {exc}"[:300]
+            mismatch = self.agree(got, got, *args, **kwargs)
+            if mismatch is not None:
+                return False, f"{backend} self-check disagrees with the reference: {mismatch}"
         return True, f"{backend} kernels ({self.summary}), self-check passed"
 
     def forget(self) -> None:

@@ -20,7 +20,9 @@ experts, top 8, expert and shared hidden 512; 4-bit group 64), one call of
 the whole chain (route, gate/up, down, combine) per B and choice. By
 default a call's time is the wall time of calls evaluated together as one
 graph; with ``--device-time`` (NVIDIA, with PyTorch) it is each kernel's
-device time (CUPTI), gate/up's reported alone. The first choice's output is
+device time (CUPTI), gate/up's reported alone (where route and gate/up run
+as one launch, B <= ``decode.ROUTED_MAX_ROWS`` at the default SIMD groups,
+that launch's). The first choice's output is
 checked against the op's contract (``moe_decode_agree``), the others'
 against its bits. "expert MB" is what gate/up
 must read: the distinct experts the rows picked, and the shared expert, gate
@@ -71,7 +73,9 @@ def _device_us(fn, rounds: int = ROUNDS) -> dict:
 
     per = {}
     for name, times in kernel_times(run).items():
-        family = next((f for f in ("gate_up", "down", "route", "combine") if f"moe_decode_{f}" in name), "other")
+        # Route and gate/up as one launch (a few rows) counts as gate/up.
+        family = next((f for f in ("gate_up", "down", "route", "combine") if f"moe_decode_{f}" in name
+                       and "moe_decode_route_gate_up" not in name), "gate_up" if "route_gate_up" in name else "other")
         per[family] = per.get(family, 0.0) + sum(times) / rounds
     return per
 

@@ -71,6 +71,13 @@ DOWN_BY_BATCH = True
 # A row's later passes read the expert's rows from cache. Metal: not measured.
 GATE_UP_GROUPS = (1, 2, 4, 8, 16)
 GATE_UP_GROUP = 1
+# Calls of at most this many rows take route and gate/up as one launch
+# (moe_decode_route_gate_up.metal.h): one stream's decode step and a
+# speculative round's verification of up to 4 positions, one launch fewer
+# per layer. Each threadgroup then redoes every row's top-k and norm, so
+# larger batches keep the two launches. The same bits either way. Not yet
+# timed on a GPU.
+ROUTED_MAX_ROWS = 4
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
@@ -242,6 +249,33 @@ def down_launch(batch: int, backend: Optional[str]) -> Tuple[int, int]:
     return DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG
 
 
+def routes_in_gate_up(rows: int) -> bool:
+    """Whether a call of ``rows`` rows takes route and gate/up as one launch
+    (``moe_decode_route_gate_up_kernel``): a few rows, and gate/up's SIMD
+    groups those of route's norm (its sums in route's order)."""
+    return rows <= ROUTED_MAX_ROWS and GATE_UP_SIMD_GROUPS == ROUTE_NORM_SG
+
+
+def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp,
+                          shared_expert) -> Launch:
+    B, D, E, k = h.shape[0], h.shape[-1], router_logits.shape[-1], int(top_k)
+    I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
+    (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
+    (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
+    return Launch(
+        inputs=[h, router_logits, norm_weight, _eps_array(float(eps)), gw, gs, gb, uw, us, ub,
+                sgw, sgs, sgb, suw, sus, sub],
+        grid=(math.ceil(IMAX / GATE_UP_SIMD_GROUPS) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
+        threadgroup=(GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
+        output_shapes=[(B, k + 1, IMAX), (B, k), (B, k)],
+        output_dtypes=[h.dtype, mx.uint32, h.dtype],
+        template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
+                  ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
+                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS)],
+        finish=tuple,
+    )
+
+
 def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert) -> Launch:
     B, k = inds.shape
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
@@ -289,9 +323,25 @@ moe_decode_gate_up_kernel = Kernel(
                  "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
     output_names=("act",),
     body=Path(__file__).with_name("moe_decode_gate_up.metal"),
+    header=Path(__file__).with_name("moe_decode_gate_up.metal.h").read_text(),
     launch=_launch_gate_up,
     # For lily_tile_unpack and lily_tile_load16 only (4-bit words and xn to
     # floats), no matrix tiles.
+    tiles=True,
+)
+
+# Route and gate/up as one launch for a few rows (routes_in_gate_up): the
+# gate/up body, each threadgroup taking route's work for every row first.
+moe_decode_route_gate_up_kernel = Kernel(
+    name="moe_decode_route_gate_up",
+    input_names=("h", "logits", "norm_weight", "eps", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+                 "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
+    output_names=("act", "inds", "scores"),
+    # Its threadgroup arrays, then gate/up's body.
+    source=(Path(__file__).with_name("moe_decode_route_gate_up.metal").read_text()
+            + Path(__file__).with_name("moe_decode_gate_up.metal").read_text()),
+    header=TOPK_HEADER + Path(__file__).with_name("moe_decode_route_gate_up.metal.h").read_text(),
+    launch=_launch_route_gate_up,
     tiles=True,
 )
 
@@ -319,10 +369,15 @@ def run_moe_decode(
     *, residual=True,
 ):
     """The kernel path on ``backend``: four launches (route, gate/up, down,
-    combine; the combine adds h unless ``residual=False``)."""
-    xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, router_logits, norm_weight, eps, top_k,
-                                                      norm_topk_prob)
-    act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
+    combine; the combine adds h unless ``residual=False``), three for a few
+    rows (route and gate/up as one: ``routes_in_gate_up``; the same bits)."""
+    if routes_in_gate_up(h.shape[0]):
+        act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
+            backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
+    else:
+        xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, router_logits, norm_weight, eps, top_k,
+                                                          norm_topk_prob)
+        act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
     terms = moe_decode_down_kernel.run_on(backend, act, inds, scores, shared_gate_logit, switch_mlp,
                                           shared_expert)
     return moe_decode_combine_kernel.run_on(backend, h, terms, residual)
@@ -440,6 +495,14 @@ def _sample():
     return moe_decode_inputs(128, 24, 3, 64, 128, seed=11)
 
 
+def _self_check_samples():
+    """The kernels' self-check: the sample (one row: route and gate/up as one
+    launch) and a call of more rows than that takes (the two launches)."""
+    from .testing import moe_decode_inputs
+
+    return [_sample(), moe_decode_inputs(128, 24, 3, 64, 128, seed=12, rows=ROUTED_MAX_ROWS + 1)]
+
+
 def _fuzz(rng):
     """A random decode call: 1 to 4 rows (now and then MAX_BATCH), D, E, k, I
     and the shared I, renormalised or not, logits rows with ties, -inf and
@@ -474,8 +537,10 @@ def _fuzz(rng):
 # against ``moe_decode_precise`` on the sample (``moe_decode_agree``).
 moe_decode_kernel = SampleCheckedKernels(
     "moe_decode",
-    (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_down_kernel, moe_decode_combine_kernel),
-    "routing + norm, gate/up + SwiGLU, down + weights, combine", sample=_sample, run=run_moe_decode,
+    (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_route_gate_up_kernel, moe_decode_down_kernel,
+     moe_decode_combine_kernel),
+    "routing + norm, gate/up + SwiGLU (for a few rows as one launch), down + weights, combine",
+    sample=_self_check_samples, run=run_moe_decode,
     agree=moe_decode_agree)
 
 moe_decode = register(
@@ -484,7 +549,8 @@ moe_decode = register(
         moe_decode_reference,
         kernel=moe_decode_kernel,
         supports=moe_decode_supports,
-        description="MoE block of 1-16 decode tokens in four launches: routing + norm, gate/up, down, combine",
+        description="MoE block of 1-16 decode tokens in four launches: routing + norm, gate/up, down, combine "
+                    "(three for up to 4 tokens: routing and gate/up as one)",
         sample=_sample,
         compare=moe_decode_compare,
         fuzz=_fuzz,

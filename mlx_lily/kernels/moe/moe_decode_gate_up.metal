@@ -47,6 +47,12 @@
 //           IS)), MAX_BATCH (rows at most, <= 16: a lane per row, and four
 //           bits a row in the packed member list), GROUP (rows a pass), NSG
 //           (SIMD groups per threadgroup).
+// Two builds share this body (the macros LILY_ROWS, LILY_GATE_UP_PROLOGUE,
+// LILY_PICK and LILY_X_CHUNK, from each build's header): launch 2 as
+// described, reading launch 1's xn and inds; and, for a few rows, launches 1
+// and 2 as one ("routed": moe_decode_route_gate_up.metal.h), whose
+// threadgroups each take every row's top-k and norm first, as launch 1
+// computes them, and read x as h and the norm weight give it.
 // Inputs:   xn [B, D] bf16; inds [B, K] uint32 (launch 1); gate_w, up_w [E,
 //           I, D / 8] uint32 (value j of a word in bits 4j..4j+3), gate_s,
 //           gate_b, up_s, up_b [E, I, D / 64] bf16; sgate_w, sup_w [IS, D /
@@ -72,19 +78,24 @@ const uint lane = thread_index_in_simdgroup;
 const uint sg = simdgroup_index_in_threadgroup;
 const uint block = threadgroup_position_in_grid.x;
 const uint entry = threadgroup_position_in_grid.y;
-const uint B = min(uint(xn_shape[0]), uint(MAX_BATCH));
+// (Both builds' row counts are named here: a build is given the shapes of
+// the inputs its body names.)
+const uint B = min(uint(LILY_ROWS(xn_shape, h_shape)), uint(MAX_BATCH));
+// The routed build's top-k and norms (moe_decode_route_gate_up.metal.h);
+// nothing in this build (moe_decode_gate_up.metal.h).
+LILY_GATE_UP_PROLOGUE
 const bool is_shared = entry == 0;
 // Entry 1 + f: pick f, row b0's slot j0. Lane l < B: the first and the last
 // slot (1 + slot, 0 if none) at which row l picked that expert.
 const uint f = is_shared ? 0u : entry - 1u;
 const uint b0 = f / uint(K);
 const uint j0 = f % uint(K);
-const uint picked = (is_shared || b0 >= B) ? 0u : inds[f];
+const uint picked = (is_shared || b0 >= B) ? 0u : LILY_PICK(f);
 uint first_slot = 0u;
 uint last_slot = 0u;
 if (!is_shared && lane < B) {
   for (uint j = 0; j < uint(K); ++j) {
-    const bool hit = inds[lane * uint(K) + j] == picked;
+    const bool hit = LILY_PICK(lane * uint(K) + j) == picked;
     first_slot = (first_slot == 0u && hit) ? j + 1u : first_slot;
     last_slot = hit ? j + 1u : last_slot;
   }
@@ -205,11 +216,12 @@ for (uint first = 0; first < members; first += uint(GROUP)) {  // uniform
       }
       for (uint g = 0; g < uint(GROUP); ++g) {
         if (in_pass[g]) {  // uniform
-          const uint4 xw = present ? lily_tile_load16(xn + pass_row[g] * uint(D) + k0 + 8 * c) : no_words;
+          float xs[8];
+          LILY_X_CHUNK(xs, pass_row[g], k0 + 8 * c, present);
           float dot_gate = 0.0f;
           float dot_up = 0.0f;
           for (uint i = 0; i < 8; ++i) {
-            const float x = lily_tile_unpack_as<T>(xw, i);
+            const float x = xs[i];
             x_sum[g] += x;
             dot_gate = fma(q_gate[i], x, dot_gate);
             dot_up = fma(q_up[i], x, dot_up);

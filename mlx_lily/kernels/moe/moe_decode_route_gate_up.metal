@@ -1,0 +1,9 @@
+// MoE decode, route and gate/up as one launch: the threadgroup memory that
+// this build puts before gate/up's body (moe_decode_gate_up.metal; its
+// header, moe_decode_route_gate_up.metal.h, fills and reads it).
+//
+// Every row's picks, the norm's partial sums (one per SIMD group), every
+// row's inverse rms.
+threadgroup uint lily_picks[MAX_BATCH * K];
+threadgroup float lily_partial[NSG];
+threadgroup float lily_inv_rms[MAX_BATCH];
