@@ -215,13 +215,15 @@ def batch_step_fn(model: Any, masked: bool) -> Callable:
     def step(tokens, *rest):
         position, offsets, starts = rest[n:n + 3]
         mask = rest[n + 3] if masked else None
+        length = position + 1  # once, not once per attention layer (a launch each)
         h = model.embed_tokens(tokens)
         outputs = []
         for i, layer in enumerate(layers):
             if layer.is_linear:
                 h, a, b = layer._linear_step(h, rest[2 * i], rest[2 * i + 1], mask)
             else:
-                h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position, offsets, starts)
+                h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position, offsets, starts,
+                                                length)
             outputs += [a, b]
         return (*outputs, model.norm(h))
 

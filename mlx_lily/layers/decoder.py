@@ -458,19 +458,22 @@ class LilyDecoderLayer(DecoderLayer):
         return attention_heads(sa, q, k, v, position)
 
     def _attention_step(self, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,
-                        offsets: Optional[mx.array] = None, starts: Optional[mx.array] = None):
+                        offsets: Optional[mx.array] = None, starts: Optional[mx.array] = None,
+                        length: Optional[mx.array] = None):
         """The whole attention layer on a KV cache of fixed capacity (the
         whole-stack steps in ``text_model.py`` and ``batch_step.py``): the
         new rows written at buffer index ``position`` (an array [1]), the
         attention over indices [0, position], or per row [starts[b], position]
         with a BatchKVCache's left padding; RoPE at ``offsets`` (each row's
-        own position, [B]) where given, else at ``position``
+        own position, [B]) where given, else at ``position``. ``length``:
+        position + 1, where the caller computes it once for every layer
         -> (output, keys_cache, values_cache)."""
         queries, keys, values, gate = self._attention_in(x, position if offsets is None else offsets)
         keys_cache = write_row(keys_cache, keys, position)
         values_cache = write_row(values_cache, values, position)
         span = {} if starts is None else {"start": starts}
-        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=position + 1, **span)
+        length = position + 1 if length is None else length
+        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=length, **span)
         return self._attention_out(out, gate, x), keys_cache, values_cache
 
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:

@@ -254,13 +254,14 @@ class LilyTextModel(Qwen3_5TextModel):
 
         def step(tokens, *rest):
             position = rest[-1]
+            length = position + 1  # once, not once per attention layer (a launch each)
             h = self.embed_tokens(tokens)
             outputs = []
             for i, layer in enumerate(layers):
                 if layer.is_linear:
                     h, a, b = layer._linear_step(h, rest[2 * i], rest[2 * i + 1])
                 else:
-                    h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position)
+                    h, a, b = layer._attention_step(h, rest[2 * i], rest[2 * i + 1], position, length=length)
                 outputs += [a, b]
             return (*outputs, self.norm(h))
 

@@ -215,12 +215,13 @@ def _step(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
     return compiled_step(store, (P, spans, form), version, lambda: verify_fn(text_model, P, spans, form))
 
 
-def write_rows(buffer: mx.array, rows: mx.array, position: mx.array) -> mx.array:
+def write_rows(buffer: mx.array, rows: mx.array, position: mx.array, at: Optional[mx.array] = None) -> mx.array:
     """``buffer`` [1, H, capacity, D] with ``rows`` [1, H, P, D] at sequence
-    indices position .. position + P - 1 (``position`` an int32 array [1])."""
+    indices position .. position + P - 1 (``position`` an int32 array [1];
+    ``at``: those indices [P], where the caller has them)."""
     P = rows.shape[2]
-    index = (position + mx.arange(P, dtype=mx.int32)).reshape(1, 1, P, 1)
-    return mx.put_along_axis(buffer, mx.broadcast_to(index, rows.shape), rows, axis=2)
+    at = position + mx.arange(P, dtype=mx.int32) if at is None else at
+    return mx.put_along_axis(buffer, mx.broadcast_to(at.reshape(1, 1, P, 1), rows.shape), rows, axis=2)
 
 
 def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
@@ -232,6 +233,7 @@ def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
 
     def step(tokens, *rest):
         position = rest[-1]
+        rows = position + mx.arange(P, dtype=mx.int32)  # once, not once per attention layer
         h = text_model.embed_tokens(tokens)
         outputs = []
         for i, layer in enumerate(layers):
@@ -239,7 +241,8 @@ def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
                 h, convs, states = _linear_rows(layer, h, rest[2 * i], rest[2 * i + 1])
                 outputs += convs + states
             else:
-                h, keys, values = _attention_rows(layer, h, rest[2 * i], rest[2 * i + 1], position, spans, form)
+                h, keys, values = _attention_rows(layer, h, rest[2 * i], rest[2 * i + 1], position, spans, form,
+                                                  rows)
                 outputs += [keys, values]
         return (*outputs, text_model.norm(h))
 
@@ -291,18 +294,19 @@ def _steps_on(*args) -> bool:
 
 
 def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache: mx.array, position: mx.array,
-                    spans: tuple, form: str):
+                    spans: tuple, form: str, rows: Optional[mx.array] = None):
     """The attention layer for P positions [P, 1, D] of one stream: the
     q/k/v GEMVs, RoPE (each row at its own position), the output projection
     and the MoE chain on P rows; the P keys/values written at the stream's
     offset; position i's attention by the one-row decode kernel over the
-    view a decode step alone reads at that position (``spans[i]`` rows)."""
+    view a decode step alone reads at that position (``spans[i]`` rows).
+    ``rows``: the positions, position + [0, P), where the caller has them."""
     P = x.shape[0]
-    rows = position + mx.arange(P, dtype=mx.int32)
+    rows = position + mx.arange(P, dtype=mx.int32) if rows is None else rows
     queries, keys, values, gate = layer._attention_in(x, rows)
     # [P, Hkv, 1, D] -> the stream's [1, Hkv, P, D]
-    keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position)
-    values_cache = write_rows(values_cache, values.transpose(2, 1, 0, 3), position)
+    keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position, rows)
+    values_cache = write_rows(values_cache, values.transpose(2, 1, 0, 3), position, rows)
     scale = layer.self_attn.scale
     if form == "whole" and P > 1 and len(set(spans)) == 1 and _rows_on():
         # One launch: position i as a one-row call over the same view,
