@@ -303,6 +303,7 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
     ``rows``: the positions, position + [0, P), where the caller has them."""
     P = x.shape[0]
     rows = position + mx.arange(P, dtype=mx.int32) if rows is None else rows
+    ends = rows + 1  # each position's attention reads up to itself
     queries, keys, values, gate = layer._attention_in(x, rows)
     # [P, Hkv, 1, D] -> the stream's [1, Hkv, P, D]
     keys_cache = write_rows(keys_cache, keys.transpose(2, 1, 0, 3), position, rows)
@@ -314,13 +315,13 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
         shape = (P, *keys_cache.shape[1:])
         k = mx.broadcast_to(keys_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
         v = mx.broadcast_to(values_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
-        out = K.attention(queries, k, v, scale, None, length=rows + 1)
+        out = K.attention(queries, k, v, scale, None, length=ends)
         return layer._attention_out(out, gate, x), keys_cache, values_cache
     outs = []
     for i in range(P):
         k, v = keys_cache[..., : spans[i], :], values_cache[..., : spans[i], :]
         if form == "whole":
-            outs.append(K.attention(queries[i:i + 1], k, v, scale, None, length=position + (i + 1)))
+            outs.append(K.attention(queries[i:i + 1], k, v, scale, None, length=ends[i:i + 1]))
         else:
             outs.append(K.attention(queries[i:i + 1], k, v, scale, None))
     out = mx.concatenate(outs, axis=0)
