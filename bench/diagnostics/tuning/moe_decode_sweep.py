@@ -49,6 +49,10 @@ from mlx_lily.kernels.moe.testing import moe_decode_inputs
 # hidden, experts, top k, expert hidden, shared hidden: Qwen3.6-35B-A3B's MoE.
 REAL_DIMS = (2048, 256, 8, 512, 512)
 ROUNDS = 8
+# A profiled kernel's family by its name (the first marker it holds); route
+# and gate/up as one launch (a few rows) counts as gate/up.
+FAMILIES = (("route_gate_up", "gate_up"), ("gate_up", "gate_up"), ("down", "down"), ("route", "route"),
+            ("combine", "combine"))
 
 
 def _expert_bytes(args, inds: mx.array) -> int:
@@ -73,9 +77,7 @@ def _device_us(fn, rounds: int = ROUNDS) -> dict:
 
     per = {}
     for name, times in kernel_times(run).items():
-        # Route and gate/up as one launch (a few rows) counts as gate/up.
-        family = next((f for f in ("gate_up", "down", "route", "combine") if f"moe_decode_{f}" in name
-                       and "moe_decode_route_gate_up" not in name), "gate_up" if "route_gate_up" in name else "other")
+        family = next((f for marker, f in FAMILIES if f"moe_decode_{marker}" in name), "other")
         per[family] = per.get(family, 0.0) + sum(times) / rounds
     return per
 
