@@ -12,9 +12,16 @@ one decode step, from which it projects the speedup at any acceptance rate:
 a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
 tokens at per-draft acceptance a (the head's own k calls not counted).
 
-Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps,
-baseline_decode_tps, speedup, tokens_identical, accepted, rounds, plain (tokens
-decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``),
+The baseline and every row run ``--rounds`` times, in passes (the baseline,
+then each row): a row's speedup is the median over passes of its tok/s over
+its own pass's baseline, so a host whose speed drifts in the run (the H200's
+does, by up to 1.5x between processes) moves both sides of each ratio.
+
+Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps
+(median over passes), baseline_decode_tps (median), speedup, speedups (each
+pass's), tokens_identical (in every pass), accepted, rounds, plain (tokens
+decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``;
+these three summed over passes),
 round_ms: the host's ms per round building the drafts, building the verify
 pass, submitting a round built ahead, waiting for the GPU, accepting, and
 (where every token came from a round) the rest of the round's wall time},
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -184,12 +192,17 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--context", default="4K", help="prompt length (e.g. 64, 4K)")
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--k", default="1,2,3", help="drafts per round to run (1 to 3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="passes over the baseline and every row (each row's speedup: the median over "
+                             "passes of its ratio to the same pass's baseline; default 3)")
     parser.add_argument("--reps", type=int, default=10, help="calls timed per verify width (median)")
     parser.add_argument("--profile", action="store_true",
                         help="also record kernels and device ms per decode token and per oracle round "
                              "(CUDA profiler; needs PyTorch with CUDA)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for spec-*.json")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     import mlx_lily
     from mlx_lily.random_checkpoints import make_checkpoint
@@ -202,33 +215,52 @@ def main(argv: List[str] | None = None) -> int:
     steps = args.decode_steps
     prompt = mx.array(prompt_ids(context, vocab))
 
-    want, base_tps = baseline(model, prompt, steps + max(ks))
+    want, _ = baseline(model, prompt, steps + max(ks))
     want_steps = want[:steps]
-    _, base_tps = baseline(model, prompt, steps)  # timed at the runs' length
     # Untimed: each k's first round builds the head's and the verify pass's
     # kernels and traces, which the first timed run would otherwise carry.
     for k in ks:
         speculative(model, prompt, min(steps, 2 * k + 2), k, "mtp", want, vocab)
-    summary = []
-    for draft in DRAFTS:
-        for k in ks:
+    # Each pass times the baseline, then every row: a row's speedup is the
+    # median over passes of its tok/s over the same pass's baseline, so a
+    # host whose speed drifts during the run moves both sides of a ratio.
+    bases: List[float] = []
+    runs: Dict[tuple, List[tuple]] = {(draft, k): [] for draft in DRAFTS for k in ks}
+    for _ in range(args.rounds):
+        bases.append(baseline(model, prompt, steps)[1])  # timed at the runs' length
+        for draft, k in runs:
             tokens, tps, stats = speculative(model, prompt, steps, k, draft, want, vocab)
-            round_ms = {part: round(1e3 * t / max(1, stats["rounds"]), 4) for part, t in stats["seconds"].items()}
-            if not stats["plain"] and stats["rounds"] and tps:
-                # The rest of a round's wall time (the tokens' yields, the
-                # caches' trims); only where every token came from a round.
-                round_ms["other"] = round(1e3 * (len(tokens) - 1) / tps / stats["rounds"] - sum(round_ms.values()), 4)
-            row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
-                   "speedup": round(tps / base_tps, 4) if base_tps else None,
-                   "tokens_identical": tokens == want_steps,
-                   "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
-                   "round_ms": round_ms}
-            summary.append(row)
-            parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
-            print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}  "
-                  f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}  "
-                  f"identical {row['tokens_identical']}  "
-                  f"round ms: {parts}")
+            runs[(draft, k)].append((tokens, tps, stats, bases[-1]))
+    base_tps = statistics.median(bases)
+    summary = []
+    for (draft, k), passes in runs.items():
+        tps = statistics.median(p[1] for p in passes)
+        ratios = [p[1] / p[3] for p in passes if p[3]]
+        rounds = sum(p[2]["rounds"] for p in passes)
+        seconds: Dict[str, float] = {}
+        for p in passes:
+            for part, t in p[2]["seconds"].items():
+                seconds[part] = seconds.get(part, 0.0) + t
+        round_ms = {part: round(1e3 * t / max(1, rounds), 4) for part, t in seconds.items()}
+        stats = {key: sum(p[2][key] for p in passes) for key in ("accepted", "rounds", "plain")}
+        if not any(p[2]["plain"] for p in passes) and rounds and all(p[1] for p in passes):
+            # The rest of a round's wall time (the tokens' yields, the
+            # caches' trims); only where every token came from a round.
+            wall = sum((len(p[0]) - 1) / p[1] for p in passes)
+            round_ms["other"] = round(1e3 * wall / rounds - sum(round_ms.values()), 4)
+        row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
+               "speedup": round(statistics.median(ratios), 4) if ratios else None,
+               "speedups": [round(r, 4) for r in ratios],
+               "tokens_identical": all(p[0] == want_steps for p in passes),
+               "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
+               "round_ms": round_ms}
+        summary.append(row)
+        parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
+        spread = f" (passes {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""
+        print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}{spread}  "
+              f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}  "
+              f"identical {row['tokens_identical']}  "
+              f"round ms: {parts}")
     profile = None
     if args.profile:
         profile = gpu_profile(model, prompt, steps, ks, want, vocab)
@@ -263,7 +295,8 @@ def main(argv: List[str] | None = None) -> int:
         "command": "python -m bench --spec " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
                     "mlx": mx.__version__},
-        "model": path, "context": context, "decode_steps": steps,
+        "model": path, "context": context, "decode_steps": steps, "rounds": args.rounds,
+        "baseline_decode_tps_by_pass": [round(b, 3) for b in bases],
         "summary": summary, "verify_cost": costs, "profile": profile, "projected": proj,
         "projected_at_0.85_k1": at,
     }, indent=2) + "\n")
