@@ -280,3 +280,41 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
     assert "| 5 |" in (tmp_path / "moe-decode-sweep.md").read_text()
     with pytest.raises(SystemExit):
         moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--groups", "3"])
+
+
+def test_host_placement_reads_the_topology_and_times_each_placement(tmp_path):
+    from bench.diagnostics.decode import host_placement as hp
+
+    assert hp.parse_cpu_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    assert hp._ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    # A fake machine: 4 CPUs, two cores of two hardware threads, two NUMA nodes.
+    cpu, node = tmp_path / "cpu", tmp_path / "node"
+    for c, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"}.items():
+        (cpu / f"cpu{c}" / "topology").mkdir(parents=True)
+        (cpu / f"cpu{c}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    for n, cpus in {0: "0,2", 1: "1,3"}.items():
+        (node / f"node{n}").mkdir(parents=True)
+        (node / f"node{n}" / "cpulist").write_text(cpus + "\n")
+    topo = hp.topology({0, 1, 2, 3}, cpu, node)
+    assert sorted(topo["cores"]) == [[0, 2], [1, 3]]
+    assert topo["nodes"] == {0: [0, 2], 1: [1, 3]}
+    where = hp.placements({0, 1, 2, 3}, topo)
+    assert where == {"as started": [0, 1, 2, 3], "node 0": [0, 2], "node 1": [1, 3],
+                     "one CPU per core": [0, 1], "one core's hardware threads": [0, 2], "one CPU": [0]}
+    # CPUs outside the allowed set are left out of the nodes.
+    assert hp.topology({0, 2}, cpu, node)["nodes"] == {0: [0, 2]}
+
+    # The tool itself, on this machine, with the demo model: every placement
+    # timed, and the process's threads back on every allowed CPU after.
+    import os
+
+    allowed = os.sched_getaffinity(0)
+    assert hp.main(["--shape", "demo", "--context", "16", "--steps", "2", "--repeats", "1",
+                    "--out", str(tmp_path / "out")]) == 0
+    assert os.sched_getaffinity(0) == allowed
+    table = (tmp_path / "out" / "host_placement.txt").read_text()
+    assert "| as started |" in table and "| one CPU |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| one CPU |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(v) > 0 for v in cells[2:5])
+    assert cells[5] == cells[1]  # the decoding thread ran only where it was pinned
