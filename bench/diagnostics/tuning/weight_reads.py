@@ -20,6 +20,7 @@ CALLS = {
     "router + shared gate": (2048, (256, 1), (8, 8), "norm", False),
     "deltanet out + residual": (4096, (2048,), (4,), "none", True),
     "attention out (gated) + residual": (4096, (2048,), (4,), "gate", True),
+    "lm_head": (2048, (248320,), (4,), "none", False),
 }
 
 # Bytes the rotation spans: four times the H200's L2.
