@@ -228,14 +228,19 @@ def mtp_generate_step(
         tokens = prompt.astype(mx.uint32)
         # As generate_step: the prompt but its last token in chunks, then the
         # last token alone (the same bits for the first generated token).
-        hidden = []
+        # The head's prompt (position t pairs h_t with token t + 1) goes with
+        # each chunk: every pair but the last is known before the first
+        # token, so the head's share of the prompt is prompt work (in the
+        # time to the first token, in the same bounded chunks), not the
+        # first round's.
         while tokens.size > 1:
             n = min(prefill_step_size, tokens.size - 1)
-            hidden.append(_hidden(model, tokens[:n], cache))
-            mx.eval(hidden[-1], [c.state for c in cache])
+            chunk = _hidden(model, tokens[:n], cache)
+            fed = head(chunk, embed(tokens[1 : n + 1][None]), head_cache)
+            mx.eval(chunk, fed, [c.state for c in cache])
             tokens = tokens[n:]
-        hidden.append(_hidden(model, tokens, cache))
-        logits = _head_logits(model, hidden[-1][:, -1:], cache)
+        last = _hidden(model, tokens, cache)
+        logits = _head_logits(model, last, cache)
         logprobs = process(logits[0, -1:], tokens[-1:])
         x = (sampler or greedy_sampler)(logprobs)[0].astype(mx.uint32)
         logprobs = logprobs[0]
@@ -305,9 +310,8 @@ def mtp_generate_step(
             logprobs = process(_head_logits(model, out, cache)[0], x[None])
             return out, logprobs[0], mx.argmax(logprobs, axis=-1)[0].astype(mx.uint32)
 
-        # The head's prompt: position t pairs h_t with token t + 1.
-        verified = mx.concatenate(hidden, axis=1)
-        after = mx.concatenate([prompt.astype(mx.uint32)[1:], x[None]])
+        # The prompt's last position, paired with the first generated token.
+        verified, after = last, x[None]
         current = build(verified, after, x, ntoks)
         full, misses, pause = True, 0, PAUSE_FIRST
         while True:

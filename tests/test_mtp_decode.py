@@ -159,7 +159,10 @@ def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypa
     assert [t for t, _, _ in out] == setup["greedy"][:steps]
     assert stats["pauses"] == 2 and stats["plain"] == 3 * PAUSE_FIRST
     prompt_width = setup["prompt"].size
-    assert widths[0] == prompt_width and max(widths[1:]) == k + 1
+    # The prompt's pairs (h_t, token t + 1) before the first token, in one
+    # chunk at this length; then the prompt's last position with the first
+    # generated token, and the rest no wider than a round.
+    assert widths[0] == prompt_width - 1 and widths[1] == 1 and max(widths[1:]) == k + 1
     head_cache = caches[-1]
     model_tokens = prompt_width + steps - 1  # the last token is not fed to the model yet
     assert head_cache[0].offset == model_tokens - 1
@@ -201,3 +204,33 @@ def test_a_model_without_a_head_says_how_to_graft(demo_checkpoint):
     model, _ = mlx_lily.load(str(demo_checkpoint))
     with pytest.raises(ValueError, match="no MTP head.*graft-mtp"):
         next(mtp_generate_step(mx.array([1, 2, 3]), model))
+
+
+def test_the_head_takes_the_prompt_with_the_model_s_chunks_before_the_first_token(setup, monkeypatch):
+    """The head's prompt pairs (h_t, token t + 1) are all known before the
+    first token but the last: the head takes them with each prefill chunk
+    of the model, so they are prompt work (bounded by the chunk), and the
+    first round drafts from one position. Output unchanged."""
+    from mlx_lily import mtp
+
+    head = mtp.head_of(setup["model"])
+    widths, caches = [], []
+    real_call = type(head).__call__
+
+    def spy(self, hidden, embedded, cache=None):
+        widths.append(hidden.shape[1])
+        caches.append(cache)
+        return real_call(self, hidden, embedded, cache)
+
+    monkeypatch.setattr(type(head), "__call__", spy)
+    n = setup["prompt"].size
+    gen = mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=2, max_tokens=TOKENS,
+                            prefill_step_size=4)
+    first = next(gen)
+    chunks = [4] * ((n - 1) // 4) + ([(n - 1) % 4] if (n - 1) % 4 else [])
+    assert widths == chunks and caches[-1][0].offset == n - 1
+    out = [first] + list(gen)
+    greedy = [int(t) for t, _ in generate_step(setup["prompt"], setup["model"], max_tokens=TOKENS,
+                                               prefill_step_size=4)]
+    assert [t for t, _, _ in out] == greedy
+    assert widths[len(chunks)] == 1  # the first round: the prompt's last position
