@@ -184,8 +184,18 @@ def test_cuda_takes_the_tile_form_with_eight_simdgroups_by_default(monkeypatch):
         assert gemv_tiles.gemv_form() == form
         launch = tiles.launch(*args, **kwargs)
         assert dict(launch.template)["NSG"] == nsg and launch.threadgroup == (nsg * 32, 1, 1)
-    monkeypatch.setenv("MLX_LILY_GEMV", "rows")
+    # A call of a vocabulary's rows (lm_head) splits K in 2 on CUDA, at every B.
+    assert gemv_tiles.default_simdgroups("cuda", gemv_tiles.CUDA_MANY_ROWS) == 2
+    assert gemv_tiles.default_simdgroups("cuda", gemv_tiles.CUDA_MANY_ROWS - 1) == 8
+    assert gemv_tiles.default_simdgroups("metal", 10**6) == 4
     monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "cuda")
+    for batch in (1, 2, 4, 16):
+        x = mx.zeros((batch, 1, 64), dtype=mx.bfloat16)
+        w = mx.zeros((gemv_tiles.CUDA_MANY_ROWS, 8), dtype=mx.uint32)
+        sb = mx.zeros((gemv_tiles.CUDA_MANY_ROWS, 1), dtype=mx.bfloat16)
+        launch = tiles.launch(x, ((w, sb, sb),))
+        assert dict(launch.template)["NSG"] == 2 and launch.threadgroup == (64, 1, 1)
+    monkeypatch.setenv("MLX_LILY_GEMV", "rows")
     assert gemv_tiles.gemv_form() == "rows"
     monkeypatch.setenv("MLX_LILY_GEMV", "tiles")
     monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "metal")

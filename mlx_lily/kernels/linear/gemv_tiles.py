@@ -64,6 +64,14 @@ DEFAULT_SIMDGROUPS = 4
 CUDA_DEFAULT_SIMDGROUPS = 8
 SIMDGROUP_CHOICES = (1, 2, 4)
 CUDA_SIMDGROUP_CHOICES = (1, 2, 4, 8)
+# On CUDA, calls of at least this many output rows (the vocabulary's lm_head:
+# about 15,500 threadgroups) split K in CUDA_MANY_ROWS_SIMDGROUPS: with that
+# many threadgroups a longer loop per SIMD group beats a wider split. H200,
+# lm_head at 248,320 x 2048 (bench/results/2026-12-03-nvidia-h200-2b882a1):
+# 233.5 us with 2 against 287.8 with 8 at B = 1, 293.8 against 359.4 at B = 4.
+# Keyed by the call's rows, never by B, so every B keeps one order.
+CUDA_MANY_ROWS = 65536
+CUDA_MANY_ROWS_SIMDGROUPS = 2
 
 
 def simdgroup_choices(backend: Optional[str]) -> tuple:
@@ -71,9 +79,12 @@ def simdgroup_choices(backend: Optional[str]) -> tuple:
     return CUDA_SIMDGROUP_CHOICES if backend == "cuda" else SIMDGROUP_CHOICES
 
 
-def default_simdgroups(backend: Optional[str]) -> int:
-    """The K split the model's calls take on ``backend``."""
-    return CUDA_DEFAULT_SIMDGROUPS if backend == "cuda" else DEFAULT_SIMDGROUPS
+def default_simdgroups(backend: Optional[str], rows: int = 0) -> int:
+    """The K split the model's calls of ``rows`` output rows (all segments)
+    take on ``backend``."""
+    if backend == "cuda":
+        return CUDA_MANY_ROWS_SIMDGROUPS if rows >= CUDA_MANY_ROWS else CUDA_DEFAULT_SIMDGROUPS
+    return DEFAULT_SIMDGROUPS
 
 
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
@@ -99,10 +110,10 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     ``default_simdgroups`` of the GPU) splits K, a tuning choice that orders
     the sums: keep one per call shape for batch invariance."""
     B, K = x.shape[0], x.shape[-1]
-    nsg = default_simdgroups(runs_on()) if simdgroups is None else int(simdgroups)
+    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
+    nsg = default_simdgroups(runs_on(), sum(rows)) if simdgroups is None else int(simdgroups)
     if nsg not in CUDA_SIMDGROUP_CHOICES:
         raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
-    rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     S = len(weights)
     tiles = sum(-(-n // TILE_ROWS) for n in rows)
     inputs, prologue, XT, OutT = call_inputs(x, weights, norm_weight, eps, gate, residual,
