@@ -80,13 +80,18 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
         out = [want[done + i] if done + i < len(want) else 0 for i in range(k)]
         return out if draft == "oracle" else [(t + 1) % vocab for t in out]
 
+    from mlx_lm.generate import generation_stream
+
     stats: Dict[str, Any] = {"seconds": {}}
     tokens, times = [], []
-    for token, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=steps, stats=stats,
-                                         prompt_cache=prompt_cache,
-                                         draft_hook=None if draft == "mtp" else oracle):
-        tokens.append(int(token))
-        times.append(time.perf_counter())
+    # On mlx-lm's generation stream, as generate_step (the baseline) and the
+    # commands' MTP loop (mtp_decode.generate_step) run.
+    with mx.stream(generation_stream):
+        for token, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=k, max_tokens=steps, stats=stats,
+                                             prompt_cache=prompt_cache,
+                                             draft_hook=None if draft == "mtp" else oracle):
+            tokens.append(int(token))
+            times.append(time.perf_counter())
     return tokens, _decode_tps(times), stats
 
 
