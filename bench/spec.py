@@ -12,14 +12,15 @@ one decode step, from which it projects the speedup at any acceptance rate:
 a round of k drafts costs verify(k + 1) and yields (1 - a^(k+1)) / (1 - a)
 tokens at per-draft acceptance a (the head's own k calls not counted).
 
-The baseline and every row run ``--rounds`` times, in passes (the baseline,
-then each row): a row's speedup is the median over passes of its tok/s over
-its own pass's baseline, so a host whose speed drifts in the run (the H200's
-does, by up to 1.5x between processes) moves both sides of each ratio.
+Every row runs ``--rounds`` times, in passes, each run bracketed by two
+baseline runs: a row's ratio is its tok/s over the baseline's around it
+(their mean time per token), its speedup the median of its ratios, so a host
+whose speed drifts within seconds (the H200's does, by up to 1.8x within
+one process) moves both sides of each ratio.
 
 Writes ``spec-<label>-<context>.json`` (``summary`` rows {draft, k, decode_tps
-(median over passes), baseline_decode_tps (median), speedup, speedups (each
-pass's), tokens_identical (in every pass), accepted, rounds, plain (tokens
+(median over passes), baseline_decode_tps (the median of every baseline
+run), speedup, speedups (each pass's ratio), tokens_identical (in every pass), accepted, rounds, plain (tokens
 decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``;
 these three summed over passes),
 round_ms: the host's ms per round building the drafts, building the verify
@@ -198,8 +199,8 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=64, help="tokens generated per run")
     parser.add_argument("--k", default="1,2,3", help="drafts per round to run (1 to 3)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="passes over the baseline and every row (each row's speedup: the median over "
-                             "passes of its ratio to the same pass's baseline; default 3)")
+                        help="passes over the rows, each run between two baseline runs (a row's speedup: the "
+                             "median over passes of its ratio to the baselines around it; default 3)")
     parser.add_argument("--reps", type=int, default=10, help="calls timed per verify width (median)")
     parser.add_argument("--profile", action="store_true",
                         help="also record kernels and device ms per decode token and per oracle round "
@@ -226,16 +227,23 @@ def main(argv: List[str] | None = None) -> int:
     # kernels and traces, which the first timed run would otherwise carry.
     for k in ks:
         speculative(model, prompt, min(steps, 2 * k + 2), k, "mtp", want, vocab)
-    # Each pass times the baseline, then every row: a row's speedup is the
-    # median over passes of its tok/s over the same pass's baseline, so a
-    # host whose speed drifts during the run moves both sides of a ratio.
+    # Each pass brackets every row between two baseline runs (timed at the
+    # runs' length): a row's ratio is its tok/s over the baseline's around it
+    # (their mean time per token), and its speedup the median over passes,
+    # so a host whose speed drifts within seconds (the H200's does, by up
+    # to 1.8x) moves both sides of each ratio.
     bases: List[float] = []
     runs: Dict[tuple, List[tuple]] = {(draft, k): [] for draft in DRAFTS for k in ks}
     for _ in range(args.rounds):
-        bases.append(baseline(model, prompt, steps)[1])  # timed at the runs' length
+        before = baseline(model, prompt, steps)[1]
+        bases.append(before)
         for draft, k in runs:
             tokens, tps, stats = speculative(model, prompt, steps, k, draft, want, vocab)
-            runs[(draft, k)].append((tokens, tps, stats, bases[-1]))
+            after = baseline(model, prompt, steps)[1]
+            bases.append(after)
+            around = 2.0 / (1.0 / before + 1.0 / after) if before and after else 0.0
+            runs[(draft, k)].append((tokens, tps, stats, around))
+            before = after
     base_tps = statistics.median(bases)
     summary = []
     for (draft, k), passes in runs.items():
@@ -256,6 +264,7 @@ def main(argv: List[str] | None = None) -> int:
         row = {"draft": draft, "k": k, "decode_tps": round(tps, 3), "baseline_decode_tps": round(base_tps, 3),
                "speedup": round(statistics.median(ratios), 4) if ratios else None,
                "speedups": [round(r, 4) for r in ratios],
+               "decode_tps_by_pass": [round(p[1], 3) for p in passes],
                "tokens_identical": all(p[0] == want_steps for p in passes),
                "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
                "round_ms": round_ms}
@@ -301,7 +310,7 @@ def main(argv: List[str] | None = None) -> int:
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
                     "mlx": mx.__version__},
         "model": path, "context": context, "decode_steps": steps, "rounds": args.rounds,
-        "baseline_decode_tps_by_pass": [round(b, 3) for b in bases],
+        "baseline_decode_tps_runs": [round(b, 3) for b in bases],
         "summary": summary, "verify_cost": costs, "profile": profile, "projected": proj,
         "projected_at_0.85_k1": at,
     }, indent=2) + "\n")

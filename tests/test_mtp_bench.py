@@ -47,7 +47,15 @@ def test_spec_bench_writes_its_rows(tmp_path):
         assert adversarial["plain"] > 0 and adversarial["rounds"] + adversarial["plain"] == 2 * 5
         oracle = rows[("oracle", k)]
         assert oracle["rounds"] > 0 and oracle["accepted"] == oracle["rounds"] * k and oracle["plain"] == 0
-    assert data["rounds"] == 2 and len(data["baseline_decode_tps_by_pass"]) == 2
+    # Each pass: a baseline run, then each row followed by one; a row's ratio
+    # is against the two baseline runs around it (their mean time per token).
+    bases = data["baseline_decode_tps_runs"]
+    assert data["rounds"] == 2 and len(bases) == 2 * (1 + len(rows))
+    for j, row in enumerate(data["summary"]):
+        for pass_, (tps, ratio) in enumerate(zip(row["decode_tps_by_pass"], row["speedups"])):
+            at = pass_ * (1 + len(rows)) + j
+            around = 2 / (1 / bases[at] + 1 / bases[at + 1])
+            assert ratio == pytest.approx(tps / around, rel=2e-3)
     costs = {r["positions"]: r for r in data["verify_cost"]}
     assert set(costs) == {2, 3, 4} and all(r["ratio"] > 0 for r in costs.values())
     at = next(r for r in data["projected"] if r["acceptance"] == 0.85 and r["k"] == 1)
