@@ -79,7 +79,9 @@ NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
 
 
 def _head_logits(model: Any, hidden: mx.array, cache: Any = None) -> mx.array:
-    """The language model's head on final hidden states, as its own call."""
+    """The language model's head on final hidden states, as its own call;
+    with the model's ``cache``, decode rows ([S, 1, D] or [1, 1, D]) take
+    lily's head GEMV as a decode step's do (``LilyLanguageModel.head``)."""
     language = model.language_model
     head = getattr(language, "head", None)
     if head is not None:
@@ -106,7 +108,9 @@ def _verify(model: Any, ys: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.ar
     if out is None:
         out = _hidden(model, ys, cache)
         return out, _head_logits(model, out)[0]
-    return out.reshape(1, ys.size, -1), _head_logits(model, out)[:, 0]
+    # The k + 1 rows on the head GEMV (each row a decode step's bits, the
+    # weights read once for all).
+    return out.reshape(1, ys.size, -1), _head_logits(model, out, cache)[:, 0]
 
 
 class _Round:
@@ -199,7 +203,7 @@ def mtp_generate_step(
         g = head(hidden, embed(next_tokens[None]), head_cache)[:, -1:]
         drafts, qs = [], []
         for j in range(k):
-            logits = _head_logits(model, g)[0]  # [1, V]
+            logits = _head_logits(model, g, cache)[0]  # [1, V], on the head GEMV as a decode step's
             if kind == "distribution":
                 q = sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
                 d = mtp_sampling.draw(q)

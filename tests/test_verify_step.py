@@ -84,7 +84,7 @@ def _compare(model, positions, form, prompt=PROMPT):
     assert pass_paths == {VERIFY}
     want = mx.concatenate(hidden, axis=0)
     assert got.shape == want.shape and mx.array_equal(got, want).item()
-    assert mx.array_equal(language.head(got, None), mx.concatenate(logits, axis=0)).item()
+    assert mx.array_equal(language.head(got, passed), mx.concatenate(logits, axis=0)).item()
     assert_caches_equal(passed, alone)
     return alone_paths, passed, alone
 

@@ -404,4 +404,4 @@ class VerifyingModel:
         hidden = verify(model.language_model.model, inputs[0], cache)
         if hidden is None:
             return model(inputs, cache=cache)
-        return model.language_model.head(hidden, None).reshape(1, inputs.shape[1], -1)
+        return model.language_model.head(hidden, cache).reshape(1, inputs.shape[1], -1)
