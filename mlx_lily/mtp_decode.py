@@ -171,7 +171,10 @@ def mtp_generate_step(
     max_tokens = max_tokens if max_tokens >= 0 else float("inf")  # -1: no limit, as mlx-lm
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     head_cache = [KVCache() for _ in head.layers]
-    embed = model.language_model.model.embed_tokens
+    language = model.language_model
+    embed = language.model.embed_tokens
+    # What the draft chain reads beyond the head (its retraces follow them).
+    head_weights = [language.lm_head, embed] if not language.args.tie_word_embeddings else [embed]
     stats = stats if stats is not None else {}
     stats.update(rounds=0, accepted=0, plain=0, pauses=0)
     # The tokens fed to the model before the current call (for the logits
@@ -200,6 +203,20 @@ def mtp_generate_step(
         tokens after them [S]), then k drafts [k] and, for a ``Sampler``, the
         distributions q [k, V] they were drawn from; its entries past the
         verified positions are trimmed again after the round."""
+        if kind != "distribution" and len(head.layers) == 1:
+            # Greedy drafts: the whole chain as one compiled call, where the
+            # head's rows path takes it (``verify_step.head_drafts``).
+            from .layers.verify_step import head_drafts
+
+            takes = getattr(language, "_lily_head_takes", None)
+            on_gemv = bool(takes and takes(hidden[:, -1:], cache)) and language.sharding_group is None
+            # The head GEMV's own ops (inside the chain's trace, not the
+            # head's compiled call), else the head as the loop calls it.
+            logits_of = language._head_gemv if on_gemv else (lambda g: _head_logits(model, g, cache))
+            drafts = head_drafts(head, head.layers[0], hidden, embed(next_tokens[None]), head_cache[0], k,
+                                 logits_of, embed, on_gemv, head_weights)
+            if drafts is not None:
+                return drafts, None
         g = head(hidden, embed(next_tokens[None]), head_cache)[:, -1:]
         drafts, qs = [], []
         for j in range(k):

@@ -190,6 +190,64 @@ def test_the_head_takes_a_round_s_positions_on_the_decode_kernels(emulated, monk
     assert got_cache.keys.shape[2] % CAPACITY_STEP == 0
 
 
+@pytest.mark.parametrize("S,k", [(1, 1), (2, 2), (4, 3)])
+def test_a_round_s_greedy_drafts_are_one_call_with_the_loop_s_drafts(emulated, S, k):
+    # verify_step.head_drafts: the head over S verified positions, then k
+    # logits, argmaxes and (but for the last) head steps on the drafts, as
+    # one call: the drafts and the head's cache those of the loop that makes
+    # them step by step (the head's rows path, the head GEMV, the argmax).
+    from mlx_lily import mtp
+    from mlx_lily.mtp_decode import _head_logits
+
+    model = emulated["model"]
+    head, language = mtp.head_of(model), model.language_model
+    embed = language.model.embed_tokens
+    D = language.args.hidden_size
+    hidden = mx.random.normal((1, 6 + S, D), key=mx.random.key(5)).astype(mx.bfloat16)
+    after = mx.array([[7, 11, 13, 17, 19, 23, 29, 31, 37, 41][: 6 + S]])
+    main = _prefilled(model)
+
+    def prefilled_head():
+        cache = [KVCache()]
+        head(hidden[:, :6], embed(after[:, :6]), cache)
+        return cache
+
+    def logits(g):
+        return _head_logits(model, g, main)
+
+    loop_cache = prefilled_head()
+    g = head(hidden[:, 6:], embed(after[:, 6:]), loop_cache)[:, -1:]
+    want = []
+    for j in range(k):
+        d = mx.argmax(logits(g)[0], axis=-1)
+        want.append(int(d.item()))
+        if j + 1 < k:
+            g = head(g, embed(d[None]), loop_cache)
+    chain_cache = prefilled_head()
+    got = verify_step.head_drafts(head, head.layers[0], hidden[:, 6:], embed(after[:, 6:]), chain_cache[0], k,
+                                  logits, embed, language._lily_head_takes(hidden[:, -1:], main),
+                                  [language.lm_head, embed])
+    assert got is not None and got.dtype == mx.uint32 and got.tolist() == want
+    assert chain_cache[0].offset == loop_cache[0].offset == 6 + S + k - 1
+    n = 6 + S + k - 1
+    assert mx.array_equal(chain_cache[0].keys[..., :n, :], loop_cache[0].keys[..., :n, :]).item()
+    # Where the rows path would not take the call (an empty cache), nothing is done.
+    empty = KVCache()
+    assert verify_step.head_drafts(head, head.layers[0], hidden[:, :S], embed(after[:, :S]), empty, k,
+                                   logits, embed, True, [language.lm_head, embed]) is None
+    assert empty.offset == 0
+
+
+def test_the_mtp_loop_drafts_in_one_call_where_the_head_s_rows_path_takes_them(emulated, monkeypatch):
+    model, prompt, greedy = emulated["model"], emulated["prompt"], emulated["greedy"]
+    calls = []
+    real = verify_step.head_drafts
+    monkeypatch.setattr(verify_step, "head_drafts", lambda *a: calls.append(a[5]) or real(*a))
+    out = [t for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=2, max_tokens=TOKENS,
+                                              draft_hook=_oracle(greedy, 2))]
+    assert out == greedy and calls and set(calls) == {2}
+
+
 def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
     from mlx_lily import kernels as K
 

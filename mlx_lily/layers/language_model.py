@@ -28,6 +28,7 @@ from mlx_lm.models.qwen3_5 import TextModel, gather_last_axis
 
 from .. import kernels as K
 from .batch_step import MAX_BATCH, batch_rows
+from .decoder import compile_enabled, compiled_step, weights_version
 from .sharded import SHARDED_HEAD, sharded_enabled
 from .stock_gate import record
 
@@ -47,12 +48,17 @@ class LilyLanguageModel(TextModel):
         """The logits of final hidden states ``out`` (the model's call ends
         in it; the MTP loop calls it on its own)."""
         if self._lily_head_takes(out, cache):
-            head = self.lm_head
-            (logits,) = K.decode_matvec(out, ((head.weight, head.scales, head.biases),))
             if self.sharding_group is not None:  # the rank's vocabulary slice: gathered as stock
                 record("head", SHARDED_HEAD, out)
-                logits = gather_last_axis(logits, self.sharding_group)
-            return logits
+                return gather_last_axis(self._head_gemv(out), self.sharding_group)
+            if not compile_enabled():
+                return self._head_gemv(out)
+            # Compiled per row count: the GEMV's launch built once, not per
+            # token (outside the compiled steps, its checks and launch cost
+            # the host about 40 times stock's QuantizedLinear call).
+            version, _ = weights_version(self.__dict__, [self.lm_head])
+            store = self.__dict__.setdefault("_lily_head_steps", {})
+            return compiled_step(store, out.shape[0], version, lambda: self._head_gemv)(out)
         # Stock's head.
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(out)
@@ -60,6 +66,11 @@ class LilyLanguageModel(TextModel):
         if self.sharding_group is not None:
             out = gather_last_axis(out, self.sharding_group)
         return out
+
+    def _head_gemv(self, out: mx.array) -> mx.array:
+        head = self.lm_head
+        (logits,) = K.decode_matvec(out, ((head.weight, head.scales, head.biases),))
+        return logits
 
     def _lily_head_takes(self, out: mx.array, cache: Any) -> bool:
         sharded = self.sharding_group is not None

@@ -331,6 +331,17 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
 # -- the MTP head's positions ------------------------------------------------------
 
 
+def _head_rows_take(hidden: mx.array, cache: Any, layer: Any) -> bool:
+    """Whether the head's rows path takes S = hidden.shape[1] positions of
+    one stream: a filled bf16 KVCache, the kernels on, its layer on lily's
+    fused attention path, unsharded."""
+    S = hidden.shape[1]
+    return (hidden.shape[0] == 1 and 1 <= S <= MAX_BATCH and type(cache) is KVCache and cache.keys is not None
+            and cache.keys.dtype == mx.bfloat16 and kernel_backend()[0] is not None
+            and type(layer) is LilyDecoderLayer and not layer.is_linear and layer._lily_fits()
+            and group_of(layer.self_attn) is None and layer.mlp.sharding_group is None)
+
+
 def head_rows(head: Any, layer: Any, hidden: mx.array, embeddings: mx.array, cache: Any) -> Optional[mx.array]:
     """The MTP head's forward (``mtp.MTPHead``) over S verified positions of
     one stream (hidden, embeddings [1, S, D]) on the decode kernels, its
@@ -343,44 +354,93 @@ def head_rows(head: Any, layer: Any, hidden: mx.array, embeddings: mx.array, cac
     advanced by S), or None, with nothing done, where this path does not
     take the call (the head then runs its own ops). Drafts only steer which
     tokens are verified, so their bits need not be the prompt ops'."""
-    S = hidden.shape[1]
-    if not (hidden.shape[0] == 1 and 1 <= S <= MAX_BATCH and type(cache) is KVCache and cache.keys is not None
-            and cache.keys.dtype == mx.bfloat16 and kernel_backend()[0] is not None
-            and type(layer) is LilyDecoderLayer and not layer.is_linear and layer._lily_fits()
-            and group_of(layer.self_attn) is None and layer.mlp.sharding_group is None):
+    if not _head_rows_take(hidden, cache, layer):
         return None
     from .text_model import reserve_rows
 
+    S = hidden.shape[1]
     offset = cache.offset
     reserve_rows(cache, offset + S)
     capacity = int(cache.keys.shape[2])
     position = mx.array([offset], dtype=mx.int32)
-    step = _head_step(head, layer, S, capacity)
+    step = _compiled(head, ("rows", id(layer), S, capacity), lambda: _head_step(head, layer, S, capacity))
     out, cache.keys, cache.values = step(hidden, embeddings, cache.keys, cache.values, position)
     cache.offset += S
     return out
 
 
-def _head_step(head: Any, layer: Any, S: int, capacity: int) -> Callable:
-    """head_rows' function for S positions at this capacity: compiled per
-    weights' version where compilation is on, else as plain ops (the
-    emulator's, which runs each kernel when it is called)."""
-    def build() -> Callable:
-        def step(hidden, embeddings, keys, values, position):
-            e = head.pre_fc_norm_embedding(embeddings)
-            g = head.pre_fc_norm_hidden(hidden)
-            u = head.fc(mx.concatenate([e, g], axis=-1)).reshape(S, 1, -1)
-            h, keys, values = _attention_rows(layer, u, keys, values, position, (capacity,) * S, "whole")
-            return head.norm(h).reshape(1, S, -1), keys, values
-        return step
+def head_drafts(head: Any, layer: Any, hidden: mx.array, embeddings: mx.array, cache: Any, k: int,
+                logits_of: Callable[[mx.array], mx.array], embed: Callable[[mx.array], mx.array],
+                head_on_gemv: bool, weights: List[Any]) -> Optional[mx.array]:
+    """A round's k greedy drafts [k] (uint32) from S verified positions, as
+    ``mtp_decode``'s drafting loop makes them (the head over the S positions,
+    then k times: the logits of its last output (``logits_of``), their
+    argmax, and but for the last the head over that draft's embedding
+    (``embed``) at the next position), as one compiled call per (S, k, KV
+    capacity, ``head_on_gemv``: whether ``logits_of`` is lily's head GEMV)
+    where compilation is on: a round's drafting is one call's replay, not k
+    head calls, k logits and k argmaxes built one by one. The head's cache
+    advances by S + k - 1 (the loop's draft positions, which its caller
+    trims). ``weights``: the modules ``logits_of`` and ``embed`` read (the
+    language model's lm_head and embedding), whose replacement retraces the
+    call as the head's own does. None, with nothing done, where
+    ``head_rows`` would not take the S positions."""
+    if not _head_rows_take(hidden, cache, layer):
+        return None
+    from .text_model import reserve_rows
 
+    S = hidden.shape[1]
+    offset = cache.offset
+    reserve_rows(cache, offset + S + k - 1)
+    capacity = int(cache.keys.shape[2])
+    position = mx.array([offset], dtype=mx.int32)
+
+    def build() -> Callable:
+        first, then = _head_step(head, layer, S, capacity), _head_step(head, layer, 1, capacity)
+
+        def chain(hidden, embeddings, keys, values, position):
+            g, keys, values = first(hidden, embeddings, keys, values, position)
+            g = g[:, -1:]
+            drafts = []
+            for j in range(k):
+                d = mx.argmax(logits_of(g)[0], axis=-1)  # [1]
+                drafts.append(d)
+                if j + 1 < k:
+                    g, keys, values = then(g, embed(d[None]), keys, values, position + (S + j))
+            return mx.concatenate(drafts).astype(mx.uint32), keys, values
+        return chain
+
+    step = _compiled(head, ("drafts", id(layer), S, k, capacity, head_on_gemv), build, weights)
+    drafts, cache.keys, cache.values = step(hidden, embeddings, cache.keys, cache.values, position)
+    cache.offset += S + k - 1
+    return drafts
+
+
+def _head_step(head: Any, layer: Any, S: int, capacity: int) -> Callable:
+    """The head's forward over S rows at this KV capacity, as plain ops."""
+    def step(hidden, embeddings, keys, values, position):
+        e = head.pre_fc_norm_embedding(embeddings)
+        g = head.pre_fc_norm_hidden(hidden)
+        u = head.fc(mx.concatenate([e, g], axis=-1)).reshape(S, 1, -1)
+        h, keys, values = _attention_rows(layer, u, keys, values, position, (capacity,) * S, "whole")
+        return head.norm(h).reshape(1, S, -1), keys, values
+    return step
+
+
+def _compiled(head: Any, key: tuple, build: Callable[[], Callable], weights: Optional[List[Any]] = None) -> Callable:
+    """``build()``'s function compiled per version of the head's weights (and
+    ``weights``' modules) under ``key`` where compilation is on, else as
+    plain ops (the emulator's, which runs each kernel when it is called)."""
     if not compile_enabled():
         return build()
     from .decoder import weights_version
 
-    version, _ = weights_version(head.__dict__, [head])
+    # One version record per set of roots (a record kept for other roots
+    # would count every call as a change).
+    owner = head.__dict__ if not weights else head.__dict__.setdefault("_lily_drafts_weights", {})
+    version, _ = weights_version(owner, [head, *(weights or [])])
     store = head.__dict__.setdefault("_lily_rows", {})
-    return compiled_step(store, (id(layer), S, capacity), version, build)
+    return compiled_step(store, key, version, build)
 
 
 class VerifyingModel:

@@ -15,7 +15,9 @@ Rows, each the median over rounds of the median call: one decode step (the
 model's one-token call and the argmax: what a round is weighed against); the
 verification pass over P = 2, 3, 4 positions as the loop builds it (the pass,
 its logits, log-softmax and argmax; ``mtp_decode._verify``); the head's draft
-over S = 1 and 2 verified positions (the head, its logits and argmax). The
+over S = 1 and 2 verified positions (the head, its logits and argmax); a
+round's 3 greedy drafts from 4 positions, step by step and as the loop now
+makes them, in one call (``verify_step.head_drafts``). The
 numbers are this machine's CPU; a faster host scales them down, not their
 proportions.
 """
@@ -93,6 +95,31 @@ def parts(model: Any, calls: int) -> Dict[str, Callable[[], float]]:
             return mx.argmax(mtp_decode._head_logits(model, g)[0], axis=-1)
         return build
 
+    def drafts(S: int, k: int, chained: bool) -> Callable[[], Any]:
+        """A round's k greedy drafts from S positions: the loop's head calls,
+        logits and argmaxes one by one, or ``verify_step.head_drafts``'s one call."""
+        from mlx_lily.layers.verify_step import head_drafts
+
+        hidden = mx.zeros((1, S, D), dtype=mx.bfloat16)
+        after = mx.array([list(range(5, 5 + S))])
+        language = model.language_model
+
+        def logits(g):
+            return mtp_decode._head_logits(model, g, cache)
+
+        def build():
+            if chained:
+                return head_drafts(head, head.layers[0], hidden, embed(after), head_cache[0], k, logits, embed,
+                                   language._lily_head_takes(hidden[:, -1:], cache), [language.lm_head, embed])
+            g = head(hidden, embed(after), head_cache)[:, -1:]
+            out = []
+            for j in range(k):
+                out.append(mx.argmax(logits(g)[0], axis=-1))
+                if j + 1 < k:
+                    g = head(g, embed(out[-1][None]), head_cache)
+            return out
+        return build
+
     def head_back(S: int) -> Callable[[], None]:
         return lambda: [c.trim(S) for c in head_cache]
 
@@ -102,6 +129,9 @@ def parts(model: Any, calls: int) -> Dict[str, Callable[[], float]]:
     for S in DRAFT_POSITIONS:
         rows[f"head's draft, {S} position{'s' if S > 1 else ''}"] = (
             lambda S=S: median_ms(draft(S), head_back(S), calls))
+    for how, chained in (("step by step", False), ("one call", True)):
+        rows[f"head's 3 drafts from 4 positions, {how}"] = (
+            lambda chained=chained: median_ms(drafts(4, 3, chained), head_back(4 + 2), calls))
     for measure in rows.values():  # first builds and traces, untimed
         measure()
     return rows
