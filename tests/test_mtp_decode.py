@@ -129,17 +129,12 @@ def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
     assert (stats["rounds"], stats["plain"], stats["pauses"]) == (4, 19, 3)
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypatch):
-    """While drafting pauses, the head takes the plain steps' positions k + 1
-    at a time, a round's width (fewer calls than positions; a catch-up call
-    over a whole pause would meet kernel instances no round meets). Every
-    verified position still reaches it once: its cache ends where the
-    model's does, less the last token (not yet verified) and the prompt's
-    first (no position before it)."""
+def _spy_on_the_head(model, monkeypatch):
+    """([positions of each head call], [the cache of each]), filled as the
+    MTP head is called."""
     from mlx_lily import mtp
 
-    head = mtp.head_of(setup["model"])
+    head = mtp.head_of(model)
     widths, caches = [], []
     real_call = type(head).__call__
 
@@ -149,6 +144,18 @@ def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypa
         return real_call(self, hidden, embedded, cache)
 
     monkeypatch.setattr(type(head), "__call__", spy)
+    return widths, caches
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypatch):
+    """While drafting pauses, the head takes the plain steps' positions k + 1
+    at a time, a round's width (fewer calls than positions; a catch-up call
+    over a whole pause would meet kernel instances no round meets). Every
+    verified position still reaches it once: its cache ends where the
+    model's does, less the last token (not yet verified) and the prompt's
+    first (no position before it)."""
+    widths, caches = _spy_on_the_head(setup["model"], monkeypatch)
     stats = {}
     prompt_cache = make_prompt_cache(setup["model"])
     # 2 + 4 + 1 + 8 plain or round tokens after the first: ends on a probe round.
@@ -211,18 +218,7 @@ def test_the_head_takes_the_prompt_with_the_model_s_chunks_before_the_first_toke
     first token but the last: the head takes them with each prefill chunk
     of the model, so they are prompt work (bounded by the chunk), and the
     first round drafts from one position. Output unchanged."""
-    from mlx_lily import mtp
-
-    head = mtp.head_of(setup["model"])
-    widths, caches = [], []
-    real_call = type(head).__call__
-
-    def spy(self, hidden, embedded, cache=None):
-        widths.append(hidden.shape[1])
-        caches.append(cache)
-        return real_call(self, hidden, embedded, cache)
-
-    monkeypatch.setattr(type(head), "__call__", spy)
+    widths, caches = _spy_on_the_head(setup["model"], monkeypatch)
     n = setup["prompt"].size
     gen = mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=2, max_tokens=TOKENS,
                             prefill_step_size=4)
