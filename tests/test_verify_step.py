@@ -248,6 +248,35 @@ def test_the_mtp_loop_drafts_in_one_call_where_the_head_s_rows_path_takes_them(e
     assert out == greedy and calls and set(calls) == {2}
 
 
+def test_one_stream_s_decode_rows_take_the_head_gemv_on_cuda_only(emulated, monkeypatch):
+    # One stream's rows (generate's token, a pass's positions, a draft) take
+    # lily's head GEMV where it is measured faster (CUDA), stock's head
+    # elsewhere; a decode step and a pass decide alike. The server's batch
+    # caches take it everywhere (batch invariance).
+    from mlx_lily.layers import language_model as lm
+
+    model = emulated["model"]
+    language = model.language_model
+    D = language.args.hidden_size
+    cache = _prefilled(model)
+    for backend, takes in (("cuda", True), ("metal", False), ("emulator", False), (None, False)):
+        monkeypatch.setattr(lm, "kernel_backend", lambda backend=backend: (backend, backend))
+        for rows in (1, 4):
+            assert language._lily_head_takes(mx.zeros((rows, 1, D), dtype=mx.bfloat16), cache) is takes
+        assert not language._lily_head_takes(mx.zeros((1, 3, D), dtype=mx.bfloat16), cache)  # a prompt
+        assert not language._lily_head_takes(mx.zeros((1, 1, D), dtype=mx.bfloat16), None)
+    monkeypatch.setattr(lm, "kernel_backend", lambda: ("cuda", "cuda"))
+    x = mx.random.normal((4, 1, D), key=mx.random.key(9)).astype(mx.bfloat16)
+    want = language.lm_head(x)
+    got = language.head(x, cache)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    # Within the GEMV's contract (its fp32 oracle's bound), not stock's bits.
+    from mlx_lily.kernels.linear.gemv import quantized_matvec_agree
+
+    head = language.lm_head
+    assert quantized_matvec_agree((got,), (want,), x, ((head.weight, head.scales, head.biases),)) is None
+
+
 def test_the_pass_gives_each_position_the_bits_of_a_decode_step(emulated):
     from mlx_lily import kernels as K
 

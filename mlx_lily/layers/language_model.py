@@ -14,7 +14,9 @@ bits in each. A head sharded by mlx-lm's ``shard()`` (a
 ``QuantizedAllToShardedLinear``: the rank's slice of the vocabulary) runs
 the same GEMV on the slice, then stock's ``gather_last_axis`` (sharded.py).
 Everything else (prompts, calls without a cache, a batch cache of another
-row count, tied embeddings, ``MLX_LILY_SHARDED=0``) is stock's code.
+row count, tied embeddings, ``MLX_LILY_SHARDED=0``) is stock's code, and so
+is one stream's head on GPUs where lily's GEMV has not been measured faster
+(``ONE_STREAM_BACKENDS``).
 """
 
 from __future__ import annotations
@@ -27,10 +29,22 @@ from mlx.nn.layers.distributed import QuantizedAllToShardedLinear
 from mlx_lm.models.qwen3_5 import TextModel, gather_last_axis
 
 from .. import kernels as K
+from ..toolchain.registry import kernel_backend
 from .batch_step import MAX_BATCH, batch_rows
 from .decoder import compile_enabled, compiled_step, weights_version
 from .sharded import SHARDED_HEAD, sharded_enabled
 from .stock_gate import record
+
+
+# Where one stream's decode rows (``mlx_lm.generate``'s tokens, the MTP
+# loop's drafts and verification rows) take lily's head GEMV: on the H200 it
+# ran the 248,320 x 2048 head in 233.5 us against stock's 283.5 at one row,
+# 293.8 against 1,117.7 at four (bench/results/2026-12-03-nvidia-h200-2b882a1).
+# Elsewhere (Metal, not yet measured there; the CPU) one stream keeps
+# stock's head; the server's batch caches take the GEMV everywhere (batch
+# invariance). A decode step and a verification pass decide alike, so a
+# pass's rows keep a decode step's bits either way.
+ONE_STREAM_BACKENDS = ("cuda",)
 
 
 def _plain_head(head: Any, sharded: bool) -> bool:
@@ -78,7 +92,10 @@ class LilyLanguageModel(TextModel):
             return False
         if out.ndim != 3 or out.shape[1] != 1 or not 1 <= out.shape[0] <= MAX_BATCH:
             return False
-        # The server's batch caches: their rows; other caches (generate's, the
-        # MTP loop's): one stream, whose decode rows are independent.
+        # The server's batch caches: their rows. Other caches (generate's, the
+        # MTP loop's): one stream, whose decode rows are independent, where
+        # lily's GEMV is measured faster than stock's head.
         rows = batch_rows(cache)
-        return (rows is None or rows == out.shape[0]) and _plain_head(self.lm_head, sharded)
+        if rows is None:
+            return kernel_backend()[0] in ONE_STREAM_BACKENDS and _plain_head(self.lm_head, sharded)
+        return rows == out.shape[0] and _plain_head(self.lm_head, sharded)
