@@ -151,7 +151,10 @@ def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, floa
     """ms of a verify pass over 2..4 positions after the prompt, as the MTP
     loop runs it (``mtp_decode._verify``: on lily's decode kernels where every
     layer takes them), against one decode step (the model's one-token call);
-    the caches trimmed back after each."""
+    the caches trimmed back after each. The widths take turns, one call each
+    per repetition (after one untimed call each), and a width's ratio is the
+    median over repetitions of its time over the same repetition's decode
+    step: a host that drifts during the measurement moves both."""
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lily.mtp_decode import _verify
@@ -161,23 +164,32 @@ def verify_costs(model: Any, prompt: mx.array, reps: int) -> List[Dict[str, floa
     model(prompt[None], cache=cache)
     mx.eval([c.state for c in cache])
     make_trimmable(cache, depth=5)
-    ms = {}
+    widths = (1, 2, 3, 4)
+    samples: Dict[int, List[float]] = {p: [] for p in widths}
+
+    def timed(positions: int) -> float:
+        ys = prompt[:positions]
+        tic = time.perf_counter()
+        mx.eval(model(ys[None], cache=cache) if positions == 1 else _verify(model, ys, cache))
+        seconds = time.perf_counter() - tic
+        for c in cache:
+            c.trim(positions)
+        return seconds
+
     try:
-        for positions in (1, 2, 3, 4):
-            ys = prompt[:positions]
-            samples = []
-            for rep in range(reps + 1):
-                tic = time.perf_counter()
-                mx.eval(model(ys[None], cache=cache) if positions == 1 else _verify(model, ys, cache))
-                if rep:  # the first call builds and warms
-                    samples.append(time.perf_counter() - tic)
-                for c in cache:
-                    c.trim(positions)
-            samples.sort()
-            ms[positions] = 1e3 * samples[len(samples) // 2]
+        for positions in widths:  # the first call of each builds and warms
+            timed(positions)
+        for _ in range(reps):
+            for positions in widths:
+                samples[positions].append(timed(positions))
     finally:
         make_plain(cache)
-    return [{"positions": p, "ms": round(ms[p], 4), "ratio": round(ms[p] / ms[1], 4)} for p in (2, 3, 4)]
+    rows = []
+    for p in widths[1:]:
+        ratios = [t / one for t, one in zip(samples[p], samples[1])]
+        rows.append({"positions": p, "ms": round(1e3 * statistics.median(samples[p]), 4),
+                     "ratio": round(statistics.median(ratios), 4)})
+    return rows
 
 
 def projected(costs: List[Dict[str, float]], ks=(1, 2, 3)) -> List[Dict[str, float]]:
