@@ -116,10 +116,12 @@ def _verify(model: Any, ys: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.ar
 class _Round:
     """A speculative round's arrays: the tokens fed (the pending token and
     the drafts), the drafts, their distributions (sampling with a Sampler),
-    the verified hidden states, the log-probs and the greedy targets."""
+    the verified hidden states, the log-probs and the greedy targets; and
+    how many verified positions its drafting gave the head."""
 
-    def __init__(self, ys, drafts, q, out, logprobs, targets):
+    def __init__(self, ys, drafts, q, out, logprobs, targets, head_positions):
         self.ys, self.drafts, self.q, self.out, self.logprobs, self.targets = ys, drafts, q, out, logprobs, targets
+        self.head_positions = head_positions
 
 
 def _end(cache: List[Any], ahead: Optional[_Round], unyielded: int, back_out: Callable) -> None:
@@ -307,7 +309,7 @@ def mtp_generate_step(
             if timing is not None:
                 timing["draft"] = timing.get("draft", 0.0) + t1 - t0
                 timing["verify_build"] = timing.get("verify_build", 0.0) + time.perf_counter() - t1
-            return _Round(ys, drafts, q, out, logprobs, targets)
+            return _Round(ys, drafts, q, out, logprobs, targets, int(verified.shape[1]))
 
         def back_out() -> None:
             """Undo the round built ahead: its k + 1 positions in the model's
@@ -316,6 +318,15 @@ def mtp_generate_step(
                 c.trim(k + 1)
             for c in head_cache:
                 c.trim(k + 1)
+
+        def back_out_probe(probe: _Round) -> None:
+            """Undo a probe round built on a pause's last token: its k + 1
+            positions in the model's caches, its verified positions (all
+            but the drafts, which ``build`` trimmed) in the head's."""
+            for c in cache:
+                c.trim(k + 1)
+            for c in head_cache:
+                c.trim(probe.head_positions)
 
         def feed_head(hidden: mx.array, next_tokens: mx.array) -> None:
             """The head's cache takes verified positions (hidden [1, S, D],
@@ -380,6 +391,7 @@ def mtp_generate_step(
             if history is not None:
                 history = mx.concatenate([history, current.ys[: n + 1]])
             verified, after = current.out[:, : n + 1], mx.array(emitted, dtype=mx.uint32)
+            probe = None
             if pipelined and misses >= PAUSE_AFTER_MISSES:
                 # Drafting paused: ``pause`` plain steps, each built and
                 # submitted before the token before it is read. The head
@@ -387,7 +399,9 @@ def mtp_generate_step(
                 # drafting takes (one call per position costs a call's host
                 # work each; a catch-up call of 5 to 65 positions would meet
                 # kernel instances of its own); the ones left at the end
-                # open the next round, with the last.
+                # open the next round, with the last. That round (the probe)
+                # is built on the last plain token before it is read, as a
+                # plain step would be: the GPU runs it while the host yields.
                 stats["pauses"] += 1
                 held = [(verified, after)]  # positions the head has not taken yet
                 step = plain_step(after[-1])
@@ -406,22 +420,28 @@ def mtp_generate_step(
                     verified, after = out, y[None]
                     ntoks += 1
                     stats["plain"] += 1
+                    if upcoming is None and ntoks < max_tokens:
+                        probe = build(mx.concatenate([h for h, _ in held] + [verified], axis=1),
+                                      mx.concatenate([t for _, t in held] + [after]), y, ntoks)
+                        t0 = time.perf_counter()
+                        mx.async_eval(probe.logprobs, probe.targets)
+                        if timing is not None:
+                            timing["submit"] = timing.get("submit", 0.0) + time.perf_counter() - t0
                     try:
                         yield int(y), logprobs, False
                     except GeneratorExit:
                         _end(cache, None, int(upcoming is not None), back_out)
+                        if probe is not None:
+                            back_out_probe(probe)
                         raise
                     if ntoks >= max_tokens:
                         _end(cache, None, int(upcoming is not None), back_out)
                         return
                     step = upcoming
-                if held:
-                    verified = mx.concatenate([h for h, _ in held] + [verified], axis=1)
-                    after = mx.concatenate([t for _, t in held] + [after])
                 # The round that follows tries the head again: one more miss
                 # pauses again, for twice as long.
                 pause, misses, full = min(2 * pause, PAUSE_MAX), PAUSE_AFTER_MISSES - 1, False
-            current = build(verified, after, after[-1], ntoks)
+            current = probe if probe is not None else build(verified, after, after[-1], ntoks)
     finally:
         make_plain(cache)
 

@@ -207,6 +207,32 @@ def test_a_run_ended_inside_a_pause_leaves_the_caches_of_what_it_took(setup, sto
     assert_caches_equal(cache, _plain_caches(model, prompt, out[:-1]))
 
 
+def test_the_round_after_a_pause_is_queued_before_the_pause_s_last_token_is_read(setup):
+    """A pause's last plain token and the round after it: the round is built
+    on that token before the consumer gets it (as a plain step would be), so
+    its drafting sees one token more than the consumer has; every other
+    round is built after the tokens before it were taken. Output unchanged."""
+    model, prompt, greedy = setup["model"], setup["prompt"], setup["greedy"]
+    taken, seen = [], []
+    wrong = _wrong(greedy, 1, setup["vocab"])
+
+    def hook(done, drafts):
+        seen.append(done - len(taken))
+        return wrong(done, drafts)
+
+    stats = {}
+    for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=TOKENS, stats=stats,
+                                     draft_hook=hook):
+        taken.append(t)
+    assert taken == greedy and stats["pauses"] == 3
+    # The first round (0: after the first token); the one built ahead of it,
+    # as if its draft were kept (2: two tokens ahead, backed out); the round
+    # after that miss (0); the rounds after the two pauses that ran to their
+    # end (1: built on each pause's last token before it was taken). The
+    # third pause is cut by max_tokens.
+    assert seen == [0, 2, 0, 1, 1]
+
+
 def test_a_model_without_a_head_says_how_to_graft(demo_checkpoint):
     model, _ = mlx_lily.load(str(demo_checkpoint))
     with pytest.raises(ValueError, match="no MTP head.*graft-mtp"):
