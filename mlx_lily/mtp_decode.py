@@ -113,6 +113,31 @@ def _verify(model: Any, ys: mx.array, cache: List[Any]) -> Tuple[mx.array, mx.ar
     return out.reshape(1, ys.size, -1), _head_logits(model, out, cache)[:, 0]
 
 
+def _greedy_drafts(model: Any, hidden: mx.array, next_tokens: mx.array, head_cache: List[Any], k: int,
+                   cache: List[Any]) -> Optional[mx.array]:
+    """A round's k greedy drafts [k] from the verified positions (hidden
+    [1, S, D], the tokens after them [S]) as one compiled call, where the
+    head's rows path takes them (``verify_step.head_drafts``: the head, then k
+    times its logits as a decode step's, the argmax and the head on that
+    draft); None, with nothing done, elsewhere. ``cache``: the model's
+    caches, which decide the logits' head as they do a decode step's."""
+    from .layers.verify_step import head_drafts
+
+    head, language = mtp.head_of(model), model.language_model
+    if len(head.layers) != 1:
+        return None
+    embed = language.model.embed_tokens
+    takes = getattr(language, "_lily_head_takes", None)
+    on_gemv = bool(takes and takes(hidden[:, -1:], cache)) and language.sharding_group is None
+    # The head GEMV's own ops (inside the chain's trace, not the head's
+    # compiled call), else the head as a decode step calls it.
+    logits_of = language._head_gemv if on_gemv else (lambda g: _head_logits(model, g, cache))
+    # What the chain reads beyond the head (its retraces follow them).
+    weights = [embed] if language.args.tie_word_embeddings else [language.lm_head, embed]
+    return head_drafts(head, head.layers[0], hidden, embed(next_tokens[None]), head_cache[0], k,
+                       logits_of, embed, on_gemv, weights)
+
+
 class _Round:
     """A speculative round's arrays: the tokens fed (the pending token and
     the drafts), the drafts, their distributions (sampling with a Sampler),
@@ -173,10 +198,7 @@ def mtp_generate_step(
     max_tokens = max_tokens if max_tokens >= 0 else float("inf")  # -1: no limit, as mlx-lm
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     head_cache = [KVCache() for _ in head.layers]
-    language = model.language_model
-    embed = language.model.embed_tokens
-    # What the draft chain reads beyond the head (its retraces follow them).
-    head_weights = [language.lm_head, embed] if not language.args.tie_word_embeddings else [embed]
+    embed = model.language_model.model.embed_tokens
     stats = stats if stats is not None else {}
     stats.update(rounds=0, accepted=0, plain=0, pauses=0)
     # The tokens fed to the model before the current call (for the logits
@@ -205,18 +227,8 @@ def mtp_generate_step(
         tokens after them [S]), then k drafts [k] and, for a ``Sampler``, the
         distributions q [k, V] they were drawn from; its entries past the
         verified positions are trimmed again after the round."""
-        if kind != "distribution" and len(head.layers) == 1:
-            # Greedy drafts: the whole chain as one compiled call, where the
-            # head's rows path takes it (``verify_step.head_drafts``).
-            from .layers.verify_step import head_drafts
-
-            takes = getattr(language, "_lily_head_takes", None)
-            on_gemv = bool(takes and takes(hidden[:, -1:], cache)) and language.sharding_group is None
-            # The head GEMV's own ops (inside the chain's trace, not the
-            # head's compiled call), else the head as the loop calls it.
-            logits_of = language._head_gemv if on_gemv else (lambda g: _head_logits(model, g, cache))
-            drafts = head_drafts(head, head.layers[0], hidden, embed(next_tokens[None]), head_cache[0], k,
-                                 logits_of, embed, on_gemv, head_weights)
+        if kind != "distribution":
+            drafts = _greedy_drafts(model, hidden, next_tokens, head_cache, k, cache)
             if drafts is not None:
                 return drafts, None
         g = head(hidden, embed(next_tokens[None]), head_cache)[:, -1:]

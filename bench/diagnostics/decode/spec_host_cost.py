@@ -97,24 +97,18 @@ def parts(model: Any, calls: int) -> Dict[str, Callable[[], float]]:
 
     def drafts(S: int, k: int, chained: bool) -> Callable[[], Any]:
         """A round's k greedy drafts from S positions: the loop's head calls,
-        logits and argmaxes one by one, or ``verify_step.head_drafts``'s one call."""
-        from mlx_lily.layers.verify_step import head_drafts
-
+        logits and argmaxes one by one, or as the loop makes them now, one
+        call (``mtp_decode._greedy_drafts``)."""
         hidden = mx.zeros((1, S, D), dtype=mx.bfloat16)
-        after = mx.array([list(range(5, 5 + S))])
-        language = model.language_model
-
-        def logits(g):
-            return mtp_decode._head_logits(model, g, cache)
+        after = mx.array(list(range(5, 5 + S)))
 
         def build():
             if chained:
-                return head_drafts(head, head.layers[0], hidden, embed(after), head_cache[0], k, logits, embed,
-                                   language._lily_head_takes(hidden[:, -1:], cache), [language.lm_head, embed])
-            g = head(hidden, embed(after), head_cache)[:, -1:]
+                return mtp_decode._greedy_drafts(model, hidden, after, head_cache, k, cache)
+            g = head(hidden, embed(after[None]), head_cache)[:, -1:]
             out = []
             for j in range(k):
-                out.append(mx.argmax(logits(g)[0], axis=-1))
+                out.append(mx.argmax(mtp_decode._head_logits(model, g, cache)[0], axis=-1))
                 if j + 1 < k:
                     g = head(g, embed(out[-1][None]), head_cache)
             return out
