@@ -22,6 +22,13 @@ warmed up, same prompt) in a process of its own: it loads and warms up while
 the server starts, and its measured run waits until the server has stopped
 (``--generate-check-after``: the process starts only then).
 
+One stream's decode under the server against ``mlx_lm.generate``'s is taken
+in pairs (``--decode-pairs``): the first prompt served alone, then the same
+prompt decoded by the generate check's process (warmed up beside the
+server), one after the other, a few times. Each pair's ratio compares two
+runs seconds apart, so a host whose speed drifts by minutes (the H200's)
+moves both; the report gives each pair and their median.
+
 ``--multi-turn`` runs instead an agent-style conversation over a growing
 history through the server's prompt cache and batch generator, in this
 process: prompt-prefix reuse, TTFT against a cold request, bitwise outputs,
@@ -103,6 +110,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--server-timeout-s", type=float, default=600, help="server start limit")
     p.add_argument("--request-timeout-s", type=float, default=300, help="per-request limit")
     p.add_argument("--no-generate-check", action="store_true", help="skip the prefill vs generate check")
+    p.add_argument("--decode-pairs", type=int, default=3,
+                   help="one-stream decode under the server and under mlx_lm.generate, alternated this many "
+                        "times on the first prompt (needs the generate check beside the server; 0: off; default 3)")
     p.add_argument("--count-rows", type=int, default=8,
                    help="the generate check also counts kernels and bytes of one decode step of this many "
                         "streams on the server's caches (bench/batch_counts.py; 0: off; default 8)")
@@ -115,6 +125,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if args.decode_pairs < 0:
+        p.error(f"--decode-pairs {args.decode_pairs}: 0 or more")
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency: positive stream counts, e.g. 1,4,16")
     if any(e not in ENGINES for e in args.engines):
@@ -362,6 +374,27 @@ def singles(port: int, prompts: List[str], max_tokens: int, timeout_s: float) ->
     return out
 
 
+def decode_pairs(port: int, check: "GenerateCheck", prompt: str, args, deadline: float) -> List[Dict[str, Any]]:
+    """``--decode-pairs`` times: ``prompt`` alone through the server, then
+    through the generate check's ``mlx_lm.stream_generate``; each pair's
+    decode tok/s and ratio (the GPU serves one of them at a time)."""
+    pairs = []
+    for i in range(args.decode_pairs):
+        if time.perf_counter() > deadline:
+            break
+        try:
+            served = stream(port, prompt, args.max_tokens, args.request_timeout_s)
+            generated = check.decode_run(i, args.request_timeout_s)
+        except Exception as exc:  # recorded; the other figures stand
+            pairs.append({"error": str(exc)[:300]})
+            break
+        s_tps, g_tps = served.get("decode_tps"), generated.get("generation_tps")
+        pairs.append({"server_decode_tps": s_tps, "generate_decode_tps": g_tps,
+                      "ratio": s_tps / g_tps if s_tps and g_tps else None})
+        log(f"decode pair {i + 1}: server {s_tps} tok/s, generate {g_tps} tok/s")
+    return pairs
+
+
 def check_greedy(result: Dict[str, Any], alone: Dict[str, Any]) -> None:
     """Mark each stream's text against its prompt's single-request text."""
     reference = [s["text"] for s in alone["streams"]]
@@ -383,31 +416,43 @@ def check_greedy(result: Dict[str, Any], alone: Dict[str, Any]) -> None:
 def generate_worker(spec_path: str, out_path: str) -> int:
     """One engine's prefill through mlx_lm.stream_generate (what
     mlx_lm.generate runs) in this fresh process: a warmup run, then, once the
-    ``go`` file of the spec exists, the measured run."""
+    ``go`` file of the spec exists, the measured run. Until then, each
+    ``pair-N`` file it finds asks for one decode run of the spec's
+    ``decode_prompt``, answered in ``pair-N.json`` (the server's decode pairs)."""
     import mlx_lily
     from mlx_lm import stream_generate
 
     spec = json.loads(Path(spec_path).read_text())
 
-    def run() -> Dict[str, Any]:
+    def run(prompt: str) -> Dict[str, Any]:
         last = None
-        for last in stream_generate(model, tokenizer, spec["prompt"], max_tokens=spec["max_tokens"]):
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=spec["max_tokens"]):
             pass
         return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
                 "generation_tps": last.generation_tps}
 
     model, tokenizer = mlx_lily.load(spec["model"], backend=spec.get("engine", "lily"))
-    warmup = run()
+    warmup = run(spec["prompt"])
+    if spec.get("decode_prompt"):
+        run(spec["decode_prompt"])  # that prompt's length warmed up too
     Path(spec["ready"]).write_text(json.dumps(warmup))
     go, parent = Path(spec["go"]), os.getppid()
+    answered = set()
     while not go.exists():
         if os.getppid() != parent:  # the bench is gone: nobody wants the figure
             return 1
-        time.sleep(0.05)
+        for ask in sorted(Path(spec["go"]).parent.glob(f"{Path(spec['go']).stem}.pair-*")):
+            if ask.suffix != ".json" and ask.name not in answered:
+                answered.add(ask.name)
+                result = run(spec["decode_prompt"])
+                tmp = ask.with_name(ask.name + ".tmp")
+                tmp.write_text(json.dumps(result))
+                os.replace(tmp, ask.with_name(ask.name + ".json"))
+        time.sleep(0.01)
     from bench.serve_split import GenerateSplit
 
     with GenerateSplit(model) as split:
-        measured = run()
+        measured = run(spec["prompt"])
     result = {"warmup": warmup, "measured": measured, "host_split_ms": split.summary()}
     if spec.get("count_rows"):
         result["batch_counts"] = batched_step_counts(model, tokenizer, spec["prompt"], spec["count_rows"])
@@ -445,7 +490,8 @@ class GenerateCheck:
     which takes minutes), and makes its measured run only when told to, after
     the server has stopped, so that no timing shares the GPU."""
 
-    def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str, count_rows: int = 0):
+    def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str, count_rows: int = 0,
+                 decode_prompt: str = ""):
         self.engine = engine
         self.spec = out / f"generate-{engine}-spec.json"
         self.ready, self.go = out / f"generate-{engine}.ready", out / f"generate-{engine}.go"
@@ -454,6 +500,7 @@ class GenerateCheck:
             f.unlink(missing_ok=True)
         self.spec.write_text(json.dumps({
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine,
+            "decode_prompt": decode_prompt,
             # Counting traces lily's batched step; stock's layer code cannot be exported.
             "ready": str(self.ready), "go": str(self.go), "count_rows": count_rows if engine == "lily" else 0,
         }))
@@ -471,6 +518,24 @@ class GenerateCheck:
         while not self.ready.exists() and self.proc.poll() is None and time.perf_counter() < deadline:
             time.sleep(0.2)
         return self.ready.exists()
+
+    def decode_run(self, index: int, timeout_s: float) -> Dict[str, Any]:
+        """One decode run of the decode prompt, now (the worker is ready)."""
+        ask = self.go.with_name(f"{self.go.stem}.pair-{index}")
+        answer = ask.with_name(ask.name + ".json")
+        ask.touch()
+        deadline = time.perf_counter() + timeout_s
+        try:
+            while not answer.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(self._why(f"generate check exited ({self.proc.returncode})"))
+                if time.perf_counter() > deadline:
+                    raise RuntimeError("generate check's decode run not done in time")
+                time.sleep(0.01)
+            return json.loads(answer.read_text())
+        finally:
+            ask.unlink(missing_ok=True)
+            answer.unlink(missing_ok=True)
 
     def finish(self, ready_timeout_s: float, run_timeout_s: float) -> Dict[str, Any]:
         """Its measured run, now; the figures, or what went wrong."""
@@ -547,6 +612,8 @@ def run_engine(
         alone["host_split_ms"] = server.host_split().get("1")
         result["waves"]["1"] = alone
         log(f"{engine}: {len(alone['streams'])} single runs, TTFT median {alone['ttft_median_s']}")
+        if check is not None and args.decode_pairs and check.ready.exists():
+            result["decode_pairs"] = decode_pairs(server.port, check, prompts[0], args, deadline)
         # One request's prefill at --prefill-tokens: once to warm that shape up,
         # once measured.
         if time.perf_counter() > deadline:
@@ -626,7 +693,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check, beside = None, not args.no_generate_check and not args.generate_check_after
         if beside:
             log(f"prefill check: mlx_lm stream_generate with {engine}, warming up beside the server")
-            check = GenerateCheck(model, args.prefill_prompt, args.max_tokens, out, engine, args.count_rows)
+            check = GenerateCheck(model, args.prefill_prompt, args.max_tokens, out, engine, args.count_rows,
+                                  decode_prompt=prompts[0] if args.decode_pairs else "")
         try:
             report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline, check)
         except Exception as exc:  # recorded; the other engine still runs
@@ -710,7 +778,15 @@ def prefill_ratio(report: Dict[str, Any], engine: str) -> Optional[Dict[str, Any
 
 def decode_ratio(report: Dict[str, Any], engine: str) -> Optional[Dict[str, Any]]:
     """One stream's decode under the server against mlx_lm.generate's decode
-    of the same engine (the generate check's measured run, --max-tokens tokens)."""
+    of the same engine: the median of the decode pairs' ratios where there
+    are pairs, else the one-stream wave against the generate check's
+    measured run (--max-tokens tokens, run after the server stopped)."""
+    pairs = [p for p in report["engines"].get(engine, {}).get("decode_pairs") or [] if p.get("ratio")]
+    if pairs:
+        return {"server_decode_tps": statistics.median(p["server_decode_tps"] for p in pairs),
+                "generate_decode_tps": statistics.median(p["generate_decode_tps"] for p in pairs),
+                "ratio": statistics.median(p["ratio"] for p in pairs), "pairs": len(pairs),
+                "ratios": [p["ratio"] for p in pairs]}
     one = report["engines"].get(engine, {}).get("waves", {}).get("1")
     gen = (report.get("generate_check") or {}).get(engine, {}).get("measured")
     if not one or not gen or not one.get("decode_tps_median") or not gen.get("generation_tps"):
@@ -823,8 +899,11 @@ def markdown(report: Dict[str, Any]) -> str:
                if p.get("server_first_ttft_s") is not None else ".")
         )
     for name, d in (report.get("decode_vs_generate") or {}).items():
+        how = (f"median of {d['pairs']} pairs run one after the other, ratios "
+               + ", ".join(f"{r:.2f}" for r in d["ratios"]) if d.get("pairs")
+               else "the one-stream wave against generate's run after the server stopped")
         lines.append(f"Decode, one stream, {name}: server {d['server_decode_tps']:.1f} tok/s vs mlx_lm generate "
-                     f"{d['generate_decode_tps']:.1f} tok/s: ratio {d['ratio']:.2f}.")
+                     f"{d['generate_decode_tps']:.1f} tok/s: ratio {d['ratio']:.2f} ({how}).")
     lines += split_table(report)
     for name, g in (report.get("generate_check") or {}).items():
         gs = g.get("host_split_ms")

@@ -53,6 +53,11 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     # stock, and each server's peak memory as its process reported it.
     decode = report["decode_vs_generate"]
     assert set(decode) == {"lily", "mlx"} and all(d["ratio"] > 0 for d in decode.values())
+    # ... taken in pairs: the first prompt through the server, then through generate, three times.
+    for e in ("lily", "mlx"):
+        pairs = report["engines"][e]["decode_pairs"]
+        assert len(pairs) == 3 and all(p["server_decode_tps"] > 0 and p["generate_decode_tps"] > 0 for p in pairs)
+        assert decode[e]["pairs"] == 3 and decode[e]["ratios"] == [p["ratio"] for p in pairs]
     scaling = report["batch_scaling"]
     assert all(scaling[e]["3"]["per_stream_vs_one"] > 0 for e in ("lily", "mlx"))
     assert scaling["aggregate_lily_vs_stock"]["3"] > 0
@@ -82,7 +87,7 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     assert "kernels only" in report["generate_check"]["lily"]["batch_counts"]["error"]
     assert "batch_counts" not in report["generate_check"]["mlx"]
     table = md_file.read_text()
-    assert "Decode, one stream, lily:" in table and "Peak memory of the lily server:" in table
+    assert "Decode, one stream, lily:" in table and "median of 3 pairs" in table and "Peak memory of the lily server:" in table
     assert "| 3 | lily |" in table and "| 3 | mlx |" in table and "lily / stock" in table
     assert "Prefill, one request, lily:" in table and "Prefill, one request, mlx:" in table
     assert capsys.readouterr().out.strip() == table.strip()

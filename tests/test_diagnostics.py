@@ -275,6 +275,11 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
     assert all(e["same_bits"] for e in row["groups"].values()) and row["contract"] == "met"
     assert (decode.GATE_UP_SIMD_GROUPS, decode.DOWN_SIMD_GROUPS, decode.DOWN_ROWS_PER_SG) == defaults
     assert decode.DOWN_BY_BATCH is True
+    # --cold: the timed calls cycle over weight sets; the first set is checked as before.
+    cold = moe_decode_sweep.sweep(2, {"group 1": choices["group 1"]}, "emulator", (128, 16, 3, 64, 128), False, cold=2)
+    assert cold["weight_sets"] == 2 and cold["contract"] == "met" and cold["groups"]["group 1"]["chain_us"] > 0
+    with pytest.raises(SystemExit):
+        moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--cold", "1"])
     # Five rows pick more distinct experts than one: more bytes to read.
     assert record["rows"][1]["expert_bytes"] > record["rows"][0]["expert_bytes"]
     assert "| 5 |" in (tmp_path / "moe-decode-sweep.md").read_text()

@@ -13,7 +13,7 @@ choice gives every row the same bits; this tool checks that on the device
 and times each, per batch size B (server decode batches, the verification
 pass's positions):
 
-    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time] [--launch]
+    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time] [--launch] [--cold N]
 
 Random weights at the real Qwen3.6-35B-A3B MoE shapes (hidden 2048, 256
 experts, top 8, expert and shared hidden 512; 4-bit group 64), one call of
@@ -24,7 +24,11 @@ device time (CUPTI), gate/up's reported alone (where route and gate/up run
 as one launch, B <= ``decode.ROUTED_MAX_ROWS`` at the default SIMD groups,
 that launch's). The first choice's output is
 checked against the op's contract (``moe_decode_agree``), the others'
-against its bits. "expert MB" is what gate/up
+against its bits. Repeated calls on one set of weights find them in the
+GPU's L2 cache (50 MB on an H200; a call reads 11 to 120 MB), which a decode
+step never does: each layer's experts are read once a token. With ``--cold
+N`` the timed calls cycle over N sets of weights and routing (N x 0.8 GB at
+the real shapes), so each call reads its experts from memory, as in a step. "expert MB" is what gate/up
 must read: the distinct experts the rows picked, and the shared expert, gate
 and up weights with their scales and biases.
 
@@ -65,15 +69,17 @@ def _expert_bytes(args, inds: mx.array) -> int:
     return len(set(np.array(inds).reshape(-1).tolist())) * per_expert + shared_bytes
 
 
-def _device_us(fn, rounds: int = ROUNDS) -> dict:
-    """{kernel family: device µs per call} over ``rounds`` calls, each evaluated alone."""
+def _device_us(fn, rounds: int = ROUNDS, sets: int = 1) -> dict:
+    """{kernel family: device µs per call} over ``rounds`` calls, each
+    evaluated alone; call i runs ``fn(i % sets)``."""
     from bench.gpu_time import kernel_times
 
-    mx.eval(fn())
+    for i in range(sets):
+        mx.eval(fn(i))
 
     def run():
-        for _ in range(rounds):
-            mx.eval(fn())
+        for i in range(rounds):
+            mx.eval(fn(i % sets))
 
     per = {}
     for name, times in kernel_times(run).items():
@@ -93,12 +99,13 @@ def variants(groups, launch: bool) -> dict:
     return out
 
 
-def sweep(batch: int, choices: dict, backend: str, dims, device_time: bool) -> dict:
+def sweep(batch: int, choices: dict, backend: str, dims, device_time: bool, cold: int = 0) -> dict:
     D, E, k, I, IS = dims
-    args, kwargs = moe_decode_inputs(D, E, k, I, IS, seed=batch, rows=batch)
+    sets = [moe_decode_inputs(D, E, k, I, IS, seed=batch + 1000 * i, rows=batch) for i in range(max(cold, 1))]
+    args, kwargs = sets[0]
     mx.eval(args[:4])
     _, inds, _ = decode.moe_decode_route_kernel.run_on(backend, *args[:2], *args[3:7])
-    row = {"batch": batch, "expert_bytes": _expert_bytes(args, inds), "groups": {}}
+    row = {"batch": batch, "expert_bytes": _expert_bytes(args, inds), "weight_sets": len(sets), "groups": {}}
     first_bits = None
     for label, setting in choices.items():
         saved = {name: getattr(decode, name) for name in setting}
@@ -106,8 +113,9 @@ def sweep(batch: int, choices: dict, backend: str, dims, device_time: bool) -> d
             for name, value in setting.items():
                 setattr(decode, name, value)
 
-            def fn():
-                return decode.moe_decode_kernel.run_on(backend, *args, **kwargs)
+            def fn(i=0):
+                set_args, set_kwargs = sets[i]
+                return decode.moe_decode_kernel.run_on(backend, *set_args, **set_kwargs)
 
             out = fn()
             mx.eval(out)
@@ -118,12 +126,12 @@ def sweep(batch: int, choices: dict, backend: str, dims, device_time: bool) -> d
                 row["contract"] = mismatch or "met"
             entry = {"same_bits": bool(np.array_equal(bits, first_bits))}
             if device_time:
-                per = _device_us(fn)
+                per = _device_us(fn, rounds=max(ROUNDS, 2 * len(sets)), sets=len(sets))
                 entry.update({"gate_up_us": per.get("gate_up"), "down_us": per.get("down"),
                               "chain_us": sum(per.values())})
                 entry["gate_up_gb_s"] = row["expert_bytes"] / entry["gate_up_us"] / 1e3 if entry["gate_up_us"] else None
             else:
-                entry["chain_us"] = 1e3 * time_in_graph(fn, (), {}, calls=8, graphs=5)
+                entry["chain_us"] = 1e3 * time_in_graph(lambda: fn(), (), {}, calls=8, graphs=5)
         except RuntimeError as exc:  # e.g. CUDA: too many registers for the threadgroup
             if first_bits is None:
                 raise
@@ -148,6 +156,8 @@ def markdown(record: dict) -> str:
     labels = list(record["rows"][0]["groups"]) if record["rows"] else []
     unit = "device µs of gate/up (GB/s of its expert bytes) / down / the chain" if device \
         else "whole chain µs, calls in one graph"
+    if record.get("cold"):
+        unit += f"; weights read from memory (calls cycle over {record['cold']} weight sets)"
     lines = [f"MoE decode launch choices; {unit}. Defaults: GROUP {record['default_group']}, "
              f"{record['defaults']}", "",
              "| B | expert MB | choice | " + ("gate/up | down | chain" if device else "chain") + " | same bits |",
@@ -182,6 +192,9 @@ def main(argv=None) -> int:
                         help="each kernel's device time (NVIDIA, needs PyTorch)")
     parser.add_argument("--launch", action="store_true",
                         help="also gate/up's SIMD groups and down's SIMD groups x rows per SIMD group")
+    parser.add_argument("--cold", type=int, default=0, metavar="N",
+                        help="cycle the timed calls over N sets of weights (about 0.8 GB each at the real shapes), "
+                             "so each call reads its experts from memory, not from the L2 cache")
     parser.add_argument("--dims", default=None, help=argparse.SUPPRESS)  # tests: "D,E,k,I,IS"
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
@@ -197,12 +210,14 @@ def main(argv=None) -> int:
     dims = tuple(int(v) for v in args.dims.split(",")) if args.dims else REAL_DIMS
     backend = sweep_backend(args.backend, args.device_time)
     choices = variants(groups, args.launch)
-    rows = [sweep(b, choices, backend, dims, args.device_time) for b in batches]
+    if args.cold < 0 or args.cold == 1:
+        parser.error(f"--cold {args.cold}: 0 (off) or at least 2 weight sets")
+    rows = [sweep(b, choices, backend, dims, args.device_time, args.cold) for b in batches]
     defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
                                                 "CUDA_DOWN_LAUNCH_FOR_BATCH")}
     record = {"when": now_iso(), "machine": machine_info(), "software": software_info(), "backend": backend,
               "dims": dict(zip(("D", "E", "k", "I", "IS"), dims)), "device_time": args.device_time,
-              "default_group": decode.GATE_UP_GROUP, "defaults": defaults, "groups": groups,
+              "cold": args.cold, "default_group": decode.GATE_UP_GROUP, "defaults": defaults, "groups": groups,
               "choices": choices, "rows": rows}
     write_json(args.out, "moe-decode-sweep.json", record)
     write_report(args.out, "moe-decode-sweep.md", markdown(record))
