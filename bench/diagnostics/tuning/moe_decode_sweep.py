@@ -5,7 +5,8 @@ time (``kernels/moe/decode.py``, ``GATE_UP_GROUP``): each pass keeps that many
 rows' accumulators in registers and reads the expert's rows again, so the
 choice trades registers a lane (threadgroups resident on a core) against
 passes. With ``--launch`` the tool also tries gate/up's SIMD groups per
-threadgroup and down's SIMD groups and output rows per SIMD group
+threadgroup (only route's norm's, the default, takes route into gate/up's
+launch for a few rows; "route apart" keeps two launches there) and down's SIMD groups and output rows per SIMD group
 (``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``; each at
 every B, where the default row takes down's by-B choice on CUDA,
 ``CUDA_DOWN_LAUNCH_FOR_BATCH``). Every
@@ -94,6 +95,10 @@ def variants(groups, launch: bool) -> dict:
     out = {f"group {g}": {"GATE_UP_GROUP": g} for g in groups}
     if launch:
         out.update({f"gate_up sg {n}": {"GATE_UP_SIMD_GROUPS": n} for n in decode.SIMD_GROUP_CHOICES})
+        # Route apart: gate/up at its default SIMD groups, two launches even
+        # where the default takes route into gate/up (B <= ROUTED_MAX_ROWS);
+        # the other SIMD groups always take two.
+        out["route apart"] = {"ROUTED_MAX_ROWS": 0}
         out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r, "DOWN_BY_BATCH": False}
                     for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
     return out

@@ -75,9 +75,13 @@ GATE_UP_GROUP = 1
 # (moe_decode_route_gate_up.metal.h): one stream's decode step and a
 # speculative round's verification of up to 4 positions, one launch fewer
 # per layer. Each threadgroup then redoes every row's top-k and norm, so
-# larger batches keep the two launches. The same bits either way. H200, one
-# row: 40.85 us against 39.6 for the two launches
-# (bench/results/2026-12-03-nvidia-h200-fd51da6).
+# larger batches keep the two launches. The same bits either way. H200, in a
+# decode step at B = 1 (bench/results/2026-12-03-nvidia-h200-b941f9d): the one
+# launch is 34 us of device time a layer, the two 16 us (route 6.8, gate/up
+# 9.4 at 4 SIMD groups), yet the step with the two launches (40 more a token)
+# took 7.8 ms a token against 5.7: the host, not the GPU, bounds one stream
+# there. A cheaper prologue (fewer threadgroups each redoing it)
+# is the open lever.
 ROUTED_MAX_ROWS = 4
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
