@@ -220,6 +220,10 @@ def test_gate_up_gives_the_same_bits_whatever_rows_a_pass_it_takes(group, monkey
     {"GATE_UP_SIMD_GROUPS": 4}, {"GATE_UP_SIMD_GROUPS": 16, "GATE_UP_GROUP": 2},
     {"DOWN_SIMD_GROUPS": 4, "DOWN_ROWS_PER_SG": 1}, {"DOWN_SIMD_GROUPS": 16, "DOWN_ROWS_PER_SG": 8},
     {"DOWN_SIMD_GROUPS": 2, "DOWN_ROWS_PER_SG": 2},
+    # Hidden rows per SIMD group of gate/up: the routed launch's (b3: three
+    # rows, one launch) and the two launches' (b16_k8).
+    {"ROUTED_ROWS_PER_SG": 4}, {"GATE_UP_ROWS_PER_SG": 2},
+    {"ROUTED_ROWS_PER_SG": 8, "GATE_UP_ROWS_PER_SG": 8, "GATE_UP_SIMD_GROUPS": 4},
     # CUDA's choices by B (CUDA_DOWN_LAUNCH_FOR_BATCH).
     {"DOWN_SIMD_GROUPS": 16, "DOWN_ROWS_PER_SG": 4}, {"DOWN_SIMD_GROUPS": 4, "DOWN_ROWS_PER_SG": 4},
 ])
@@ -231,7 +235,8 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
     emulator_or_skip()
     for name, value in setting.items():
         assert value in (decode.GATE_UP_GROUPS if name == "GATE_UP_GROUP" else decode.DOWN_ROWS_CHOICES
-                         if name == "DOWN_ROWS_PER_SG" else decode.SIMD_GROUP_CHOICES)
+                         if name == "DOWN_ROWS_PER_SG" else decode.ROWS_PER_SG_CHOICES
+                         if name.endswith("ROWS_PER_SG") else decode.SIMD_GROUP_CHOICES)
         monkeypatch.setattr(decode, name, value)
     for name in ("b3", "b16_k8"):
         got = moe_decode_kernel.emulate(*fixture_call(name))

@@ -248,17 +248,20 @@ def test_the_mtp_loop_drafts_in_one_call_where_the_head_s_rows_path_takes_them(e
     assert out == greedy and calls and set(calls) == {2}
 
 
-def test_one_stream_s_decode_rows_take_the_head_gemv_on_cuda_only(emulated, monkeypatch):
+def test_one_stream_s_decode_rows_take_the_head_gemv_only_where_asked(emulated, monkeypatch):
     # One stream's rows (generate's token, a pass's positions, a draft) take
-    # lily's head GEMV where it is measured faster (CUDA), stock's head
-    # elsewhere; a decode step and a pass decide alike. The server's batch
-    # caches take it everywhere (batch invariance).
+    # stock's head, whose greedy tokens the GEMV's other summing order can
+    # change; lily's head GEMV only on a GPU named in ONE_STREAM_BACKENDS. A
+    # decode step and a pass decide alike. The server's batch caches take it
+    # everywhere (batch invariance).
     from mlx_lily.layers import language_model as lm
 
     model = emulated["model"]
     language = model.language_model
     D = language.args.hidden_size
     cache = _prefilled(model)
+    assert lm.ONE_STREAM_BACKENDS == ()
+    monkeypatch.setattr(lm, "ONE_STREAM_BACKENDS", ("cuda",))
     for backend, takes in (("cuda", True), ("metal", False), ("emulator", False), (None, False)):
         monkeypatch.setattr(lm, "kernel_backend", lambda backend=backend: (backend, backend))
         for rows in (1, 4):

@@ -7,16 +7,17 @@ weights once per row (four 286 MB reads for a 4-position verification pass
 on the H200: 1,118 us against 294 on lily's GEMV). For decode rows (1 to 16
 rows of one position each) lily runs the head on its quantized GEMV instead,
 which reads the weights once for all rows and reduces every row in the same
-order whatever the batch: a decode token of ``mlx_lm.generate``'s caches, a
-token of the server's batch caches, the MTP loop's drafts and the rows of a
-verification pass (``mtp_decode``), so one stream's logits have the same
-bits in each. A head sharded by mlx-lm's ``shard()`` (a
+order whatever the batch: a token of the server's batch caches (and, where
+``ONE_STREAM_BACKENDS`` names the GPU, one stream's decode rows: a token of
+``mlx_lm.generate``'s caches, the MTP loop's drafts and the rows of a
+verification pass, ``mtp_decode``, whose logits then have the same bits in
+each). A head sharded by mlx-lm's ``shard()`` (a
 ``QuantizedAllToShardedLinear``: the rank's slice of the vocabulary) runs
 the same GEMV on the slice, then stock's ``gather_last_axis`` (sharded.py).
 Everything else (prompts, calls without a cache, a batch cache of another
 row count, tied embeddings, ``MLX_LILY_SHARDED=0``) is stock's code, and so
-is one stream's head on GPUs where lily's GEMV has not been measured faster
-(``ONE_STREAM_BACKENDS``).
+is one stream's head (``ONE_STREAM_BACKENDS``: its greedy tokens stay
+stock's head's).
 """
 
 from __future__ import annotations
@@ -37,14 +38,18 @@ from .stock_gate import record
 
 
 # Where one stream's decode rows (``mlx_lm.generate``'s tokens, the MTP
-# loop's drafts and verification rows) take lily's head GEMV: on the H200 it
-# ran the 248,320 x 2048 head in 233.5 us against stock's 283.5 at one row,
-# 293.8 against 1,117.7 at four (bench/results/2026-12-03-nvidia-h200-2b882a1).
-# Elsewhere (Metal, not yet measured there; the CPU) one stream keeps
-# stock's head; the server's batch caches take the GEMV everywhere (batch
-# invariance). A decode step and a verification pass decide alike, so a
-# pass's rows keep a decode step's bits either way.
-ONE_STREAM_BACKENDS = ("cuda",)
+# loop's drafts and verification rows) take lily's head GEMV: nowhere. On the
+# H200 it ran the 248,320 x 2048 head in 233.5 us against stock's 283.5 at
+# one row, 293.8 against 1,117.7 at four
+# (bench/results/2026-12-03-nvidia-h200-2b882a1), but it sums each logit in
+# another order than stock's head, and on the conditioned checkpoint that
+# changed generate's greedy tokens from the ninth on
+# (bench/results/2026-12-03-nvidia-h200-b941f9d): one stream keeps stock's
+# head, and its tokens. ("cuda" here turns it on there.) The server's batch
+# caches take the GEMV everywhere (batch invariance). A decode step and a
+# verification pass decide alike, so a pass's rows keep a decode step's bits
+# either way.
+ONE_STREAM_BACKENDS: tuple = ()
 
 
 def _plain_head(head: Any, sharded: bool) -> bool:

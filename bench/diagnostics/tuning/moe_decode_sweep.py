@@ -6,7 +6,9 @@ rows' accumulators in registers and reads the expert's rows again, so the
 choice trades registers a lane (threadgroups resident on a core) against
 passes. With ``--launch`` the tool also tries gate/up's SIMD groups per
 threadgroup (only route's norm's, the default, takes route into gate/up's
-launch for a few rows; "route apart" keeps two launches there) and down's SIMD groups and output rows per SIMD group
+launch for a few rows; "route apart" keeps two launches there), hidden rows
+per SIMD group of the routed launch ("routed rows N") and of gate/up's own
+(two launches), and down's SIMD groups and output rows per SIMD group
 (``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``; each at
 every B, where the default row takes down's by-B choice on CUDA,
 ``CUDA_DOWN_LAUNCH_FOR_BATCH``). Every
@@ -99,6 +101,9 @@ def variants(groups, launch: bool) -> dict:
         # where the default takes route into gate/up (B <= ROUTED_MAX_ROWS);
         # the other SIMD groups always take two.
         out["route apart"] = {"ROUTED_MAX_ROWS": 0}
+        out.update({f"routed rows {n}": {"ROUTED_ROWS_PER_SG": n} for n in decode.ROWS_PER_SG_CHOICES if n > 1})
+        out.update({f"gate_up rows {n}": {"GATE_UP_ROWS_PER_SG": n, "ROUTED_MAX_ROWS": 0}
+                    for n in decode.ROWS_PER_SG_CHOICES if n > 1})
         out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r, "DOWN_BY_BATCH": False}
                     for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
     return out
@@ -218,7 +223,8 @@ def main(argv=None) -> int:
     if args.cold < 0 or args.cold == 1:
         parser.error(f"--cold {args.cold}: 0 (off) or at least 2 weight sets")
     rows = [sweep(b, choices, backend, dims, args.device_time, args.cold) for b in batches]
-    defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
+    defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "GATE_UP_ROWS_PER_SG", "ROUTED_ROWS_PER_SG",
+                                                "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
                                                 "CUDA_DOWN_LAUNCH_FOR_BATCH")}
     record = {"when": now_iso(), "machine": machine_info(), "software": software_info(), "backend": backend,
               "dims": dict(zip(("D", "E", "k", "I", "IS"), dims)), "device_time": args.device_time,

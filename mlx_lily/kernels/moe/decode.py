@@ -48,6 +48,12 @@ ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
 # threadgroup, a hidden row of one expert each. Down: SIMD groups per
 # threadgroup and output rows per SIMD group (its weights held in registers).
 GATE_UP_SIMD_GROUPS = 8
+# Gate/up's hidden rows per SIMD group: as two launches, and as the routed
+# one (a few rows, ROUTED_MAX_ROWS), whose every threadgroup first redoes
+# every row's top-k and norm, so fewer, longer threadgroups cost fewer redos.
+GATE_UP_ROWS_PER_SG = 1
+ROUTED_ROWS_PER_SG = 1
+ROWS_PER_SG_CHOICES = (1, 2, 4, 8)
 DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG = 8, 4
 SIMD_GROUP_CHOICES = (2, 4, 8, 16)
 DOWN_ROWS_CHOICES = (1, 2, 4, 8)
@@ -232,14 +238,16 @@ def _launch_gate_up(xn, inds, switch_mlp, shared_expert) -> Launch:
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
+    rows_per_tg = GATE_UP_SIMD_GROUPS * GATE_UP_ROWS_PER_SG
     return Launch(
         inputs=[xn, inds, gw, gs, gb, uw, us, ub, sgw, sgs, sgb, suw, sus, sub],
-        grid=(math.ceil(IMAX / GATE_UP_SIMD_GROUPS) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
+        grid=(math.ceil(IMAX / rows_per_tg) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
         threadgroup=(GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, k + 1, IMAX)],
         output_dtypes=[xn.dtype],
         template=[("T", xn.dtype), ("E", gw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
-                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS)],
+                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS),
+                  ("ROWS", GATE_UP_ROWS_PER_SG)],
         finish=lambda outputs: outputs[0],
     )
 
@@ -267,16 +275,18 @@ def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_p
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
+    rows_per_tg = GATE_UP_SIMD_GROUPS * ROUTED_ROWS_PER_SG
     return Launch(
         inputs=[h, router_logits, norm_weight, _eps_array(float(eps)), gw, gs, gb, uw, us, ub,
                 sgw, sgs, sgb, suw, sus, sub],
-        grid=(math.ceil(IMAX / GATE_UP_SIMD_GROUPS) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
+        grid=(math.ceil(IMAX / rows_per_tg) * GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1 + B * k, 1),
         threadgroup=(GATE_UP_SIMD_GROUPS * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, k + 1, IMAX), (B, k), (B, k)],
         output_dtypes=[h.dtype, mx.uint32, h.dtype],
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
                   ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
-                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS)],
+                  ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS),
+                  ("ROWS", ROUTED_ROWS_PER_SG)],
         finish=tuple,
     )
 
