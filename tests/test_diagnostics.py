@@ -289,6 +289,15 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
     assert cold["weight_sets"] == 2 and cold["contract"] == "met" and cold["groups"]["group 1"]["chain_us"] > 0
     with pytest.raises(SystemExit):
         moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--cold", "1"])
+    # --only: the choices whose labels start with the prefixes given.
+    code = moe_decode_sweep.main(["--out", str(tmp_path / "only"), "--backend", "emulator", "--dims",
+                                  "128,16,3,64,128", "--batch", "2", "--groups", "1", "--launch",
+                                  "--only", "group 1,routed rows 2"])
+    assert code == 0
+    only = json.loads((tmp_path / "only" / "moe-decode-sweep.json").read_text())
+    assert list(only["rows"][0]["groups"]) == ["group 1", "routed rows 2"]
+    with pytest.raises(SystemExit):
+        moe_decode_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--launch", "--only", "nothing"])
     # Five rows pick more distinct experts than one: more bytes to read.
     assert record["rows"][1]["expert_bytes"] > record["rows"][0]["expert_bytes"]
     assert "| 5 |" in (tmp_path / "moe-decode-sweep.md").read_text()

@@ -16,7 +16,8 @@ choice gives every row the same bits; this tool checks that on the device
 and times each, per batch size B (server decode batches, the verification
 pass's positions):
 
-    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time] [--launch] [--cold N]
+    python3 -m bench.diagnostics.tuning.moe_decode_sweep --out DIR [--batch 1,4,8,16] [--device-time] [--launch]
+        [--cold N] [--only PREFIXES]
 
 Random weights at the real Qwen3.6-35B-A3B MoE shapes (hidden 2048, 256
 experts, top 8, expert and shared hidden 512; 4-bit group 64), one call of
@@ -202,6 +203,9 @@ def main(argv=None) -> int:
                         help="each kernel's device time (NVIDIA, needs PyTorch)")
     parser.add_argument("--launch", action="store_true",
                         help="also gate/up's SIMD groups and down's SIMD groups x rows per SIMD group")
+    parser.add_argument("--only", default=None, metavar="PREFIXES",
+                        help="comma-separated label prefixes: time only the choices whose labels start with one "
+                             "(e.g. 'group 1,routed rows'); the first listed choice is the reference")
     parser.add_argument("--cold", type=int, default=0, metavar="N",
                         help="cycle the timed calls over N sets of weights (about 0.8 GB each at the real shapes), "
                              "so each call reads its experts from memory, not from the L2 cache")
@@ -220,6 +224,11 @@ def main(argv=None) -> int:
     dims = tuple(int(v) for v in args.dims.split(",")) if args.dims else REAL_DIMS
     backend = sweep_backend(args.backend, args.device_time)
     choices = variants(groups, args.launch)
+    if args.only:
+        prefixes = [p.strip() for p in args.only.split(",") if p.strip()]
+        choices = {label: c for label, c in choices.items() if any(label.startswith(p) for p in prefixes)}
+        if not choices:
+            parser.error(f"--only {args.only}: no choice's label starts with these (see --launch's labels)")
     if args.cold < 0 or args.cold == 1:
         parser.error(f"--cold {args.cold}: 0 (off) or at least 2 weight sets")
     rows = [sweep(b, choices, backend, dims, args.device_time, args.cold) for b in batches]
