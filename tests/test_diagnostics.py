@@ -277,13 +277,13 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
     assert decode.DOWN_BY_BATCH is True
     # "route apart": the default SIMD groups, route and gate/up as two launches at every B.
     assert choices["route apart"] == {"ROUTED_MAX_ROWS": 0}
-    assert choices["routed rows 4"] == {"ROUTED_ROWS_PER_SG": 4}
+    assert choices["routed rows 4"] == {"ROUTED_ROWS_PER_SG": 4, "ROUTED_ROWS_BY_BATCH": False}
     assert choices["gate_up rows 2"] == {"GATE_UP_ROWS_PER_SG": 2, "ROUTED_MAX_ROWS": 0}
     apart = moe_decode_sweep.sweep(2, {label: choices[label] for label in ("group 1", "route apart", "routed rows 8")},
                                    "emulator",
                                    (128, 16, 3, 64, 128), False)
     assert all(e["same_bits"] for e in apart["groups"].values()) and decode.ROUTED_MAX_ROWS == 4
-    assert decode.ROUTED_ROWS_PER_SG == 1
+    assert decode.ROUTED_ROWS_PER_SG == 1 and decode.ROUTED_ROWS_BY_BATCH is True
     # --cold: the timed calls cycle over weight sets; the first set is checked as before.
     cold = moe_decode_sweep.sweep(2, {"group 1": choices["group 1"]}, "emulator", (128, 16, 3, 64, 128), False, cold=2)
     assert cold["weight_sets"] == 2 and cold["contract"] == "met" and cold["groups"]["group 1"]["chain_us"] > 0

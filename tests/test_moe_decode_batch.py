@@ -244,6 +244,23 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
 
 
+def test_the_routed_launch_takes_cudas_rows_per_simd_group_by_batch(monkeypatch):
+    # On CUDA the routed launch (a few rows) takes its hidden rows per SIMD
+    # group by B (CUDA_ROUTED_ROWS_FOR_BATCH); the recorded bits either way.
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    assert [decode.routed_rows_per_sg(b, "cuda") for b in (1, 3, 4)] == [1, 1, 2]
+    assert [decode.routed_rows_per_sg(b, "metal") for b in (1, 4)] == [decode.ROUTED_ROWS_PER_SG] * 2
+    monkeypatch.setattr(decode, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(decode, "CUDA_ROUTED_ROWS_FOR_BATCH", ((3, 4), (1, 1)))  # b3: three rows, 4 a SIMD group
+    got = moe_decode_kernel.emulate(*fixture_call("b3"))
+    mx.eval(got)
+    assert np.array_equal(bits(got), np.load(DATA / "moe_decode_b3.npy"))
+    monkeypatch.setattr(decode, "ROUTED_ROWS_BY_BATCH", False)
+    assert decode.routed_rows_per_sg(4, "cuda") == decode.ROUTED_ROWS_PER_SG
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("D, E, k, I, IS, dtype", [
     (192, 24, 3, 64, 128, mx.bfloat16), (128, 13, 1, 64, 192, mx.bfloat16), (64, 40, 8, 64, 64, mx.float16),

@@ -102,7 +102,8 @@ def variants(groups, launch: bool) -> dict:
         # where the default takes route into gate/up (B <= ROUTED_MAX_ROWS);
         # the other SIMD groups always take two.
         out["route apart"] = {"ROUTED_MAX_ROWS": 0}
-        out.update({f"routed rows {n}": {"ROUTED_ROWS_PER_SG": n} for n in decode.ROWS_PER_SG_CHOICES if n > 1})
+        out.update({f"routed rows {n}": {"ROUTED_ROWS_PER_SG": n, "ROUTED_ROWS_BY_BATCH": False}
+                    for n in decode.ROWS_PER_SG_CHOICES})
         out.update({f"gate_up rows {n}": {"GATE_UP_ROWS_PER_SG": n, "ROUTED_MAX_ROWS": 0}
                     for n in decode.ROWS_PER_SG_CHOICES if n > 1})
         out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r, "DOWN_BY_BATCH": False}
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
         parser.error(f"--cold {args.cold}: 0 (off) or at least 2 weight sets")
     rows = [sweep(b, choices, backend, dims, args.device_time, args.cold) for b in batches]
     defaults = {n: getattr(decode, n) for n in ("GATE_UP_SIMD_GROUPS", "GATE_UP_ROWS_PER_SG", "ROUTED_ROWS_PER_SG",
-                                                "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
+                                                "CUDA_ROUTED_ROWS_FOR_BATCH", "DOWN_SIMD_GROUPS", "DOWN_ROWS_PER_SG",
                                                 "CUDA_DOWN_LAUNCH_FOR_BATCH")}
     record = {"when": now_iso(), "machine": machine_info(), "software": software_info(), "backend": backend,
               "dims": dict(zip(("D", "E", "k", "I", "IS"), dims)), "device_time": args.device_time,

@@ -50,9 +50,18 @@ ROUTE_THREADS = (1 + ROUTE_NORM_SG) * SIMD_WIDTH
 GATE_UP_SIMD_GROUPS = 8
 # Gate/up's hidden rows per SIMD group: as two launches, and as the routed
 # one (a few rows, ROUTED_MAX_ROWS), whose every threadgroup first redoes
-# every row's top-k and norm, so fewer, longer threadgroups cost fewer redos.
+# every row's top-k and norm. Every choice gives a row the same bits. The
+# routed launch on CUDA by B (while ROUTED_ROWS_BY_BATCH; the sweep's
+# choices turn it off): (at least B, rows per SIMD group). Device µs with
+# the weights read from memory on the H200 (moe_decode_sweep --cold 8,
+# bench/results/2026-12-03-nvidia-h200-1428e8a), rows 1 / 2 / 4 / 8: B = 1
+# 34.3 / 35.9 / 40.1 / 42.5; B = 4 102.9 / 72.9 / 77.5 / 118.4. B = 2 and 3
+# were not timed. Elsewhere (Metal, not measured; the emulator)
+# ROUTED_ROWS_PER_SG at every B.
 GATE_UP_ROWS_PER_SG = 1
 ROUTED_ROWS_PER_SG = 1
+CUDA_ROUTED_ROWS_FOR_BATCH = ((4, 2), (1, 1))
+ROUTED_ROWS_BY_BATCH = True
 ROWS_PER_SG_CHOICES = (1, 2, 4, 8)
 DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG = 8, 4
 SIMD_GROUP_CHOICES = (2, 4, 8, 16)
@@ -262,6 +271,16 @@ def down_launch(batch: int, backend: Optional[str]) -> Tuple[int, int]:
     return DOWN_SIMD_GROUPS, DOWN_ROWS_PER_SG
 
 
+def routed_rows_per_sg(batch: int, backend: Optional[str]) -> int:
+    """Hidden rows per SIMD group of the routed gate/up launch for ``batch``
+    rows on ``backend`` (CUDA_ROUTED_ROWS_FOR_BATCH)."""
+    if backend == "cuda" and ROUTED_ROWS_BY_BATCH:
+        for at_least, rows in CUDA_ROUTED_ROWS_FOR_BATCH:
+            if batch >= at_least:
+                return rows
+    return ROUTED_ROWS_PER_SG
+
+
 def routes_in_gate_up(rows: int) -> bool:
     """Whether a call of ``rows`` rows takes route and gate/up as one launch
     (``moe_decode_route_gate_up_kernel``): a few rows, and gate/up's SIMD
@@ -275,7 +294,8 @@ def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_p
     I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
     (gw, gs, gb), (uw, us, ub), _ = _parts(switch_mlp)
     (sgw, sgs, sgb), (suw, sus, sub), _ = _parts(shared_expert)
-    rows_per_tg = GATE_UP_SIMD_GROUPS * ROUTED_ROWS_PER_SG
+    rows_per_sg = routed_rows_per_sg(B, gpu_backend())
+    rows_per_tg = GATE_UP_SIMD_GROUPS * rows_per_sg
     return Launch(
         inputs=[h, router_logits, norm_weight, _eps_array(float(eps)), gw, gs, gb, uw, us, ub,
                 sgw, sgs, sgb, suw, sus, sub],
@@ -286,7 +306,7 @@ def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_p
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
                   ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
                   ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS),
-                  ("ROWS", ROUTED_ROWS_PER_SG)],
+                  ("ROWS", rows_per_sg)],
         finish=tuple,
     )
 
