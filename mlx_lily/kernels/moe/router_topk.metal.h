@@ -21,7 +21,11 @@
 // PICK and WEIGHT keep their values. Lane l holds experts l, l + 32, l + 64,
 // ... in registers (VALS of them), so the loads of a row are coalesced and
 // the softmax needs one simd_max and one simd_sum. Each of the K rounds is a
-// SIMD argmax: the largest rank, then the largest expert index holding it.
+// SIMD argmax: the largest rank, then the largest expert index holding it,
+// taken as one butterfly over (rank, index) pairs (an order on pairs, so
+// every lane ends with the same pair): five exchanges of two independent
+// shuffles each, not a max of ranks and then a max of indices (ten
+// exchanges, each waiting on the one before).
 //
 // Ranks: a probability's rounded value (>= 0); below them NaN's rank (-0.5),
 // then -1, which marks experts already picked and the padding slots of lanes
@@ -63,8 +67,16 @@
           lily_best_expert = lily_j * 32u + (LANE);                                          \
         }                                                                                    \
       }                                                                                      \
-      float lily_top = simd_max(lily_best);                                                  \
-      uint lily_pick = simd_max(lily_best == lily_top ? lily_best_expert : 0u);              \
+      float lily_top = lily_best;                                                            \
+      uint lily_pick = lily_best_expert;                                                     \
+      for (uint lily_o = 16u; lily_o > 0u; lily_o >>= 1u) {                                  \
+        const float lily_other = simd_shuffle_xor(lily_top, lily_o);                         \
+        const uint lily_other_pick = simd_shuffle_xor(lily_pick, lily_o);                    \
+        const bool lily_take = lily_other > lily_top ||                                      \
+                               (lily_other == lily_top && lily_other_pick > lily_pick);      \
+        lily_top = lily_take ? lily_other : lily_top;                                        \
+        lily_pick = lily_take ? lily_other_pick : lily_pick;                                 \
+      }                                                                                      \
       for (int lily_j = 0; lily_j < (VALS); ++lily_j) {                                      \
         if (lily_j * 32u + (LANE) == lily_pick) {                                            \
           lily_rank[lily_j] = -1.0f;                                                         \
