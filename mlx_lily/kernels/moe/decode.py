@@ -95,8 +95,8 @@ GATE_UP_GROUP = 1
 # launch is 34 us of device time a layer, the two 16 us (route 6.8, gate/up
 # 9.4 at 4 SIMD groups), yet the step with the two launches (40 more a token)
 # took 7.8 ms a token against 5.7: the host, not the GPU, bounds one stream
-# there. A cheaper prologue (fewer threadgroups each redoing it)
-# is the open lever.
+# there. A faster prologue (its top-k before the loads) is the open lever;
+# fewer threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG).
 ROUTED_MAX_ROWS = 4
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
