@@ -32,8 +32,8 @@ against its bits. Repeated calls on one set of weights find them in the
 GPU's L2 cache (50 MB on an H200; a call reads 11 to 120 MB), which a decode
 step never does: each layer's experts are read once a token. With ``--cold
 N`` the timed calls cycle over N sets of weights and routing (N x 0.8 GB at
-the real shapes), so each call reads its experts from memory, as in a step. "expert MB" is what gate/up
-must read: the distinct experts the rows picked, and the shared expert, gate
+the real shapes), so each call reads its experts from memory, as in a step.
+"expert MB" is what gate/up must read: the distinct experts the rows picked, and the shared expert, gate
 and up weights with their scales and biases.
 
 Writes DIR/moe-decode-sweep.json and DIR/moe-decode-sweep.md.
@@ -203,10 +203,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device-time", action="store_true",
                         help="each kernel's device time (NVIDIA, needs PyTorch)")
     parser.add_argument("--launch", action="store_true",
-                        help="also gate/up's SIMD groups and down's SIMD groups x rows per SIMD group")
+                        help="also gate/up's SIMD groups and hidden rows per SIMD group, route apart, and down's "
+                             "SIMD groups x rows per SIMD group")
     parser.add_argument("--only", default=None, metavar="PREFIXES",
                         help="comma-separated label prefixes: time only the choices whose labels start with one "
-                             "(e.g. 'group 1,routed rows'); the first listed choice is the reference")
+                             "(e.g. 'group 1,routed rows'); the first of them in the sweep's order is the reference")
     parser.add_argument("--cold", type=int, default=0, metavar="N",
                         help="cycle the timed calls over N sets of weights (about 0.8 GB each at the real shapes), "
                              "so each call reads its experts from memory, not from the L2 cache")
