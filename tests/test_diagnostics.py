@@ -341,3 +341,31 @@ def test_host_placement_reads_the_topology_and_times_each_placement(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert all(float(v) > 0 for v in cells[2:5])
     assert cells[5] == cells[1]  # the decoding thread ran only where it was pinned
+
+
+def test_kernel_resources_reads_mlx_s_cache_listing_and_says_what_it_needs(tmp_path, capsys, monkeypatch):
+    """The PTX cache's ``<module>.txt`` lists ``name<TAB>mangled`` per kernel
+    beside ``<module>.ptx``; modules are chosen by name, a listing without
+    its binary is skipped, and without a CUDA driver the tool exits 2 saying so."""
+    import ctypes
+
+    from bench.diagnostics.tuning import kernel_resources
+
+    (tmp_path / "moe_decode_route_gate_up_abc.txt").write_text("k1\t_Z2k1v\nk2\t_Z2k2v\n")
+    (tmp_path / "moe_decode_route_gate_up_abc.ptx").write_bytes(b"binary")
+    (tmp_path / "rms_norm_def.txt").write_text("n\t_Z1nv\n")
+    (tmp_path / "rms_norm_def.ptx").write_bytes(b"binary")
+    (tmp_path / "orphan_moe_decode.txt").write_text("o\t_Z1ov\n")  # no .ptx beside it
+    picked = list(kernel_resources.cached_kernels(tmp_path, ["moe_decode"]))
+    assert [(p.name, n, m) for p, n, m in picked] == [
+        ("moe_decode_route_gate_up_abc.ptx", "k1", "_Z2k1v"), ("moe_decode_route_gate_up_abc.ptx", "k2", "_Z2k2v")]
+    assert len(list(kernel_resources.cached_kernels(tmp_path, []))) == 3
+
+    def no_driver(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    assert kernel_resources.main(["--cache-dir", str(tmp_path)]) == 2
+    assert "needs the CUDA driver" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        kernel_resources.main(["--cache-dir", str(tmp_path / "missing")])
