@@ -206,9 +206,11 @@ class Server:
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.engine} server exited early; see {self.log_path}")
+            # /health, not /v1/models: where no Hugging Face cache folder
+            # exists, the models list leaves a traceback in the server's log.
             try:
                 conn = http.client.HTTPConnection(HOST, self.port, timeout=5)
-                conn.request("GET", "/v1/models")
+                conn.request("GET", "/health")
                 ok = conn.getresponse().status == 200
                 conn.close()
                 if ok:

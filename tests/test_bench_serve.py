@@ -15,6 +15,9 @@ from bench import serve
 
 def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("MLX_LM_BACKEND", raising=False)
+    # No Hugging Face cache folder (a fresh machine): the bench's wait for the
+    # servers leaves no traceback in their logs (/v1/models would).
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
     code = serve.main([
         "--model", str(demo_checkpoint), "--concurrency", "1,3", "--prompt-tokens", "24",
         "--max-tokens", "6", "--out", str(tmp_path), "--budget-s", "300",
@@ -29,6 +32,7 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     for engine in ("lily", "mlx"):
         e = report["engines"][engine]
         assert not e.get("error") and not e["skipped"], e
+        assert "Traceback" not in (tmp_path / f"server-{engine}.log").read_text()
         alone, three = e["waves"]["1"], e["waves"]["3"]
         assert len(alone["streams"]) == 3 and len(three["streams"]) == 3
         assert not alone["errors"] and not three["errors"]
