@@ -33,7 +33,7 @@ from bench.counts import CUSTOM_KERNEL_PREFIX, _tree_bytes, count_nodes, trace, 
 # Lily's batched decode kernels whose weight or KV reads follow the rows' picks
 # or spans: name -> positions of those inputs.
 UNION_KERNELS = {"moe_decode_gate_up": range(2, 8), "moe_decode_route_gate_up": range(4, 10),
-                 "moe_decode_down": range(4, 7)}
+                 "moe_decode_down": range(4, 7), "moe_decode_down_combine": range(5, 8)}
 SPAN_KERNELS = {"attention_decode": (1, 2)}
 
 
@@ -50,7 +50,7 @@ def _custom_name(node: Dict[str, Any]) -> str:
 
 def _which(node: Dict[str, Any], table: Dict[str, Any]) -> str:
     built = _custom_name(node)
-    for name in table:
+    for name in sorted(table, key=len, reverse=True):  # the longest first: one name may extend another
         if built == name or built.startswith(name + "_"):
             return name
     return ""

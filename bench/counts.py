@@ -91,6 +91,8 @@ GATHERED_KERNEL_INPUTS: Dict[str, Tuple[Tuple[str, int], Sequence[int]]] = {
     # entries, exact for one row; bench/batch_counts.py counts the union).
     "moe_decode_gate_up": (("inputs", 1), range(2, 8)),
     "moe_decode_down": (("inputs", 1), range(4, 7)),
+    # Down and the combine as one launch (one row): its picks are input 2.
+    "moe_decode_down_combine": (("inputs", 2), range(5, 8)),
     # Route and gate/up as one launch (a few rows): its picks are an output.
     "moe_decode_route_gate_up": (("outputs", 1), range(4, 10)),
 }
@@ -132,7 +134,8 @@ def _kernel_name(node: Node) -> Optional[str]:
         a = stack.pop(0)
         if isinstance(a, str):
             built = a[len(CUSTOM_KERNEL_PREFIX):] if a.startswith(CUSTOM_KERNEL_PREFIX) else a
-            for name in GATHERED_KERNEL_INPUTS:
+            # The longest name first: moe_decode_down_combine_<digest> is not moe_decode_down's.
+            for name in sorted(GATHERED_KERNEL_INPUTS, key=len, reverse=True):
                 if built == name or built.startswith(name + "_"):
                     return name
             return None

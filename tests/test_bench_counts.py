@@ -74,7 +74,11 @@ def _custom_kernel_node_counts(name, inputs, output_shapes, output_dtypes):
 
 def test_moe_decode_kernels_read_only_the_experts_they_pick():
     # One row: its k picks are the experts the kernels walk (B x k entries).
-    from mlx_lily.kernels.moe.decode import moe_decode_down_kernel, moe_decode_gate_up_kernel
+    from mlx_lily.kernels.moe.decode import (
+        moe_decode_down_combine_kernel,
+        moe_decode_down_kernel,
+        moe_decode_gate_up_kernel,
+    )
 
     E, I, D, k = 16, 64, 128, 4
     experts = lambda cols, dtype: mx.zeros((E, I, cols), dtype)  # noqa: E731
@@ -89,10 +93,13 @@ def test_moe_decode_kernels_read_only_the_experts_they_pick():
                    mx.zeros((D, I // 64), mx.bfloat16)]
     down_in = [mx.zeros((1, k + 1, I), mx.bfloat16), inds, mx.zeros((1, k), mx.bfloat16),
                mx.zeros((1, 1, 1), mx.bfloat16), *down_w, *shared_down]
-    _evaluated(*gate_up_in, *down_in)
+    # Down and the combine as one launch: h first, then down's inputs.
+    down_combine_in = [mx.zeros((1, 1, D), mx.bfloat16), *down_in]
+    _evaluated(*gate_up_in, *down_combine_in)
     cases = [
         (moe_decode_gate_up_kernel, gate_up_in, [(1, k + 1, I)], [mx.bfloat16], weights),
         (moe_decode_down_kernel, down_in, [(1, k + 1, D)], [mx.bfloat16], down_w),
+        (moe_decode_down_combine_kernel, down_combine_in, [(1, 1, D)], [mx.bfloat16], down_w),
     ]
     for kernel, inputs, shapes, dtypes, gathered in cases:
         ours = _custom_kernel_node_counts(kernel.backend_name("metal"), inputs, shapes, dtypes)

@@ -229,6 +229,12 @@ def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
         # The no-residual form (a tensor-parallel rank's partial sum).
         units[f"combine_partial_{tag}"] = moe_decode_combine_kernel.cuda_translation_unit(
             h, mx.zeros((1, k + 1, D), dt), False)
+        # Down and the combine as one launch (one row), with and without the residual.
+        for residual in (True, False):
+            units[f"down_combine_{tag}_{'residual' if residual else 'partial'}"] = \
+                decode.moe_decode_down_combine_kernel.cuda_translation_unit(
+                    h, mx.zeros((1, k + 1, max(I, IS)), dt), inds, mx.zeros((1, k), dt), mx.zeros((1, 1, 1), dt),
+                    glu, shared, residual)
         # Route and gate/up as one launch (a few rows).
         units[f"routed_{tag}"] = decode.moe_decode_route_gate_up_kernel.cuda_translation_unit(
             h, logits, mx.zeros((D,), dt), 1e-6, k, True, glu, shared)

@@ -291,6 +291,41 @@ def test_route_and_gate_up_as_one_launch_give_the_two_launches_bits(rows, D, E, 
         assert np.array_equal(bits(act[:, j, :width]), bits(act1[:, j, :width])), j
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("D, E, k, I, IS, dtype, launch", [
+    (192, 24, 3, 64, 128, mx.bfloat16, (8, 1)), (128, 13, 1, 64, 192, mx.bfloat16, (4, 2)),
+    (64, 40, 8, 64, 64, mx.float16, (2, 4)),
+    (192, 24, 3, 128, 64, mx.bfloat16, (16, 8)),  # 128 elements a threadgroup: the second runs past D
+])
+def test_down_and_combine_as_one_launch_give_the_two_launches_bits(rows, D, E, k, I, IS, dtype, launch,
+                                                                    monkeypatch):
+    # Row by row, down and the combine as one launch make each term as down
+    # does and sum them as the combine does: the two launches' bits, with the
+    # residual and without (a tensor-parallel rank's partial sum), rows of
+    # NaN logits included, at every launch shape.
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    assert decode.combines_in_down(1) and not decode.combines_in_down(decode.COMBINED_DOWN_MAX_ROWS + 1)
+    monkeypatch.setattr(decode, "COMBINED_DOWN_SIMD_GROUPS", launch[0])
+    monkeypatch.setattr(decode, "COMBINED_DOWN_ROWS_PER_SG", launch[1])
+    logits = np.random.default_rng(rows + k).standard_normal((rows, 1, E)) * 3.0
+    if rows > 1:
+        logits[1, 0, 2] = np.nan  # a row whose softmax is NaN
+    args, _ = moe_decode_inputs(D, E, k, I, IS, seed=rows + 7 * D, rows=rows, logits=logits, dtype=dtype)
+    h, router_logits, shared_logit, norm_weight, eps, top_k, normalize, glu, shared = args
+    xn, inds, scores = moe_decode_route_kernel.emulate(h, router_logits, norm_weight, eps, top_k, normalize)
+    act = decode.moe_decode_gate_up_kernel.emulate(xn, inds, glu, shared)
+    terms = decode.moe_decode_down_kernel.emulate(act, inds, scores, shared_logit, glu, shared)
+    for residual in (True, False):
+        want = decode.moe_decode_combine_kernel.emulate(h, terms, residual)
+        got = decode.moe_decode_down_combine_kernel.emulate(h, act, inds, scores, shared_logit, glu, shared,
+                                                            residual)
+        mx.eval(want, got)
+        assert got.shape == want.shape == (rows, 1, D)
+        assert np.array_equal(bits(got), bits(want)), residual
+
+
 def test_down_launch_on_cuda_follows_the_rows_and_each_choice_is_a_tested_one(monkeypatch):
     # Pure host logic: the launch down gets for B rows on CUDA, elsewhere and
     # with the by-B choice off (the sweep's fixed choices).

@@ -98,6 +98,15 @@ GATE_UP_GROUP = 1
 # there. A faster prologue (its top-k before the loads) is the open lever;
 # fewer threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG).
 ROUTED_MAX_ROWS = 4
+# Calls of at most this many rows take down and the combine as one launch,
+# row by row (moe_decode_down_combine.metal): one stream's decode step, one
+# launch fewer per layer. Each row then reads its own picks' down weights, so
+# calls that share experts between rows keep the expert-major down. The same
+# bits either way. Its launch: SIMD groups per threadgroup, output elements
+# per SIMD group (every slot's weights for them held in registers). Not yet
+# timed on a GPU (moe_decode_sweep --launch: "down apart", "combined down").
+COMBINED_DOWN_MAX_ROWS = 1
+COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS_PER_SG = 8, 1
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
@@ -330,6 +339,32 @@ def _launch_down(act, inds, scores, shared_gate_logit, switch_mlp, shared_expert
     )
 
 
+def _launch_down_combine(h, act, inds, scores, shared_gate_logit, switch_mlp, shared_expert,
+                         residual=True) -> Launch:
+    B, k = inds.shape
+    I, IS, IMAX = _hidden_sizes(switch_mlp, shared_expert)
+    _, _, (dw, ds, db) = _parts(switch_mlp)
+    _, _, (sdw, sds, sdb) = _parts(shared_expert)
+    D = dw.shape[-2]
+    nsg, rows = COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS_PER_SG
+    return Launch(
+        inputs=[h, act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
+        grid=(math.ceil(D / (nsg * rows)) * nsg * SIMD_WIDTH, B, 1),
+        threadgroup=(nsg * SIMD_WIDTH, 1, 1),
+        output_shapes=[(B, 1, D)],
+        output_dtypes=[h.dtype],
+        template=[("T", h.dtype), ("E", dw.shape[0]), ("K", k), ("D", D), ("I", I), ("IS", IS),
+                  ("IMAX", IMAX), ("NSG", nsg), ("ROWS", rows), ("RESIDUAL", bool(residual))],
+        finish=lambda outputs: outputs[0],
+    )
+
+
+def combines_in_down(rows: int) -> bool:
+    """Whether a call of ``rows`` rows takes down and the combine as one
+    launch (``moe_decode_down_combine_kernel``)."""
+    return rows <= COMBINED_DOWN_MAX_ROWS
+
+
 def _launch_combine(h, terms, residual=True) -> Launch:
     B, k1, D = terms.shape
     return Launch(
@@ -380,14 +415,30 @@ moe_decode_route_gate_up_kernel = Kernel(
     tiles=True,
 )
 
+DOWN_HEADER = Path(__file__).with_name("moe_decode_down.metal.h").read_text()
+
 moe_decode_down_kernel = Kernel(
     name="moe_decode_down",
     input_names=("act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
                  "sdown_w", "sdown_s", "sdown_b"),
     output_names=("terms",),
     body=Path(__file__).with_name("moe_decode_down.metal"),
+    header=DOWN_HEADER,
     launch=_launch_down,
     tiles=True,  # lily_tile_load16 and lily_tile_unpack_as only
+)
+
+# Down and the combine as one launch for a few rows (combines_in_down): each
+# row's terms made as down makes them, summed as the combine sums them.
+moe_decode_down_combine_kernel = Kernel(
+    name="moe_decode_down_combine",
+    input_names=("h", "act", "inds", "scores", "gate_logit", "down_w", "down_s", "down_b",
+                 "sdown_w", "sdown_s", "sdown_b"),
+    output_names=("out",),
+    body=Path(__file__).with_name("moe_decode_down_combine.metal"),
+    header=DOWN_HEADER,
+    launch=_launch_down_combine,
+    tiles=True,
 )
 
 moe_decode_combine_kernel = Kernel(
@@ -405,7 +456,8 @@ def run_moe_decode(
 ):
     """The kernel path on ``backend``: four launches (route, gate/up, down,
     combine; the combine adds h unless ``residual=False``), three for a few
-    rows (route and gate/up as one: ``routes_in_gate_up``; the same bits)."""
+    rows (route and gate/up as one: ``routes_in_gate_up``), two for one row
+    (down and the combine as one too: ``combines_in_down``); the same bits."""
     if routes_in_gate_up(h.shape[0]):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
@@ -413,6 +465,9 @@ def run_moe_decode(
         xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, router_logits, norm_weight, eps, top_k,
                                                           norm_topk_prob)
         act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
+    if combines_in_down(h.shape[0]):
+        return moe_decode_down_combine_kernel.run_on(backend, h, act, inds, scores, shared_gate_logit, switch_mlp,
+                                                     shared_expert, residual)
     terms = moe_decode_down_kernel.run_on(backend, act, inds, scores, shared_gate_logit, switch_mlp,
                                           shared_expert)
     return moe_decode_combine_kernel.run_on(backend, h, terms, residual)
@@ -573,8 +628,9 @@ def _fuzz(rng):
 moe_decode_kernel = SampleCheckedKernels(
     "moe_decode",
     (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_route_gate_up_kernel, moe_decode_down_kernel,
-     moe_decode_combine_kernel),
-    "routing + norm, gate/up + SwiGLU (for a few rows as one launch), down + weights, combine",
+     moe_decode_combine_kernel, moe_decode_down_combine_kernel),
+    "routing + norm, gate/up + SwiGLU (for a few rows as one launch), down + weights, combine "
+    "(for one row as one launch)",
     sample=_self_check_samples, run=run_moe_decode,
     agree=moe_decode_agree)
 
@@ -585,7 +641,8 @@ moe_decode = register(
         kernel=moe_decode_kernel,
         supports=moe_decode_supports,
         description="MoE block of 1-16 decode tokens in four launches: routing + norm, gate/up, down, combine "
-                    "(three for up to 4 tokens: routing and gate/up as one)",
+                    "(three for up to 4 tokens: routing and gate/up as one; two for one token: down and combine "
+                    "as one too)",
         sample=_sample,
         compare=moe_decode_compare,
         fuzz=_fuzz,

@@ -124,25 +124,12 @@ if (active) {  // uniform within the threadgroup
       for (uint m = 0; m < UNITS_PER_LANE; ++m) {
         const uint u = lane + m * SIMD_WIDTH;
         if (u < units) {
-          // The unit's 16 activations in two 16-byte loads (lanes reading
-          // scalars would touch a cache line per lane and value).
-          const uint4 lo = lily_tile_load16(act + a_row + u * UNIT);
-          const uint4 hi = lily_tile_load16(act + a_row + u * UNIT + 8);
+          // The unit's steps (moe_decode_down.metal.h), as the combined build takes them.
           float a[UNIT];
-          float a_sum = 0.0f;
-          for (uint i = 0; i < UNIT; ++i) {
-            a[i] = lily_tile_unpack_as<T>(i < 8 ? lo : hi, i % 8);
-            a_sum += a[i];
-          }
+          float a_sum;
+          LILY_DOWN_UNIT_ACTIVATIONS(a, a_sum, act + a_row + u * UNIT);
           for (uint rr = 0; rr < ROWS_PER_SG; ++rr) {
-            const uint words[2] = {q[rr][m].x, q[rr][m].y};
-            float dot = 0.0f;
-            for (uint wi = 0; wi < 2; ++wi) {
-              for (uint n = 0; n < 8; ++n) {
-                dot += a[wi * 8 + n] * static_cast<float>((words[wi] >> (4 * n)) & 0xFu);
-              }
-            }
-            acc[rr] += scale[rr][m] * dot + offset[rr][m] * a_sum;
+            LILY_DOWN_UNIT_ACC(acc[rr], a, a_sum, q[rr][m], scale[rr][m], offset[rr][m]);
           }
         }
       }
