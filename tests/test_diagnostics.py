@@ -285,15 +285,18 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
                                    (128, 16, 3, 64, 128), False)
     assert all(e["same_bits"] for e in apart["groups"].values()) and decode.ROUTED_MAX_ROWS == 4
     assert decode.ROUTED_ROWS_PER_SG == 1 and decode.ROUTED_ROWS_BY_BATCH is True
-    # "down apart": down and the combine as two launches where one row takes one;
-    # "combined down": the one launch's shapes. The same bits at one row.
+    # "down apart": down and the combine as two launches; "combined down": as
+    # one at every B, and its launch shapes. The same bits.
     assert choices["down apart"] == {"COMBINED_DOWN_MAX_ROWS": 0}
-    assert choices["combined down sg 2 x 4"] == {"COMBINED_DOWN_SIMD_GROUPS": 2, "COMBINED_DOWN_ROWS_PER_SG": 4}
-    one = moe_decode_sweep.sweep(1, {label: choices[label] for label in ("group 1", "down apart",
-                                                                          "combined down sg 16 x 8")},
-                                 "emulator", (128, 16, 3, 64, 128), False)
-    assert all(e["same_bits"] for e in one["groups"].values()) and one["contract"] == "met"
-    assert (decode.COMBINED_DOWN_MAX_ROWS, decode.COMBINED_DOWN_SIMD_GROUPS) == (1, 8)
+    assert choices["combined down sg 2"] == {"COMBINED_DOWN_MAX_ROWS": decode.MAX_BATCH,
+                                             "COMBINED_DOWN_SIMD_GROUPS": 2}
+    assert choices["combined down rows 16"] == {"COMBINED_DOWN_MAX_ROWS": decode.MAX_BATCH, "COMBINED_DOWN_ROWS": 16}
+    for rows in (1, 3):
+        both = moe_decode_sweep.sweep(rows, {label: choices[label] for label in (
+            "group 1", "down apart", "combined down", "combined down sg 2", "combined down rows 1")},
+            "emulator", (128, 16, 3, 64, 128), False)
+        assert all(e["same_bits"] for e in both["groups"].values()) and both["contract"] == "met"
+    assert (decode.COMBINED_DOWN_MAX_ROWS, decode.COMBINED_DOWN_SIMD_GROUPS, decode.COMBINED_DOWN_ROWS) == (0, None, 4)
     # --cold: the timed calls cycle over weight sets; the first set is checked as before.
     cold = moe_decode_sweep.sweep(2, {"group 1": choices["group 1"]}, "emulator", (128, 16, 3, 64, 128), False, cold=2)
     assert cold["weight_sets"] == 2 and cold["contract"] == "met" and cold["groups"]["group 1"]["chain_us"] > 0

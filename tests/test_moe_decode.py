@@ -261,6 +261,10 @@ def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
             assert sorted(int(n) for n in shared) == sorted([4 * decode.MAX_BATCH * 8 if "2048" in name else
                                                              4 * decode.MAX_BATCH * 3, 4 * ROUTE_NORM_SG,
                                                              4 * decode.MAX_BATCH]), (name, shared)
+        elif name.startswith("down_combine_"):
+            # The slots' terms at the threadgroup's elements (T: two bytes).
+            slots = 9 if name.startswith("down_combine_2048") else 4
+            assert [int(n) for n in shared] == [2 * slots * decode.COMBINED_DOWN_ROWS], (name, shared)
         else:
             assert not re.search(r"\.shared", text), name
 

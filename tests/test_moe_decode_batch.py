@@ -293,9 +293,9 @@ def test_route_and_gate_up_as_one_launch_give_the_two_launches_bits(rows, D, E, 
 
 @pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("D, E, k, I, IS, dtype, launch", [
-    (192, 24, 3, 64, 128, mx.bfloat16, (8, 1)), (128, 13, 1, 64, 192, mx.bfloat16, (4, 2)),
-    (64, 40, 8, 64, 64, mx.float16, (2, 4)),
-    (192, 24, 3, 128, 64, mx.bfloat16, (16, 8)),  # 128 elements a threadgroup: the second runs past D
+    (192, 24, 3, 64, 128, mx.bfloat16, (None, 4)), (128, 13, 1, 64, 192, mx.bfloat16, (None, 1)),
+    (64, 40, 8, 64, 64, mx.float16, (4, 16)),  # 4 SIMD groups for 9 slots: each takes two or three
+    (192, 24, 3, 128, 64, mx.bfloat16, (2, 28)),  # 28 elements a threadgroup: the last runs past D
 ])
 def test_down_and_combine_as_one_launch_give_the_two_launches_bits(rows, D, E, k, I, IS, dtype, launch,
                                                                     monkeypatch):
@@ -306,9 +306,8 @@ def test_down_and_combine_as_one_launch_give_the_two_launches_bits(rows, D, E, k
     from mlx_lily.kernels.moe import decode
 
     emulator_or_skip()
-    assert decode.combines_in_down(1) and not decode.combines_in_down(decode.COMBINED_DOWN_MAX_ROWS + 1)
     monkeypatch.setattr(decode, "COMBINED_DOWN_SIMD_GROUPS", launch[0])
-    monkeypatch.setattr(decode, "COMBINED_DOWN_ROWS_PER_SG", launch[1])
+    monkeypatch.setattr(decode, "COMBINED_DOWN_ROWS", launch[1])
     logits = np.random.default_rng(rows + k).standard_normal((rows, 1, E)) * 3.0
     if rows > 1:
         logits[1, 0, 2] = np.nan  # a row whose softmax is NaN
@@ -324,6 +323,28 @@ def test_down_and_combine_as_one_launch_give_the_two_launches_bits(rows, D, E, k
         mx.eval(want, got)
         assert got.shape == want.shape == (rows, 1, D)
         assert np.array_equal(bits(got), bits(want)), residual
+
+
+@pytest.mark.parametrize("setting", [
+    {}, {"COMBINED_DOWN_SIMD_GROUPS": 2}, {"COMBINED_DOWN_ROWS": 1}, {"COMBINED_DOWN_ROWS": 16},
+])
+def test_down_and_combine_as_one_launch_give_every_row_the_recorded_bits(setting, monkeypatch):
+    # Taken at every B (the sweep's "combined down"), the one launch gives
+    # each fixture's rows the bits the three-launch kernels recorded.
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    assert not decode.combines_in_down(1)  # off until timed (decode.COMBINED_DOWN_MAX_ROWS)
+    monkeypatch.setattr(decode, "COMBINED_DOWN_MAX_ROWS", decode.MAX_BATCH)
+    assert decode.combines_in_down(1) and decode.combines_in_down(decode.MAX_BATCH)
+    for name, value in setting.items():
+        assert value in (decode.SIMD_GROUP_CHOICES if name.endswith("SIMD_GROUPS")
+                         else decode.COMBINED_DOWN_ROWS_CHOICES)
+        monkeypatch.setattr(decode, name, value)
+    for name in ("b1", "b3", "b16_k8"):
+        got = moe_decode_kernel.emulate(*fixture_call(name))
+        mx.eval(got)
+        assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
 
 
 def test_down_launch_on_cuda_follows_the_rows_and_each_choice_is_a_tested_one(monkeypatch):

@@ -11,9 +11,10 @@ per SIMD group of the routed launch ("routed rows N") and of gate/up's own
 (two launches), and down's SIMD groups and output rows per SIMD group
 (``GATE_UP_SIMD_GROUPS``, ``DOWN_SIMD_GROUPS``, ``DOWN_ROWS_PER_SG``; each at
 every B, where the default row takes down's by-B choice on CUDA,
-``CUDA_DOWN_LAUNCH_FOR_BATCH``), and the launch of down and the combine as
-one for one row ("combined down sg N x R"; "down apart" keeps two launches
-there; the one launch's time counts as down's). Every
+``CUDA_DOWN_LAUNCH_FOR_BATCH``), and down and the combine as one launch at
+every B ("combined down", then its SIMD groups "sg N" and output elements
+per threadgroup "rows R"; "down apart": two launches, whatever the default;
+the one launch's time counts as down's). Every
 choice gives every row the same bits; this tool checks that on the device
 and times each, per batch size B (server decode batches, the verification
 pass's positions):
@@ -111,12 +112,17 @@ def variants(groups, launch: bool) -> dict:
         out.update({f"down sg {n} x {r}": {"DOWN_SIMD_GROUPS": n, "DOWN_ROWS_PER_SG": r, "DOWN_BY_BATCH": False,
                                             "COMBINED_DOWN_MAX_ROWS": 0}
                     for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
-        # Down apart from the combine, where the default takes them as one
-        # launch (B <= COMBINED_DOWN_MAX_ROWS); then the one launch's shapes
-        # (its time counts as down's).
+        # Down and the combine as one launch at every B ("combined down", its
+        # time counted as down's: a SIMD group per slot at the default; then
+        # fewer SIMD groups, and each count of output elements a
+        # threadgroup), and as two ("down apart", whatever the default).
+        every_b = {"COMBINED_DOWN_MAX_ROWS": decode.MAX_BATCH}
         out["down apart"] = {"COMBINED_DOWN_MAX_ROWS": 0}
-        out.update({f"combined down sg {n} x {r}": {"COMBINED_DOWN_SIMD_GROUPS": n, "COMBINED_DOWN_ROWS_PER_SG": r}
-                    for n in decode.SIMD_GROUP_CHOICES for r in decode.DOWN_ROWS_CHOICES})
+        out["combined down"] = dict(every_b)
+        out.update({f"combined down sg {n}": {**every_b, "COMBINED_DOWN_SIMD_GROUPS": n}
+                    for n in decode.SIMD_GROUP_CHOICES if n < 8})
+        out.update({f"combined down rows {r}": {**every_b, "COMBINED_DOWN_ROWS": r}
+                    for r in decode.COMBINED_DOWN_ROWS_CHOICES})
     return out
 
 

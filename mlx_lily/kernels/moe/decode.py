@@ -98,15 +98,22 @@ GATE_UP_GROUP = 1
 # there. A faster prologue (its top-k before the loads) is the open lever;
 # fewer threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG).
 ROUTED_MAX_ROWS = 4
-# Calls of at most this many rows take down and the combine as one launch,
-# row by row (moe_decode_down_combine.metal): one stream's decode step, one
-# launch fewer per layer. Each row then reads its own picks' down weights, so
-# calls that share experts between rows keep the expert-major down. The same
-# bits either way. Its launch: SIMD groups per threadgroup, output elements
-# per SIMD group (every slot's weights for them held in registers). Not yet
-# timed on a GPU (moe_decode_sweep --launch: "down apart", "combined down").
-COMBINED_DOWN_MAX_ROWS = 1
-COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS_PER_SG = 8, 1
+# Calls of at most this many rows may take down and the combine as one
+# launch, row by row (moe_decode_down_combine.metal): one stream's decode
+# step, one launch fewer per layer. Each row then reads its own picks' down
+# weights, so calls that share experts between rows keep the expert-major
+# down. The same bits either way. Off (0) until timed: a first form (a SIMD
+# group per output element, walking its 9 slots) took 21.3 µs at B = 1 on the
+# H200 against 10.1 for down and the combine (8.3 + 1.8; its activations read
+# once per element and slot: bench/results/2026-12-03-nvidia-h200-f1f8b78).
+# This form gives each slot a SIMD group of the threadgroup (down's work per
+# SIMD group, down's parallelism) and sums the slots in threadgroup memory;
+# moe_decode_sweep --launch times it ("combined down ...", against "down
+# apart"). Its launch: SIMD groups per threadgroup (None: one per slot, K + 1,
+# at most 32) and output elements per threadgroup.
+COMBINED_DOWN_MAX_ROWS = 0
+COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS = None, 4
+COMBINED_DOWN_ROWS_CHOICES = (1, 2, 4, 8, 16)
 COMBINE_THREADS = 256
 GROUP_SIZE, BITS = 64, 4
 # Rows (one token each) a call may have: server decode and speculative
@@ -346,10 +353,11 @@ def _launch_down_combine(h, act, inds, scores, shared_gate_logit, switch_mlp, sh
     _, _, (dw, ds, db) = _parts(switch_mlp)
     _, _, (sdw, sds, sdb) = _parts(shared_expert)
     D = dw.shape[-2]
-    nsg, rows = COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS_PER_SG
+    nsg = min(COMBINED_DOWN_SIMD_GROUPS or k + 1, k + 1, SIMD_WIDTH)
+    rows = COMBINED_DOWN_ROWS
     return Launch(
         inputs=[h, act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
-        grid=(math.ceil(D / (nsg * rows)) * nsg * SIMD_WIDTH, B, 1),
+        grid=(math.ceil(D / rows) * nsg * SIMD_WIDTH, B, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, 1, D)],
         output_dtypes=[h.dtype],
