@@ -382,3 +382,34 @@ def test_kernel_resources_reads_mlx_s_cache_listing_and_says_what_it_needs(tmp_p
     assert "needs the CUDA driver" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         kernel_resources.main(["--cache-dir", str(tmp_path / "missing")])
+
+
+def test_decode_ab_alternates_arms_from_the_defaults_and_compares_greedy_tokens(tmp_path, emulator_backend):
+    """Each arm's module settings on top of the defaults, the compiled steps
+    dropped so the step is traced under it, the defaults back at the end; two
+    arms that give the same bits (down and the combine as one launch or two)
+    give the same greedy tokens; bad arms are refused by name."""
+    import json
+
+    from bench.diagnostics.decode import decode_ab
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    arm = "one launch:mlx_lily.kernels.moe.decode.COMBINED_DOWN_MAX_ROWS=1"
+    code = decode_ab.main(["--arm", "defaults:", "--arm", arm, "--shape", "demo", "--context", "24", "--tokens", "3",
+                           "--rounds", "2", "--greedy", "5", "--out", str(tmp_path)])
+    assert code == 0 and decode.COMBINED_DOWN_MAX_ROWS == 0
+    record = json.loads((tmp_path / "decode-ab.json").read_text())
+    defaults, one = record["arms"]["defaults"], record["arms"]["one launch"]
+    assert defaults["settings"] == {} and one["settings"] == {"mlx_lily.kernels.moe.decode.COMBINED_DOWN_MAX_ROWS": "1"}
+    assert len(defaults["ms_per_token"]) == len(one["ms_per_token"]) == 2
+    assert len(one["greedy"]) == 5 and one["greedy"] == defaults["greedy"] and one["greedy_same_as_first_arm"]
+    assert "| one launch |" in (tmp_path / "decode-ab.md").read_text()
+    assert decode_ab.parse_arm("x:mlx_lily.kernels.moe.decode.COMBINED_DOWN_ROWS=(1)") == (
+        "x", [("mlx_lily.kernels.moe.decode", "COMBINED_DOWN_ROWS", 1)])
+    for bad in ("no colon", ":mlx_lily.kernels.moe.decode.X=1", "x:mlx_lily.kernels.moe.decode.NOT_THERE=1",
+                "x:mlx_lily.kernels.moe.decode.COMBINED_DOWN_ROWS=four"):
+        with pytest.raises(ValueError):
+            decode_ab.parse_arm(bad)
+    with pytest.raises(SystemExit):
+        decode_ab.main(["--arm", "a:", "--arm", "a:"])
