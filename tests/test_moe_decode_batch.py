@@ -347,6 +347,25 @@ def test_down_and_combine_as_one_launch_give_every_row_the_recorded_bits(setting
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
 
 
+def test_the_combined_down_launch_has_a_simd_group_per_slot_and_refuses_too_many_elements(monkeypatch):
+    # Pure host logic: K + 1 SIMD groups by default (at most 32), the grid a
+    # threadgroup per COMBINED_DOWN_ROWS elements and row; more elements than
+    # SIMD group 0's lanes (which sum them) is refused by name.
+    from mlx_lily.kernels.moe import decode
+
+    args, _ = moe_decode_inputs(128, 16, 3, 64, 128, seed=0, rows=2)
+    h, _, shared_logit, _, _, k, _, glu, shared = args
+    act, inds, scores = mx.zeros((2, k + 1, 128), mx.bfloat16), mx.zeros((2, k), mx.uint32), mx.zeros((2, k), mx.bfloat16)
+    launch = decode._launch_down_combine(h, act, inds, scores, shared_logit, glu, shared)
+    assert dict(launch.template)["NSG"] == k + 1 and launch.threadgroup == ((k + 1) * 32, 1, 1)
+    assert launch.grid == (128 // decode.COMBINED_DOWN_ROWS * (k + 1) * 32, 2, 1)
+    monkeypatch.setattr(decode, "COMBINED_DOWN_SIMD_GROUPS", 2)
+    assert dict(decode._launch_down_combine(h, act, inds, scores, shared_logit, glu, shared).template)["NSG"] == 2
+    monkeypatch.setattr(decode, "COMBINED_DOWN_ROWS", 33)
+    with pytest.raises(ValueError, match="COMBINED_DOWN_ROWS = 33"):
+        decode._launch_down_combine(h, act, inds, scores, shared_logit, glu, shared)
+
+
 def test_down_launch_on_cuda_follows_the_rows_and_each_choice_is_a_tested_one(monkeypatch):
     # Pure host logic: the launch down gets for B rows on CUDA, elsewhere and
     # with the by-B choice off (the sweep's fixed choices).

@@ -355,6 +355,8 @@ def _launch_down_combine(h, act, inds, scores, shared_gate_logit, switch_mlp, sh
     D = dw.shape[-2]
     nsg = min(COMBINED_DOWN_SIMD_GROUPS or k + 1, k + 1, SIMD_WIDTH)
     rows = COMBINED_DOWN_ROWS
+    if not 1 <= rows <= SIMD_WIDTH:  # the sums' threads are SIMD group 0's lanes
+        raise ValueError(f"decode.COMBINED_DOWN_ROWS = {rows}: 1 to {SIMD_WIDTH} output elements a threadgroup")
     return Launch(
         inputs=[h, act, inds, scores, shared_gate_logit, dw, ds, db, sdw, sds, sdb],
         grid=(math.ceil(D / rows) * nsg * SIMD_WIDTH, B, 1),
