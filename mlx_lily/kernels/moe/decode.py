@@ -466,8 +466,9 @@ def run_moe_decode(
 ):
     """The kernel path on ``backend``: four launches (route, gate/up, down,
     combine; the combine adds h unless ``residual=False``), three for a few
-    rows (route and gate/up as one: ``routes_in_gate_up``), two for one row
-    (down and the combine as one too: ``combines_in_down``); the same bits."""
+    rows (route and gate/up as one: ``routes_in_gate_up``), one fewer again
+    where down and the combine run as one (``combines_in_down``; off until
+    timed); the same bits."""
     if routes_in_gate_up(h.shape[0]):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
@@ -640,7 +641,7 @@ moe_decode_kernel = SampleCheckedKernels(
     (moe_decode_route_kernel, moe_decode_gate_up_kernel, moe_decode_route_gate_up_kernel, moe_decode_down_kernel,
      moe_decode_combine_kernel, moe_decode_down_combine_kernel),
     "routing + norm, gate/up + SwiGLU (for a few rows as one launch), down + weights, combine "
-    "(for one row as one launch)",
+    "(down and combine as one launch where enabled)",
     sample=_self_check_samples, run=run_moe_decode,
     agree=moe_decode_agree)
 
@@ -651,8 +652,7 @@ moe_decode = register(
         kernel=moe_decode_kernel,
         supports=moe_decode_supports,
         description="MoE block of 1-16 decode tokens in four launches: routing + norm, gate/up, down, combine "
-                    "(three for up to 4 tokens: routing and gate/up as one; two for one token: down and combine "
-                    "as one too)",
+                    "(three for up to 4 tokens: routing and gate/up as one)",
         sample=_sample,
         compare=moe_decode_compare,
         fuzz=_fuzz,
