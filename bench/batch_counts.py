@@ -28,32 +28,13 @@ from typing import Any, Dict, List, Sequence
 import mlx.core as mx
 import numpy as np
 
-from bench.counts import CUSTOM_KERNEL_PREFIX, _tree_bytes, count_nodes, trace, weights_touched
+from bench.counts import _tree_bytes, count_nodes, kernel_in, trace, weights_touched
 
 # Lily's batched decode kernels whose weight or KV reads follow the rows' picks
 # or spans: name -> positions of those inputs.
 UNION_KERNELS = {"moe_decode_gate_up": range(2, 8), "moe_decode_route_gate_up": range(4, 10),
                  "moe_decode_down": range(4, 7), "moe_decode_down_combine": range(5, 8)}
 SPAN_KERNELS = {"attention_decode": (1, 2)}
-
-
-def _custom_name(node: Dict[str, Any]) -> str:
-    stack = list(node.get("arguments") or [])
-    while stack:
-        a = stack.pop(0)
-        if isinstance(a, str):
-            return a[len(CUSTOM_KERNEL_PREFIX):] if a.startswith(CUSTOM_KERNEL_PREFIX) else a
-        if isinstance(a, (list, tuple)):
-            stack.extend(a)
-    return ""
-
-
-def _which(node: Dict[str, Any], table: Dict[str, Any]) -> str:
-    built = _custom_name(node)
-    for name in sorted(table, key=len, reverse=True):  # the longest first: one name may extend another
-        if built == name or built.startswith(name + "_"):
-            return name
-    return ""
 
 
 def expert_unions(model: Any, cache: Sequence[Any], inputs: mx.array) -> List[int]:
@@ -160,7 +141,7 @@ def batch_decode_step_counts(model: Any, cache: Sequence[Any], tokens: Sequence[
     for node in nodes:
         if node["name"] != "CustomKernel":
             continue
-        name = _which(node, UNION_KERNELS)
+        name = kernel_in(node, UNION_KERNELS)
         if name:
             union = unions[moe_layer[name]]
             moe_layer[name] += 1
@@ -168,7 +149,7 @@ def batch_decode_step_counts(model: Any, cache: Sequence[Any], tokens: Sequence[
                 _scaled(a, union) if i in UNION_KERNELS[name] and len(a[1]) >= 3 else a
                 for i, a in enumerate(node["inputs"])
             ]
-        elif _which(node, SPAN_KERNELS):
+        elif kernel_in(node, SPAN_KERNELS):
             node["inputs"] = [
                 _rows(a, spans["span_rows"], spans["buffer_rows"]) if i in SPAN_KERNELS["attention_decode"] else a
                 for i, a in enumerate(node["inputs"])

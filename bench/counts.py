@@ -126,16 +126,17 @@ def trace(fn, *args: mx.array) -> List[Node]:
     return nodes
 
 
-def _kernel_name(node: Node) -> Optional[str]:
-    """Which of ``GATHERED_KERNEL_INPUTS`` a custom kernel node is, from the
-    name in the primitive's state (its first string)."""
+def kernel_in(node: Node, table: Dict[str, Any]) -> Optional[str]:
+    """Which name of ``table`` a custom kernel node was built as, from the
+    name in the primitive's state (its first string: the name, "_", a
+    digest), or None. The longest name is tried first, since one may extend
+    another (moe_decode_down_combine_<digest> is not moe_decode_down's)."""
     stack = list(node.get("arguments") or [])
     while stack:
         a = stack.pop(0)
         if isinstance(a, str):
             built = a[len(CUSTOM_KERNEL_PREFIX):] if a.startswith(CUSTOM_KERNEL_PREFIX) else a
-            # The longest name first: moe_decode_down_combine_<digest> is not moe_decode_down's.
-            for name in sorted(GATHERED_KERNEL_INPUTS, key=len, reverse=True):
+            for name in sorted(table, key=len, reverse=True):
                 if built == name or built.startswith(name + "_"):
                     return name
             return None
@@ -158,7 +159,7 @@ def _read_bytes(node: Node, view_bytes: Dict[str, int]) -> int:
     if name in EXPERT_MATMULS:
         picks_from, weight_pos = inputs[-1], range(1, len(inputs) - 2)
     elif name == "CustomKernel":
-        kernel = _kernel_name(node)
+        kernel = kernel_in(node, GATHERED_KERNEL_INPUTS)
         if kernel is not None:
             (where, i), weight_pos = GATHERED_KERNEL_INPUTS[kernel]
             picks_from = node[where][i]

@@ -203,5 +203,5 @@ def test_batched_counts_read_the_union_and_the_rows_spans():
     # The attention reads the rows' spans of a [B, H, S, D] buffer.
     name, shape, dtype = bc._rows(("k", (4, 2, 1024, 64), bf16), span_rows=300, buffer_rows=4 * 1024)
     assert shape == (1, 2, 300, 64)
-    assert bc._which({"arguments": ["custom_kernel_attention_decode_123"]}, bc.SPAN_KERNELS) == "attention_decode"
-    assert bc._which({"arguments": ["custom_kernel_attention_combine_1"]}, bc.SPAN_KERNELS) == ""
+    assert counts.kernel_in({"arguments": ["custom_kernel_attention_decode_123"]}, bc.SPAN_KERNELS) == "attention_decode"
+    assert counts.kernel_in({"arguments": ["custom_kernel_attention_combine_1"]}, bc.SPAN_KERNELS) is None
