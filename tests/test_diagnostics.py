@@ -278,12 +278,12 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
     assert decode.DOWN_BY_BATCH is True
     # "route apart": the default SIMD groups, route and gate/up as two launches at every B.
     assert choices["route apart"] == {"ROUTED_MAX_ROWS": 0}
-    assert choices["routed rows 4"] == {"ROUTED_ROWS_PER_SG": 4, "ROUTED_ROWS_BY_BATCH": False}
+    assert choices["routed rows 4"] == {"ROUTED_ROWS_PER_SG": 4, "ROUTED_ROWS_BY_BATCH": False, "ROUTED_MAX_ROWS": 4}
     assert choices["gate_up rows 2"] == {"GATE_UP_ROWS_PER_SG": 2, "ROUTED_MAX_ROWS": 0}
     apart = moe_decode_sweep.sweep(2, {label: choices[label] for label in ("group 1", "route apart", "routed rows 8")},
                                    "emulator",
                                    (128, 16, 3, 64, 128), False)
-    assert all(e["same_bits"] for e in apart["groups"].values()) and decode.ROUTED_MAX_ROWS == 4
+    assert all(e["same_bits"] for e in apart["groups"].values()) and decode.ROUTED_MAX_ROWS == 1
     assert decode.ROUTED_ROWS_PER_SG == 1 and decode.ROUTED_ROWS_BY_BATCH is True
     # "down apart": down and the combine as two launches; "combined down": as
     # one at every B, and its launch shapes. The same bits.
@@ -405,6 +405,8 @@ def test_decode_ab_alternates_arms_from_the_defaults_and_compares_greedy_tokens(
     assert len(defaults["ms_per_token"]) == len(one["ms_per_token"]) == 2
     assert len(one["greedy"]) == 5 and one["greedy"] == defaults["greedy"] and one["greedy_same_as_first_arm"]
     assert "| one launch |" in (tmp_path / "decode-ab.md").read_text()
+    assert [decode_ab.arm_order(["a", "b", "c"], r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert decode_ab.parse_arm("x:mlx_lily.kernels.moe.decode.COMBINED_DOWN_ROWS=(1)") == (
         "x", [("mlx_lily.kernels.moe.decode", "COMBINED_DOWN_ROWS", 1)])
     for bad in ("no colon", ":mlx_lily.kernels.moe.decode.X=1", "x:mlx_lily.kernels.moe.decode.NOT_THERE=1",

@@ -238,6 +238,7 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
                          if name == "DOWN_ROWS_PER_SG" else decode.ROWS_PER_SG_CHOICES
                          if name.endswith("ROWS_PER_SG") else decode.SIMD_GROUP_CHOICES)
         monkeypatch.setattr(decode, name, value)
+    monkeypatch.setattr(decode, "ROUTED_MAX_ROWS", 4)  # b3 through the routed launch, b16_k8 the two
     for name in ("b3", "b16_k8"):
         got = moe_decode_kernel.emulate(*fixture_call(name))
         mx.eval(got)
@@ -250,6 +251,7 @@ def test_the_routed_launch_takes_cudas_rows_per_simd_group_by_batch(monkeypatch)
     from mlx_lily.kernels.moe import decode
 
     emulator_or_skip()
+    monkeypatch.setattr(decode, "ROUTED_MAX_ROWS", 4)  # b3 through the routed launch
     assert [decode.routed_rows_per_sg(b, "cuda") for b in (1, 3, 4)] == [1, 1, 2]
     assert [decode.routed_rows_per_sg(b, "metal") for b in (1, 4)] == [decode.ROUTED_ROWS_PER_SG] * 2
     monkeypatch.setattr(decode, "gpu_backend", lambda: "cuda")
@@ -272,7 +274,7 @@ def test_route_and_gate_up_as_one_launch_give_the_two_launches_bits(rows, D, E, 
     from mlx_lily.kernels.moe import decode
 
     emulator_or_skip()
-    assert decode.routes_in_gate_up(rows) and not decode.routes_in_gate_up(decode.ROUTED_MAX_ROWS + 1)
+    assert decode.routes_in_gate_up(1) and not decode.routes_in_gate_up(decode.ROUTED_MAX_ROWS + 1)
     logits = np.random.default_rng(rows).standard_normal((rows, 1, E)) * 3.0
     if rows > 1:
         logits[1, 0, 2] = np.nan  # a row whose softmax is NaN

@@ -20,7 +20,7 @@ every compiled decode step so the next one is traced under it, and measures:
 
 Each arm starts from the defaults, and the defaults are restored at the end.
 Alternating the arms within one process spreads the host's drift over all
-of them. Writes DIR/decode-ab.json and DIR/decode-ab.md with --out.
+of them, and each round starts one arm later than the round before. Writes DIR/decode-ab.json and DIR/decode-ab.md with --out.
 """
 
 from __future__ import annotations
@@ -118,6 +118,14 @@ def _device(model, prompt: mx.array) -> Tuple[Optional[float], Optional[float]]:
             sum(len(v) for v in times.values()) / DEVICE_STEPS)
 
 
+def arm_order(arms: List[Any], rnd: int) -> List[Any]:
+    """Round ``rnd``'s order: the arms rotated by ``rnd``, so that no arm
+    always runs right after the same other one (an order effect in the host's
+    state would otherwise favour one arm every round)."""
+    shift = rnd % len(arms)
+    return arms[shift:] + arms[:shift]
+
+
 def run(model, prompt: mx.array, arms, tokens: int, rounds: int, greedy: int) -> Dict[str, Any]:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -128,7 +136,7 @@ def run(model, prompt: mx.array, arms, tokens: int, rounds: int, greedy: int) ->
                     "gpu_ms_per_token": [], "kernels_per_token": [], "greedy": None} for label, settings in arms}
     try:
         for rnd in range(rounds):
-            for label, settings in arms:
+            for label, settings in arm_order(arms, rnd):
                 _apply(settings, originals)
                 dropped = drop_compiled_steps(model)
                 _greedy(model, prompt, 4)  # traces the step under this arm
@@ -155,7 +163,8 @@ def run(model, prompt: mx.array, arms, tokens: int, rounds: int, greedy: int) ->
 
 
 def markdown(record: Dict[str, Any]) -> str:
-    lines = [f"# Decode A/B: {record['shape']}, context {record['context']}, {record['rounds']} rounds alternated", "",
+    lines = [f"# Decode A/B: {record['shape']}, context {record['context']}, {record['rounds']} rounds alternated"
+             " (each round's order rotated by one)", "",
              "| arm | settings | ms per token (each round) | median | device ms | kernels | greedy = first arm |",
              "|---|---|---|---:|---:|---:|---|"]
     for label, r in record["arms"].items():

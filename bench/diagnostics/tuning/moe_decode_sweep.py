@@ -28,8 +28,8 @@ the whole chain (route, gate/up, down, combine) per B and choice. By
 default a call's time is the wall time of calls evaluated together as one
 graph; with ``--device-time`` (NVIDIA, with PyTorch) it is each kernel's
 device time (CUPTI), gate/up's reported alone (where route and gate/up run
-as one launch, B <= ``decode.ROUTED_MAX_ROWS`` at the default SIMD groups,
-that launch's). The first choice's output is
+as one launch, B <= ``decode.ROUTED_MAX_ROWS`` at the default SIMD groups
+or B <= 4 in the "routed rows N" choices, that launch's). The first choice's output is
 checked against the op's contract (``moe_decode_agree``), the others'
 against its bits. Repeated calls on one set of weights find them in the
 GPU's L2 cache (50 MB on an H200; a call reads 11 to 120 MB), which a decode
@@ -105,7 +105,10 @@ def variants(groups, launch: bool) -> dict:
         # where the default takes route into gate/up (B <= ROUTED_MAX_ROWS);
         # the other SIMD groups always take two.
         out["route apart"] = {"ROUTED_MAX_ROWS": 0}
-        out.update({f"routed rows {n}": {"ROUTED_ROWS_PER_SG": n, "ROUTED_ROWS_BY_BATCH": False}
+        # The routed launch's rows per SIMD group, at up to 4 rows (the
+        # default takes it at one row only).
+        out.update({f"routed rows {n}": {"ROUTED_ROWS_PER_SG": n, "ROUTED_ROWS_BY_BATCH": False,
+                                         "ROUTED_MAX_ROWS": 4}
                     for n in decode.ROWS_PER_SG_CHOICES})
         out.update({f"gate_up rows {n}": {"GATE_UP_ROWS_PER_SG": n, "ROUTED_MAX_ROWS": 0}
                     for n in decode.ROWS_PER_SG_CHOICES if n > 1})

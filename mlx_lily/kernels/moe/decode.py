@@ -98,17 +98,22 @@ DOWN_BY_BATCH = True
 GATE_UP_GROUPS = (1, 2, 4, 8, 16)
 GATE_UP_GROUP = 1
 # Calls of at most this many rows take route and gate/up as one launch
-# (moe_decode_route_gate_up.metal.h): one stream's decode step and a
-# speculative round's verification of up to 4 positions, one launch fewer
-# per layer. Each threadgroup then redoes every row's top-k and norm, so
-# larger batches keep the two launches. The same bits either way. H200, in a
-# decode step at B = 1 (bench/results/2026-12-03-nvidia-h200-b941f9d): the one
-# launch is 34 us of device time a layer, the two 16 us (route 6.8, gate/up
-# 9.4 at 4 SIMD groups), yet the step with the two launches (40 more a token)
-# took 7.8 ms a token against 5.7: the host, not the GPU, bounds one stream
-# there. A faster prologue (its top-k before the loads) is the open lever;
-# fewer threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG).
-ROUTED_MAX_ROWS = 4
+# (moe_decode_route_gate_up.metal.h): one stream's decode step, one launch
+# fewer per layer. Each threadgroup then redoes every row's top-k and norm,
+# which costs device time; the same bits either way. H200, one stream at B =
+# 1 (bench/results/2026-12-03-nvidia-h200-b941f9d): the one launch is 34 us
+# of device time a layer, the two 16 us (route 6.8, gate/up 9.4), yet the
+# step with the two launches (40 more a token) took 7.8 ms a token against
+# 5.7: the host, not the GPU, bounds one stream there. A speculative round's
+# verification (2 to 4 rows) is bound by the GPU instead: with the one launch
+# up to 4 rows a k = 1 round took 8.04 device ms and a k = 3 round 13.24;
+# with the two launches from 2 rows, 6.23 and 10.68 (the routed launch 76 us
+# at B = 4 against 35 for the two; bench/results/2026-12-04-nvidia-h200-26444a1).
+# A faster prologue (its top-k before the loads) is the open lever; fewer
+# threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG). The
+# routed build is tested at 1 to 4 rows (the sweep's "routed rows N" choices
+# raise this to 4).
+ROUTED_MAX_ROWS = 1
 # Calls of at most this many rows may take down and the combine as one
 # launch, row by row (moe_decode_down_combine.metal): one stream's decode
 # step, one launch fewer per layer. Each row then reads its own picks' down
