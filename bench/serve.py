@@ -4,7 +4,8 @@
 ``--backend mlx``, on the same checkpoint) one ``mlx_lm.server`` (started as
 ``python -m mlx_lily serve --backend ENGINE``: mlx-lm's server main, no
 startup hook needed) runs on loopback (a free
-port on 127.0.0.1) and gets, after a warmup:
+port on 127.0.0.1) and gets, after a warmup (every wave below run once
+first, untimed):
 
 * each prompt alone, one after another (the single-request runs; their
   figures are the "1 stream" row);
@@ -593,11 +594,15 @@ def run_engine(
     result["startup_s"] = server.startup_s
     result["server_command"] = " ".join(server.cmd[1:])
     try:
-        # Warmup: every concurrency once, a few tokens (compiles kernels for
-        # each batch size before anything is timed).
+        # Warmup: every concurrency once, as the measured wave will run it
+        # (the same prompts and tokens), so that the batch sizes its streams
+        # make as they arrive and finish are traced before anything is timed.
+        # With a few tokens a stream, a 16-stream wave met batch sizes (5, 13)
+        # the warmup had not, and their traces (2 to 7 s) fell in the
+        # measurement where the server had not primed its steps.
         t0 = time.perf_counter()
         for n in args.concurrency:
-            wave(server.port, prompts[:n], min(4, args.max_tokens), args.request_timeout_s)
+            wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
         result["warmup_s"] = time.perf_counter() - t0
         log(f"{engine}: up in {server.startup_s:.0f} s, warmed up in {result['warmup_s']:.0f} s")
         n_max = max(args.concurrency)

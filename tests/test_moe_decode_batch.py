@@ -336,7 +336,7 @@ def test_down_and_combine_as_one_launch_give_every_row_the_recorded_bits(setting
     from mlx_lily.kernels.moe import decode
 
     emulator_or_skip()
-    assert not decode.combines_in_down(1)  # off until timed (decode.COMBINED_DOWN_MAX_ROWS)
+    assert decode.combines_in_down(1) and not decode.combines_in_down(2)  # one stream's step (the default)
     monkeypatch.setattr(decode, "COMBINED_DOWN_MAX_ROWS", decode.MAX_BATCH)
     assert decode.combines_in_down(1) and decode.combines_in_down(decode.MAX_BATCH)
     for name, value in setting.items():

@@ -114,20 +114,24 @@ GATE_UP_GROUP = 1
 # routed build is tested at 1 to 4 rows (the sweep's "routed rows N" choices
 # raise this to 4).
 ROUTED_MAX_ROWS = 1
-# Calls of at most this many rows may take down and the combine as one
-# launch, row by row (moe_decode_down_combine.metal): one stream's decode
-# step, one launch fewer per layer. Each row then reads its own picks' down
-# weights, so calls that share experts between rows keep the expert-major
-# down. The same bits either way. Off (0) until timed: a first form (a SIMD
-# group per output element, walking its 9 slots) took 21.3 µs at B = 1 on the
-# H200 against 10.1 for down and the combine (8.3 + 1.8; its activations read
-# once per element and slot: bench/results/2026-12-03-nvidia-h200-f1f8b78).
-# This form gives each slot a SIMD group of the threadgroup (down's work per
-# SIMD group, down's parallelism) and sums the slots in threadgroup memory;
-# moe_decode_sweep --launch times it ("combined down ...", against "down
-# apart"). Its launch: SIMD groups per threadgroup (None: one per slot, K + 1,
-# at most 32) and output elements per threadgroup.
-COMBINED_DOWN_MAX_ROWS = 0
+# Calls of at most this many rows take down and the combine as one launch,
+# row by row (moe_decode_down_combine.metal): one stream's decode step, one
+# launch fewer per layer. Each row then reads its own picks' down weights, so
+# calls that share experts between rows keep the expert-major down. The same
+# bits either way. A first form (a SIMD group per output element, walking its
+# 9 slots) took 21.3 µs at B = 1 on the H200 against 10.1 for down and the
+# combine (bench/results/2026-12-03-nvidia-h200-f1f8b78). This form gives each
+# slot a SIMD group of the threadgroup (down's work per SIMD group) and sums
+# the slots in threadgroup memory. In a one-stream step at 4K on the H200
+# (decode_ab, bench/results/2026-12-04-nvidia-h200-26444a1) it took the same
+# device time as the two launches (5.13 against 5.08 ms a token; 4.90
+# against 5.04 in an earlier run) with 289 kernels a token against 329, and
+# 6.19 ms a token against 7.84 over four rounds in rotated order (an earlier
+# run, the two launches always first: 7.25 against 5.99). moe_decode_sweep
+# --launch times it ("combined down ...", against "down apart"). Its launch:
+# SIMD groups per threadgroup (None: one per slot, K + 1, at most 32) and
+# output elements per threadgroup.
+COMBINED_DOWN_MAX_ROWS = 1
 COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS = None, 4
 COMBINED_DOWN_ROWS_CHOICES = (1, 2, 4, 8, 16)
 COMBINE_THREADS = 256
@@ -469,8 +473,8 @@ def run_moe_decode(
     """The kernel path on ``backend``: four launches (route, gate/up, down,
     combine; the combine adds h unless ``residual=False``), three for a few
     rows (route and gate/up as one: ``routes_in_gate_up``), one fewer again
-    where down and the combine run as one (``combines_in_down``; off until
-    timed); the same bits."""
+    where down and the combine run as one (``combines_in_down``: one row);
+    the same bits."""
     if routes_in_gate_up(h.shape[0]):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
