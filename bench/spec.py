@@ -29,7 +29,8 @@ pass, submitting a round built ahead, waiting for the GPU, accepting, and
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
 {acceptance, k, speedup}; with --profile, ``profile`` rows {draft, k, per,
 kernels, gpu_ms}: per decode token without drafts, per oracle round at each
-k) under --out and prints the tables.
+k, per token of an adversarial run at the first k) under --out and prints
+the tables.
 
     python -m bench --spec --shape qwen3.6-35b-a3b --context 4K     # H200
     python -m bench --spec --shape demo --context 64 --decode-steps 8  # CPU
@@ -115,8 +116,9 @@ def _tally(kernels: Dict[str, List[float]], per: int) -> Dict[str, Any]:
 
 
 def gpu_profile(model: Any, prompt: mx.array, steps: int, ks: List[int], want: List[int], vocab: int) -> Dict[str, Any]:
-    """Kernels and device ms per decode token without drafts, and per oracle
-    round (every draft kept) at each k, recorded by the CUDA profiler
+    """Kernels and device ms per decode token without drafts, per oracle
+    round (every draft kept) at each k, and per token of an adversarial run
+    (no draft kept) at the first k, recorded by the CUDA profiler
     (``bench.gpu_time``) over ``steps`` tokens; the prompt but its last token
     is prefilled outside the recording. Where kernels cannot be timed here:
     the reason."""
@@ -144,6 +146,16 @@ def gpu_profile(model: Any, prompt: mx.array, steps: int, ks: List[int], want: L
             speculative(model, prompt[-1:], steps, k, "oracle", want, vocab, cache)))
         rounds = runs[0][2]["rounds"]
         rows.append({"draft": "oracle", "k": k, "per": "round", "rounds": rounds, **_tally(kernels, max(1, rounds))})
+    # The adversarial draft at the first k, per emitted token: mostly the
+    # plain tokens of paused drafting, whose wall time is above the
+    # baseline's; this says whether their GPU work is too.
+    k = ks[0]
+    cache, runs = prefilled(), []
+    kernels = kernel_times(lambda: runs.append(
+        speculative(model, prompt[-1:], steps, k, "adversarial", want, vocab, cache)))
+    stats = runs[0][2]
+    rows.append({"draft": "adversarial", "k": k, "per": "token", "rounds": stats["rounds"], "plain": stats["plain"],
+                 **_tally(kernels, max(1, len(runs[0][0])))})
     return {"rows": rows}
 
 
@@ -215,8 +227,8 @@ def main(argv: List[str] | None = None) -> int:
                              "median over passes of its ratio to the baselines around it; default 3)")
     parser.add_argument("--reps", type=int, default=10, help="calls timed per verify width (median)")
     parser.add_argument("--profile", action="store_true",
-                        help="also record kernels and device ms per decode token and per oracle round "
-                             "(CUDA profiler; needs PyTorch with CUDA)")
+                        help="also record kernels and device ms per decode token, per oracle round and per "
+                             "adversarial token (CUDA profiler; needs PyTorch with CUDA)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for spec-*.json")
     args = parser.parse_args(argv)
     if args.rounds < 1:

@@ -73,6 +73,31 @@ def test_spec_profile_tallies_launches_per_unit():
     assert got["by_kernel"] == {name: 2.0, "copy": 1.0} and list(got["by_kernel"]) == [name, "copy"]
 
 
+def test_spec_profile_rows_per_token_round_and_adversarial_token(tmp_path, monkeypatch):
+    # The profile's rows with the recorder replaced by one that counts a
+    # kernel per model call: a plain token, an oracle round at each k, and
+    # the adversarial draft per emitted token at the first k (its rounds
+    # and plain tokens recorded).
+    import mlx.core as mx
+
+    import mlx_lily
+    from bench import gpu_time
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    model, _ = mlx_lily.load(str(make_checkpoint(tmp_path / "head", mtp=True)))
+    vocab = model.language_model.args.vocab_size
+    prompt = mx.array(spec.prompt_ids(16, vocab))
+    want, _ = spec.baseline(model, prompt, 9)
+    monkeypatch.setattr(gpu_time, "why_unavailable", lambda: None)
+    monkeypatch.setattr(gpu_time, "kernel_times", lambda run: (run(), {"step": [2.0] * 6})[1])
+    rows = spec.gpu_profile(model, prompt, 6, [1, 2], want, vocab)["rows"]
+    assert [(r["draft"], r["k"], r["per"]) for r in rows] == [
+        ("none", 0, "token"), ("oracle", 1, "round"), ("oracle", 2, "round"), ("adversarial", 1, "token")]
+    adversarial = rows[-1]
+    assert adversarial["rounds"] >= 2 and adversarial["plain"] > 0
+    assert adversarial["kernels"] == 1.0 and adversarial["gpu_ms"] == pytest.approx(0.002)
+
+
 def test_spec_profile_says_why_not_without_a_gpu(tmp_path):
     import mlx.core as mx
 
