@@ -482,7 +482,15 @@ def make_checkpoint(
             _refuse_foreign(path)  # checked again: it may have changed meanwhile
             _replace_own_files(path, tmp, written)
         else:
-            tmp.rename(path)
+            try:
+                tmp.rename(path)
+            except OSError:
+                # Another process wrote the same checkpoint meanwhile (two
+                # programs, or test workers, asking for it at once): theirs
+                # is as good as ours.
+                if force or not is_written(path, shape, seed, conditioned, mtp, original):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

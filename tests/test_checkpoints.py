@@ -130,6 +130,40 @@ def test_writes_into_an_empty_folder_and_replaces_its_own(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
 
 
+def test_another_process_writing_the_same_checkpoint_first_is_no_error(tmp_path, monkeypatch):
+    # Two processes (or test workers) ask for the same checkpoint at once:
+    # the other one renames its copy into place between this one's check and
+    # its own rename. This one then takes theirs and leaves no partial folder.
+    from pathlib import Path
+
+    target = tmp_path / "shared"
+    rename = Path.rename
+
+    def other_process_first(self, dest):
+        if Path(dest) == target and not target.exists():
+            monkeypatch.setattr(Path, "rename", rename)
+            make_checkpoint(target, shape="demo")  # the other process, done first
+        return rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", other_process_first)
+    assert make_checkpoint(target, shape="demo") == target
+    assert random_checkpoints.is_written(target, "demo", 0, False, False, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared"]
+    # A different checkpoint put in its place meanwhile is an error, not taken.
+    other = tmp_path / "other"
+
+    def seed_one_first(self, dest):
+        if Path(dest) == other and not other.exists():
+            monkeypatch.setattr(Path, "rename", rename)
+            make_checkpoint(other, shape="demo", seed=1)
+        return rename(self, dest)
+
+    monkeypatch.setattr(Path, "rename", seed_one_first)
+    with pytest.raises(OSError):
+        make_checkpoint(other, shape="demo", seed=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "shared"]
+
+
 def test_rebuild_keeps_what_lily_did_not_write(tmp_path, capsys):
     path = make_checkpoint(tmp_path / "x", shape="demo")
     written = sorted(p.name for p in path.iterdir())
