@@ -20,7 +20,8 @@ every compiled decode step so the next one is traced under it, and measures:
 
 Each arm starts from the defaults, and the defaults are restored at the end.
 Alternating the arms within one process spreads the host's drift over all
-of them, and each round starts one arm later than the round before. Writes DIR/decode-ab.json and DIR/decode-ab.md with --out.
+of them, and each round starts one arm later than the round before.
+Writes DIR/decode-ab.json and DIR/decode-ab.md with --out.
 """
 
 from __future__ import annotations

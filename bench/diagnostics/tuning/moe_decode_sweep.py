@@ -29,8 +29,8 @@ default a call's time is the wall time of calls evaluated together as one
 graph; with ``--device-time`` (NVIDIA, with PyTorch) it is each kernel's
 device time (CUPTI), gate/up's reported alone (where route and gate/up run
 as one launch, B <= ``decode.ROUTED_MAX_ROWS`` at the default SIMD groups
-or B <= 4 in the "routed rows N" choices, that launch's). The first choice's output is
-checked against the op's contract (``moe_decode_agree``), the others'
+or B <= 4 in the "routed rows N" choices, that launch's). The first
+choice's output is checked against the op's contract (``moe_decode_agree``), the others'
 against its bits. Repeated calls on one set of weights find them in the
 GPU's L2 cache (50 MB on an H200; a call reads 11 to 120 MB), which a decode
 step never does: each layer's experts are read once a token. With ``--cold

@@ -13,9 +13,11 @@ weights, and the shared expert's, read once for every row that uses them),
 and ``moe_decode_combine`` (per row its slots in its own order, the shared
 term and the residual; with ``residual=False``, a tensor-parallel rank's
 partial sum, not the residual: ``h + out(residual=False)`` is
-``out(residual=True)`` to the bit). Batch invariant: each row's result is the same bits
-whatever B is and whatever the other rows hold (the bodies' comments say
-why). The reference is stock's op sequence, to the bit.
+``out(residual=True)`` to the bit). One row (one stream's step) takes two
+launches: route with gate/up, and down with the combine. Batch invariant:
+each row's result is the same bits whatever B is and whatever the other rows
+hold (the bodies' comments say why). The reference is stock's op sequence,
+to the bit.
 
 Stock's math, the kernels, what they take, and the contract
 (``moe_decode_agree``, decode_contract.py) with its reasoning:
@@ -471,10 +473,9 @@ def run_moe_decode(
     *, residual=True,
 ):
     """The kernel path on ``backend``: four launches (route, gate/up, down,
-    combine; the combine adds h unless ``residual=False``), three for a few
-    rows (route and gate/up as one: ``routes_in_gate_up``), one fewer again
-    where down and the combine run as one (``combines_in_down``: one row);
-    the same bits."""
+    combine; the combine adds h unless ``residual=False``); for one row two,
+    route with gate/up (``routes_in_gate_up``) and down with the combine
+    (``combines_in_down``); the same bits."""
     if routes_in_gate_up(h.shape[0]):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
