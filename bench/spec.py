@@ -25,7 +25,9 @@ decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``;
 these three summed over passes),
 round_ms: the host's ms per round building the drafts, building the verify
 pass, submitting a round built ahead, waiting for the GPU, accepting, and
-(where every token came from a round) the rest of the round's wall time},
+(where every token came from a round) the rest of the round's wall time,
+plain_token_ms: the median ms from the token before to each token decoded
+while drafting paused (None without such tokens)},
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
 {acceptance, k, speedup}; with --profile, ``profile`` rows {draft, k, per,
 kernels, gpu_ms}: per decode token without drafts, per oracle round at each
@@ -86,6 +88,10 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
 
     stats: Dict[str, Any] = {"seconds": {}}
     tokens, times = [], []
+    # Seconds from the token before to each plain token (decoded without
+    # drafts while drafting pauses): the loop counts it before yielding it.
+    plain_gaps: List[float] = []
+    plain_seen = 0
     # On mlx-lm's generation stream, as generate_step (the baseline) and the
     # commands' MTP loop (mtp_decode.generate_step) run.
     with mx.stream(generation_stream):
@@ -94,7 +100,21 @@ def speculative(model: Any, prompt: mx.array, steps: int, k: int, draft: str, wa
                                              draft_hook=None if draft == "mtp" else oracle):
             tokens.append(int(token))
             times.append(time.perf_counter())
+            if stats["plain"] > plain_seen:
+                plain_seen = stats["plain"]
+                if len(times) > 1:
+                    plain_gaps.append(times[-1] - times[-2])
+    stats["plain_gaps_s"] = plain_gaps
     return tokens, _decode_tps(times), stats
+
+
+def _plain_token_ms(passes: List[tuple]) -> Any:
+    """Median ms from the token before to a plain token (drafting paused),
+    over the passes' runs; None where no token was plain. Set beside the
+    baseline's ms per token, it says whether a pause's tokens cost what
+    plain decoding costs."""
+    gaps = [g for p in passes for g in p[2].get("plain_gaps_s", [])]
+    return round(1e3 * statistics.median(gaps), 4) if gaps else None
 
 
 # Kernel names in the profile, cut to this many characters (MLX's names
@@ -291,12 +311,14 @@ def main(argv: List[str] | None = None) -> int:
                "decode_tps_by_pass": [round(p[1], 3) for p in passes],
                "tokens_identical": all(p[0] == want_steps for p in passes),
                "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
-               "round_ms": round_ms}
+               "round_ms": round_ms, "plain_token_ms": _plain_token_ms(passes)}
         summary.append(row)
         parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
         spread = f" (passes {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""
         print(f"{draft:12s} k={k}  {tps:9.2f} tok/s  (baseline {base_tps:.2f})  x{row['speedup']}{spread}  "
-              f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}  "
+              f"accepted {stats['accepted']}/{stats['rounds'] * k}  plain {stats['plain']}"
+              + (f" ({row['plain_token_ms']:.2f} ms each, baseline {1e3 / base_tps:.2f})  " if row["plain_token_ms"]
+                 else "  ") +
               f"identical {row['tokens_identical']}  "
               f"round ms: {parts}")
     profile = None

@@ -45,8 +45,11 @@ def test_spec_bench_writes_its_rows(tmp_path):
         # 6 tokens a pass: the prompt's, 2 rounds that keep nothing, then
         # drafting pauses; the counts are summed over the two passes.
         assert adversarial["plain"] > 0 and adversarial["rounds"] + adversarial["plain"] == 2 * 5
+        # Each plain token's time from the token before, set beside the baseline's.
+        assert adversarial["plain_token_ms"] > 0
         oracle = rows[("oracle", k)]
         assert oracle["rounds"] > 0 and oracle["accepted"] == oracle["rounds"] * k and oracle["plain"] == 0
+        assert oracle["plain_token_ms"] is None
     # Each pass: a baseline run, then each row followed by one; a row's ratio
     # is against the two baseline runs around it (their mean time per token).
     bases = data["baseline_decode_tps_runs"]
@@ -63,6 +66,12 @@ def test_spec_bench_writes_its_rows(tmp_path):
     assert data["projected_at_0.85_k1"] == at["speedup"]
     # No --profile: no kernel profile.
     assert data["profile"] is None
+
+
+def test_plain_token_ms_is_the_median_gap_over_passes():
+    passes = [([], 1.0, {"plain_gaps_s": [0.001, 0.004]}, 1.0), ([], 1.0, {"plain_gaps_s": [0.002]}, 1.0)]
+    assert spec._plain_token_ms(passes) == 2.0
+    assert spec._plain_token_ms([([], 1.0, {"plain_gaps_s": []}, 1.0)]) is None
 
 
 def test_spec_profile_tallies_launches_per_unit():
