@@ -3,7 +3,9 @@ description of the machine and software, op paths, progress and file names."""
 
 from __future__ import annotations
 
+import ast
 import datetime as _dt
+import importlib
 import json
 import os
 import platform
@@ -14,7 +16,7 @@ import sys
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -38,6 +40,40 @@ def parse_length(text: str) -> int:
     if n < 2:
         raise ValueError(f"length must be at least 2, got {text!r}")
     return n
+
+
+def parse_setting(text: str, where: str) -> Tuple[str, str, Any]:
+    """'mod.NAME=VALUE' (VALUE a Python literal; ``mod`` importable and
+    holding NAME) -> (module, name, value); ``where`` names the flag in
+    the errors."""
+    target, eq, value = text.partition("=")
+    module, dot, name = target.strip().rpartition(".")
+    if not eq or not dot:
+        raise ValueError(f"{where}: {text!r} is not MODULE.NAME=VALUE")
+    try:
+        parsed = ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError) as exc:
+        raise ValueError(f"{where}: {value.strip()!r} is not a Python literal") from exc
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise ValueError(f"{where}: {module} has no {name}")
+    return module, name, parsed
+
+
+def apply_settings(settings: List[Tuple[str, str, Any]]) -> Dict[Tuple[str, str], Any]:
+    """Set each (module, name, value); returns the values they replaced,
+    for ``restore_settings``."""
+    originals = {}
+    for module, name, value in settings:
+        mod = importlib.import_module(module)
+        originals.setdefault((module, name), getattr(mod, name))
+        setattr(mod, name, value)
+    return originals
+
+
+def restore_settings(originals: Dict[Tuple[str, str], Any]) -> None:
+    for (module, name), value in originals.items():
+        setattr(importlib.import_module(module), name, value)
 
 
 def parse_lengths(text: str) -> List[int]:

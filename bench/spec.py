@@ -51,7 +51,7 @@ from typing import Any, Dict, List
 
 import mlx.core as mx
 
-from bench.common import length_label, parse_length, prompt_ids
+from bench.common import apply_settings, length_label, parse_length, parse_setting, prompt_ids, restore_settings
 
 DRAFTS = ("mtp", "oracle", "adversarial")
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
@@ -250,9 +250,24 @@ def main(argv: List[str] | None = None) -> int:
                         help="also record kernels and device ms per decode token, per oracle round and per "
                              "adversarial token (CUDA profiler; needs PyTorch with CUDA)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"), help="folder for spec-*.json")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="run with a module constant set (e.g. "
+                             "mlx_lily.kernels.moe.decode.ROUTED_MAX_ROWS=4); repeatable, recorded in the JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    try:
+        settings = [parse_setting(text, "--set") for text in args.set]
+    except ValueError as exc:
+        parser.error(str(exc))
+    originals = apply_settings(settings)
+    try:
+        return _run(args, argv, settings)
+    finally:
+        restore_settings(originals)
+
+
+def _run(args, argv, settings) -> int:
 
     import mlx_lily
     from mlx_lily.random_checkpoints import make_checkpoint
@@ -353,6 +368,7 @@ def main(argv: List[str] | None = None) -> int:
     file = out / f"spec-{label}-{length_label(context)}.json"
     file.write_text(json.dumps({
         "command": "python -m bench --spec " + " ".join(sys.argv[1:] if argv is None else argv),
+        "settings": {f"{m}.{n}": repr(v) for m, n, v in settings},
         "machine": {"platform": platform.platform(), "device": str(mx.default_device()),
                     "mlx": mx.__version__},
         "model": path, "context": context, "decode_steps": steps, "rounds": args.rounds,

@@ -68,6 +68,32 @@ def test_spec_bench_writes_its_rows(tmp_path):
     assert data["profile"] is None
 
 
+def test_spec_bench_runs_with_module_constants_set_and_restores_them(tmp_path, monkeypatch):
+    # --set MODULE.NAME=VALUE: the run under that constant (recorded in the
+    # JSON), the constant back afterwards; a bad setting is refused by name.
+    from mlx_lily.kernels.moe import decode
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    default, seen, real = decode.ROUTED_MAX_ROWS, [], spec.verify_costs
+
+    def verify_costs(*args, **kwargs):
+        seen.append(decode.ROUTED_MAX_ROWS)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(spec, "verify_costs", verify_costs)
+    model = make_checkpoint(tmp_path / "head", mtp=True)
+    assert spec.main(["--model", str(model), "--context", "16", "--decode-steps", "3", "--reps", "1", "--k", "1",
+                      "--rounds", "1", "--set", "mlx_lily.kernels.moe.decode.ROUTED_MAX_ROWS=4",
+                      "--out", str(tmp_path)]) == 0
+    assert seen == [4] and decode.ROUTED_MAX_ROWS == default
+    (file,) = tmp_path.glob("spec-*.json")
+    assert json.loads(file.read_text())["settings"] == {"mlx_lily.kernels.moe.decode.ROUTED_MAX_ROWS": "4"}
+    for bad in ("mlx_lily.kernels.moe.decode.NOT_THERE=1", "mlx_lily.kernels.moe.decode.ROUTED_MAX_ROWS=four",
+                "ROUTED_MAX_ROWS=4"):
+        with pytest.raises(SystemExit):
+            spec.main(["--set", bad])
+
+
 def test_plain_token_ms_is_the_median_gap_over_passes():
     passes = [([], 1.0, {"plain_gaps_s": [0.001, 0.004]}, 1.0), ([], 1.0, {"plain_gaps_s": [0.002]}, 1.0)]
     assert spec._plain_token_ms(passes) == 2.0

@@ -27,7 +27,6 @@ Writes DIR/decode-ab.json and DIR/decode-ab.md with --out.
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
 import statistics
 import sys
@@ -36,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from bench.common import log, parse_length, write_json, write_report
+from bench.common import log, parse_length, parse_setting, write_json, write_report
 
 DEVICE_STEPS = 8
 
@@ -46,20 +45,8 @@ def parse_arm(text: str) -> Tuple[str, List[Tuple[str, str, Any]]]:
     label, colon, rest = text.partition(":")
     if not colon or not label.strip():
         raise ValueError(f"--arm {text!r}: LABEL:MODULE.NAME=VALUE[;...] (LABEL: alone for the defaults)")
-    settings = []
-    for part in filter(None, (p.strip() for p in rest.split(";"))):
-        target, eq, value = part.partition("=")
-        module, dot, name = target.strip().rpartition(".")
-        if not eq or not dot:
-            raise ValueError(f"--arm {label!r}: {part!r} is not MODULE.NAME=VALUE")
-        try:
-            parsed = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError) as exc:
-            raise ValueError(f"--arm {label!r}: {value.strip()!r} is not a Python literal") from exc
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            raise ValueError(f"--arm {label!r}: {module} has no {name}")
-        settings.append((module, name, parsed))
+    settings = [parse_setting(part, f"--arm {label.strip()!r}")
+                for part in filter(None, (p.strip() for p in rest.split(";")))]
     return label.strip(), settings
 
 
