@@ -15,6 +15,7 @@ from .linear.gemv_tiles import decode_matvec, quantized_matvec_tiles
 from .linear.matmul import matmul_nt
 from .moe.combine import moe_combine
 from .moe.decode import moe_decode
+from .moe.decode_router import moe_decode_router
 from .moe.experts import moe_experts
 from .moe.router import router_topk
 
@@ -22,6 +23,6 @@ __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv_qk_norm", "gated_delta", "gated_delta_decode",
     "gated_delta_decode_steps",
-    "moe_combine", "moe_experts", "moe_decode", "gated_rms_norm", "router_topk", "matmul_nt",
+    "moe_combine", "moe_experts", "moe_decode", "moe_decode_router", "gated_rms_norm", "router_topk", "matmul_nt",
     "quantized_matvec", "quantized_matvec_tiles", "decode_matvec",
 ]

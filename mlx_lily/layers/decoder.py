@@ -24,6 +24,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer
 
 from .. import kernels as K
+from ..kernels.linear.gemv_tiles import takes_tiles
+from ..kernels.moe import decode_router
 from .._notice import notice_once
 from ..toolchain.tracing import first_uses_in_traces, first_uses_met_since, tracing
 from ..toolchain.registry import kernel_backend
@@ -39,6 +41,13 @@ PACE_ENV = "MLX_LILY_PACE_PREFILL"
 
 def _env_off(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def router_launch_fits(h: mx.array, gates: tuple, norm_weight: mx.array, eps: float) -> bool:
+    """Whether a MoE decode step takes the router's launch
+    (``moe_decode_router``): in use, and the router GEMV it stands for is
+    the row GEMV's (its logits are that kernel's bits, not the tile form's)."""
+    return decode_router.IN_USE and not takes_tiles(h, gates, norm_weight, eps)
 
 
 def _triple(linear) -> tuple:
@@ -483,9 +492,18 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm
-        logits, shared_logit = K.decode_matvec(
-            h, (_triple(mlp.gate), _triple(mlp.shared_expert_gate)), norm.weight, norm.eps
-        )
+        gates = (_triple(mlp.gate), _triple(mlp.shared_expert_gate))
+        if mlp.sharding_group is None and router_launch_fits(h, gates, norm.weight, norm.eps):
+            # The router's launch (the router GEMV's bits, route's picks and
+            # norm): moe_decode then starts at gate/up.
+            logits, shared_logit, xn, inds, scores = K.moe_decode_router(
+                h, norm.weight, norm.eps, *gates, mlp.top_k, mlp.norm_topk_prob)
+            routed = (xn, inds, scores) if K.moe_decode_router.last_path == "kernel" else None
+            return K.moe_decode(
+                h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
+                mlp.switch_mlp, mlp.shared_expert, routed=routed,
+            )
+        logits, shared_logit = K.decode_matvec(h, gates, norm.weight, norm.eps)
         if mlp.sharding_group is not None:
             return self._sharded_moe_step(h, logits, shared_logit)
         return K.moe_decode(

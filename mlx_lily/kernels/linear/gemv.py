@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -288,6 +288,18 @@ def launch_choice(total_rows: int, backend: Optional[str], batch: int = 1) -> tu
     return min(rows, max(1, MAX_ACCUMULATORS // batch_bucket(batch))), nsg
 
 
+def single_row_simdgroups(rows: Sequence[int], backend: Optional[str]) -> int:
+    """SIMD groups per threadgroup of the B = 1 launch for segments of
+    ``rows`` weight rows on ``backend``: the default at every B, and the
+    SIMD groups that sum the norm prologue's squares (NORM_SG) whatever the
+    launch. (The MoE decode router launch sums its norm by them too, so
+    that its router logits are this GEMV's bits.)"""
+    per_block, chosen = launch_choice(sum(rows), backend)
+    if chosen is not None:
+        return chosen
+    return simdgroups_for(sum(-(-n // per_block) for n in rows))
+
+
 def stages_x(batch: int, K: int, xin_dtype: mx.Dtype) -> bool:
     """Whether the body holds all rows' whole xin in threadgroup memory at
     once (sized for the bucket's rows: the body's array is BATCH * K), rather
@@ -331,8 +343,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     blocks_of = lambda per_block: sum(-(-n // per_block) for n in rows)  # noqa: E731
     # The B = 1 launch's SIMD groups: the default at every B, and what orders
     # the norm's sum of squares (NORM_SG) whatever the launch.
-    single_rows, chosen = launch_choice(sum(rows), gpu_backend())
-    single_nsg = simdgroups_for(blocks_of(single_rows)) if chosen is None else chosen
+    single_nsg = single_row_simdgroups(rows, gpu_backend())
     if rows_per_simdgroup is None:
         rows_per_simdgroup, _ = launch_choice(sum(rows), gpu_backend(), B)
         if simdgroups is None:

@@ -215,12 +215,18 @@ def gemv_form() -> str:
     return form
 
 
+def takes_tiles(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> bool:
+    """Whether ``decode_matvec`` gives this call to the tile form."""
+    return gemv_form() == "tiles" and quantized_matvec_tiles_supports(x, weights, norm_weight, eps, gate,
+                                                                      residual) is None
+
+
 def decode_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
     """The model's decode GEMV (``quantized_matvec``'s arguments and result):
     in the tile form (``gemv_form``) wherever it takes the call (4-bit,
     bf16, B <= 16; the same for every B of a call shape), else the
     row-parallel GEMV. Both answer with the same reference where no kernel
     runs."""
-    if gemv_form() == "tiles" and quantized_matvec_tiles_supports(x, weights, norm_weight, eps, gate, residual) is None:
+    if takes_tiles(x, weights, norm_weight, eps, gate, residual):
         return quantized_matvec_tiles(x, weights, norm_weight=norm_weight, eps=eps, gate=gate, residual=residual)
     return quantized_matvec(x, weights, norm_weight=norm_weight, eps=eps, gate=gate, residual=residual)

@@ -155,11 +155,14 @@ MAX_ELEMENTS = 2**31
 
 def moe_decode_reference(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
-    *, residual=True,
+    *, residual=True, routed=None,
 ):
     """h [B, 1, D] -> h + moe(rms_norm(h)) [B, 1, D], stock's ops in stock's
     order; ``residual=False``: moe(rms_norm(h)) alone (a tensor-parallel
-    rank's partial sum, which stock sums across ranks before adding h)."""
+    rank's partial sum, which stock sums across ranks before adding h).
+    ``routed``: the router launch's (xn, inds, scores) for these logits
+    (decode_router.py), which the kernels take instead of routing again;
+    the reference routes itself."""
     xn = mx.fast.rms_norm(h, norm_weight, eps)
     inds, scores = router_topk_reference(router_logits, top_k, norm_topk_prob)
     y = switch_mlp(xn, inds)
@@ -179,7 +182,7 @@ def _dims(layer) -> tuple[int, int]:
 
 def moe_decode_supports(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
-    *, residual=True,
+    *, residual=True, routed=None,
 ) -> Optional[str]:
     """None when the kernels take this call, else why not."""
     if h.ndim != 3 or h.shape[1] != 1:
@@ -187,6 +190,11 @@ def moe_decode_supports(
     B, D = h.shape[0], h.shape[-1]
     if not 1 <= B <= MAX_BATCH:
         return f"B={B} rows (kernel: 1 to MAX_BATCH={MAX_BATCH})"
+    if routed is not None:
+        want = ((B, D), h.dtype), ((B, top_k), mx.uint32), ((B, top_k), h.dtype)
+        for name, a, (shape, dtype) in zip(("xn", "inds", "scores"), routed, want):
+            if tuple(a.shape) != shape or a.dtype != dtype:
+                return f"routed {name} {tuple(a.shape)} {a.dtype} (kernel: {list(shape)} {dtype})"
     if router_logits.ndim != 3 or router_logits.shape[:2] != (B, 1):
         return f"router_logits {tuple(router_logits.shape)} for h {tuple(h.shape)} (kernel: one token per row, [B, 1, E])"
     E = router_logits.shape[-1]
@@ -470,13 +478,17 @@ moe_decode_combine_kernel = Kernel(
 
 def run_moe_decode(
     backend, h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
-    *, residual=True,
+    *, residual=True, routed=None,
 ):
     """The kernel path on ``backend``: four launches (route, gate/up, down,
     combine; the combine adds h unless ``residual=False``); for one row two,
     route with gate/up (``routes_in_gate_up``) and down with the combine
-    (``combines_in_down``); the same bits."""
-    if routes_in_gate_up(h.shape[0]):
+    (``combines_in_down``); the same bits. With ``routed`` (the router
+    launch's xn, inds and scores) no route: gate/up reads them."""
+    if routed is not None:
+        xn, inds, scores = routed
+        act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
+    elif routes_in_gate_up(h.shape[0]):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
     else:

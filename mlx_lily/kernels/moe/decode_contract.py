@@ -50,13 +50,15 @@ def _dequantized(weight, scales, biases) -> mx.array:
 
 def moe_decode_precise(
     h, router_logits, shared_gate_logit, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert,
-    *, residual=True,
+    *, residual=True, routed=None,
 ):
     """(out [B, 1, D] in h's dtype, magnitudes [B * D] fp32): stock's math with
     fp32 accumulation, the kernels' choice of experts (``router_topk_ground_truth``)
     and stock's bf16 roundings, row by row; magnitudes is what the tolerance
     scales with (module docstring). Dequantizes each row's k experts only.
-    ``residual=False``: the MoE output without h (nor |h| in the magnitudes)."""
+    ``residual=False``: the MoE output without h (nor |h| in the magnitudes).
+    ``routed`` (the router launch's picks, those of these logits) changes
+    nothing here."""
     B = h.shape[0]
     outs, magnitudes = [], []
     for b in range(B):
