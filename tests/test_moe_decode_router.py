@@ -140,3 +140,31 @@ def test_the_model_decodes_the_same_bits_with_and_without_the_launch(demo_checkp
             assert tg == tw and np.array_equal(lg, lw), f"row {i}"
     for (tg, lg), (tw, lw) in zip(alone, without[3]):
         assert tg == tw and np.array_equal(lg, lw), "row 3 alone"
+
+
+def test_compiles_for_cuda_without_local_memory(tmp_path):
+    """At the real shape (D 2048, 256 experts top-8; 8-bit gates as the
+    checkpoints have them, and 4-bit), bf16 and fp16: no local memory, and
+    the threadgroup memory is the staged input, the row's logits and the
+    two norms' partial sums."""
+    import re
+
+    from test_toolchain import nvcc_ptx
+
+    units = {}
+    for dtype, gate_bits in ((mx.bfloat16, (8, 8)), (mx.float16, (8, 8)), (mx.bfloat16, (4, 4))):
+        D, E = 2048, 256
+
+        def triple(n, b):
+            return (mx.zeros((n, D * b // 32), mx.uint32), mx.zeros((n, D // 64), dtype), mx.zeros((n, D // 64), dtype))
+
+        name = f"{str(dtype).rsplit('.', 1)[-1]}_{gate_bits[0]}bit"
+        units[name] = moe_decode_router_kernel.cuda_translation_unit(
+            mx.zeros((1, 1, D), dtype), mx.zeros((D,), dtype), 1e-6, triple(E, gate_bits[0]),
+            triple(1, gate_bits[1]), 8, True)
+    launch = decode_router._launch(*moe_router_inputs(2048, 256, 8)[0])
+    gemv_norm_sg = dict(launch.template)["GEMV_NORM_SG"]
+    for name, text in nvcc_ptx(tmp_path, units, warnings_ok=False).items():
+        assert "ld.local" not in text and "st.local" not in text, name
+        shared = sorted(int(n) for n in re.findall(r"\.shared[^;]*\[(\d+)\]", text))
+        assert shared == sorted([2 * 2048, 2 * 256, 4 * gemv_norm_sg, 4 * decode_router.ROUTE_NORM_SG]), (name, shared)

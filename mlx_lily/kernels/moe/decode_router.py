@@ -49,10 +49,11 @@ from .router import TOPK_HEADER, router_outputs_agree, router_topk_ground_truth,
 # ``_moe_step``); off: the router GEMV, then moe_decode routes (the same bits).
 IN_USE = True
 # SIMD groups per threadgroup (each at least both norms' SIMD groups) and
-# router rows per SIMD group at a time (each lane keeps that many 16-byte
-# loads in flight). Neither changes a row's sums.
+# router rows per SIMD group at a time (a lane loads all their units before
+# it multiplies: ROWS x ceil(D / 512) 16-byte loads in flight). Neither
+# changes a row's sums.
 SIMD_GROUPS = 32
-ROWS_PER_SG = 4
+ROWS_PER_SG = 2
 ROWS_CHOICES = (1, 2, 4)
 MAX_D = 4096  # the GEMV's staged input: D values of T in threadgroup memory
 
@@ -95,6 +96,11 @@ def _eps_array(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
+def _steps(D: int, bits: int) -> int:
+    """A lane's 16-byte units of a row of D values at ``bits``."""
+    return math.ceil(D / (SIMD_WIDTH * 128 // bits))
+
+
 def _launch(h, norm_weight, eps, gate, shared_gate, top_k, norm_topk_prob, *,
             simdgroups: Optional[int] = None, rows_per_sg: Optional[int] = None) -> Launch:
     """The call's launch; ``simdgroups`` and ``rows_per_sg`` are tuning
@@ -103,6 +109,7 @@ def _launch(h, norm_weight, eps, gate, shared_gate, top_k, norm_topk_prob, *,
     B, D, k = h.shape[0], h.shape[-1], int(top_k)
     (gw, gs, gb), (sw, ss, sb) = gate, shared_gate
     E = gw.shape[0]
+    gate_bits, shared_bits = int(gw.shape[1]) * 32 // D, int(sw.shape[1]) * 32 // D
     gemv_norm_sg = single_row_simdgroups((E, 1), gpu_backend())
     nsg = SIMD_GROUPS if simdgroups is None else int(simdgroups)
     rows = ROWS_PER_SG if rows_per_sg is None else int(rows_per_sg)
@@ -118,8 +125,9 @@ def _launch(h, norm_weight, eps, gate, shared_gate, top_k, norm_topk_prob, *,
         output_dtypes=[h.dtype, h.dtype, h.dtype, mx.uint32, h.dtype],
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
                   ("NORMALIZE", bool(norm_topk_prob)), ("D", D),
-                  ("BITS", int(gw.shape[1]) * 32 // D), ("SHARED_BITS", int(sw.shape[1]) * 32 // D),
-                  ("NSG", nsg), ("GEMV_NORM_SG", gemv_norm_sg), ("NORM_SG", ROUTE_NORM_SG), ("ROWS", rows)],
+                  ("BITS", gate_bits), ("SHARED_BITS", shared_bits),
+                  ("NSG", nsg), ("GEMV_NORM_SG", gemv_norm_sg), ("NORM_SG", ROUTE_NORM_SG), ("ROWS", rows),
+                  ("STEPS", max(_steps(D, bits) for bits in (gate_bits, shared_bits)))],
         finish=tuple,
     )
 

@@ -33,7 +33,9 @@
 //           (the router's: 4 or 8), SHARED_BITS (the shared gate's), NSG
 //           (SIMD groups per threadgroup, >= GEMV_NORM_SG and NORM_SG),
 //           GEMV_NORM_SG, NORM_SG (route's, ROUTE_NORM_SG), ROWS (weight
-//           rows per SIMD group at a time: loads in flight).
+//           rows per SIMD group at a time), STEPS (a lane's 16-byte units
+//           of a row, the more of the two widths': ceil(D / 512) at 8
+//           bits, ceil(D / 1024) at 4).
 // Inputs:   h [B, 1, D]; norm_weight [D] (T); eps [1] fp32; router_w [E,
 //           D * BITS / 32] uint32, router_s, router_b [E, D / 64] (T);
 //           shared_w [1, D * SHARED_BITS / 32], shared_s, shared_b [1, D / 64].
@@ -117,35 +119,43 @@ for (uint block = sg; block <= ROUTER_BLOCKS; block += NSG) {
   const uint span = SIMD_WIDTH * values;
   const uint steps = (uint(D) + span - 1u) / span;
   const uint words_per_row = uint(D) * bits / 32u;
+  // Every unit of the block's rows is loaded before any is multiplied: a
+  // lane's loads all in flight at once, one trip to memory a block (the
+  // sums' order is the multiplies', below, not the loads').
+  uint4 words[ROWS][STEPS];
+  float scale[ROWS][STEPS];
+  float bias[ROWS][STEPS];
+  for (uint s = 0; s < STEPS; ++s) {
+    const uint k0 = s * span + lane * values;
+    for (uint r = 0; r < ROWS; ++r) {
+      const uint row = row0 + r;
+      words[r][s] = no_words;
+      scale[r][s] = 0.0f;
+      bias[r][s] = 0.0f;
+      if (s < steps && k0 < uint(D) && row < rows) {
+        const uint wi = row * words_per_row + k0 / (32u / bits);
+        const uint gi = row * GROUPS_PER_ROW + k0 / GROUP_SIZE;
+        if (is_shared) {
+          words[r][s] = *reinterpret_cast<const device uint4*>(shared_w + wi);
+          scale[r][s] = static_cast<float>(shared_s[gi]);
+          bias[r][s] = static_cast<float>(shared_b[gi]);
+        } else {
+          words[r][s] = *reinterpret_cast<const device uint4*>(router_w + wi);
+          scale[r][s] = static_cast<float>(router_s[gi]);
+          bias[r][s] = static_cast<float>(router_b[gi]);
+        }
+      }
+    }
+  }
   float acc[ROWS];
   for (uint r = 0; r < ROWS; ++r) {
     acc[r] = 0.0f;
   }
-  for (uint s = 0; s < steps; ++s) {
+  for (uint s = 0; s < STEPS; ++s) {
+    // Steps past this width's (4 bits: half of them) add nothing: their
+    // units are zeros, as the GEMV's past D.
     const uint k0 = s * span + lane * values;
-    const bool active = k0 < uint(D);
-    uint4 words[ROWS];
-    float scale[ROWS];
-    float bias[ROWS];
-    for (uint r = 0; r < ROWS; ++r) {
-      const uint row = row0 + r;
-      words[r] = no_words;
-      scale[r] = 0.0f;
-      bias[r] = 0.0f;
-      if (active && row < rows) {
-        const uint wi = row * words_per_row + k0 / (32u / bits);
-        const uint gi = row * GROUPS_PER_ROW + k0 / GROUP_SIZE;
-        if (is_shared) {
-          words[r] = *reinterpret_cast<const device uint4*>(shared_w + wi);
-          scale[r] = static_cast<float>(shared_s[gi]);
-          bias[r] = static_cast<float>(shared_b[gi]);
-        } else {
-          words[r] = *reinterpret_cast<const device uint4*>(router_w + wi);
-          scale[r] = static_cast<float>(router_s[gi]);
-          bias[r] = static_cast<float>(router_b[gi]);
-        }
-      }
-    }
+    const bool active = s < steps && k0 < uint(D);
     float xsum = 0.0f;
     for (uint c = 0; c < 4; ++c) {
       if (c < values / 8u) {
@@ -157,9 +167,10 @@ for (uint block = sg; block <= ROUTER_BLOCKS; block += NSG) {
         for (uint r = 0; r < ROWS; ++r) {
           // Chunk c's 8 values, exact small integers (the GEMV's 4-bit
           // pattern trick: nibble q under 0x4300 is the bf16 number 128 + q).
+          const uint4 unit = words[r][s];
           float q[8];
           if (bits == 4u) {
-            const uint w = c == 0 ? words[r].x : (c == 1 ? words[r].y : (c == 2 ? words[r].z : words[r].w));
+            const uint w = c == 0 ? unit.x : (c == 1 ? unit.y : (c == 2 ? unit.z : unit.w));
             const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
                                  ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
             for (uint m = 0; m < 4; ++m) {
@@ -167,8 +178,8 @@ for (uint block = sg; block <= ROUTER_BLOCKS; block += NSG) {
               q[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
             }
           } else {
-            const uint first = c == 0 ? words[r].x : words[r].z;
-            const uint second = c == 0 ? words[r].y : words[r].w;
+            const uint first = c == 0 ? unit.x : unit.z;
+            const uint second = c == 0 ? unit.y : unit.w;
             for (uint i = 0; i < 4; ++i) {
               q[i] = static_cast<float>((first >> (8 * i)) & 0xFFu);
               q[4 + i] = static_cast<float>((second >> (8 * i)) & 0xFFu);
@@ -178,12 +189,12 @@ for (uint block = sg; block <= ROUTER_BLOCKS; block += NSG) {
           for (uint i = 0; i < 8; ++i) {
             dot = fma(q[i], xv[i], dot);
           }
-          acc[r] = fma(scale[r], dot, acc[r]);
+          acc[r] = fma(scale[r][s], dot, acc[r]);
         }
       }
     }
     for (uint r = 0; r < ROWS; ++r) {
-      acc[r] = fma(bias[r], xsum, acc[r]);
+      acc[r] = fma(bias[r][s], xsum, acc[r]);
     }
   }
   for (uint r = 0; r < ROWS; ++r) {
