@@ -168,3 +168,31 @@ def test_compiles_for_cuda_without_local_memory(tmp_path):
         assert "ld.local" not in text and "st.local" not in text, name
         shared = sorted(int(n) for n in re.findall(r"\.shared[^;]*\[(\d+)\]", text))
         assert shared == sorted([2 * 2048, 2 * 256, 4 * gemv_norm_sg, 4 * decode_router.ROUTE_NORM_SG]), (name, shared)
+
+
+def test_the_default_launch_fits_an_sm90_multiprocessor(tmp_path):
+    """Its threads times the registers nvcc gives each (sm_90) within the
+    65,536 registers a threadgroup may take: more fails at launch."""
+    import re
+    import shutil
+    import subprocess
+
+    from test_toolchain import _mlx_cuda_include
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, _ = _mlx_cuda_include(tmp_path)
+    D, E = 2048, 256
+    gate = (mx.zeros((E, D // 4), mx.uint32), mx.zeros((E, D // 64), mx.bfloat16), mx.zeros((E, D // 64), mx.bfloat16))
+    shared = tuple(a[:1] for a in gate)
+    source = tmp_path / "router.cu"
+    source.write_text(moe_decode_router_kernel.cuda_translation_unit(
+        mx.zeros((1, 1, D), mx.bfloat16), mx.zeros((D,), mx.bfloat16), 1e-6, gate, shared, 8, True))
+    run = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", f"-I{include}", "-Xptxas", "-v",
+                          str(source), "-o", str(tmp_path / "router.cubin")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+    threads = decode_router.SIMD_GROUPS * 32
+    assert registers * threads <= 65536, (registers, threads)
+    assert "cumulative stack" not in run.stderr and "0 bytes spill stores" in run.stderr, run.stderr

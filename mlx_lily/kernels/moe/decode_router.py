@@ -51,8 +51,11 @@ IN_USE = True
 # SIMD groups per threadgroup (each at least both norms' SIMD groups) and
 # router rows per SIMD group at a time (a lane loads all their units before
 # it multiplies: ROWS x ceil(D / 512) 16-byte loads in flight). Neither
-# changes a row's sums.
-SIMD_GROUPS = 32
+# changes a row's sums. On CUDA (sm_90) 2 rows take 72 registers a thread,
+# too many for 1,024 threads (the launch fails; lily then runs the
+# reference, with a notice), so 16 SIMD groups; nvcc left 4-bit words in
+# local memory at 1 row and 4.
+SIMD_GROUPS = 16
 ROWS_PER_SG = 2
 ROWS_CHOICES = (1, 2, 4)
 MAX_D = 4096  # the GEMV's staged input: D values of T in threadgroup memory
