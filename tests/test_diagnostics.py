@@ -415,3 +415,21 @@ def test_decode_ab_alternates_arms_from_the_defaults_and_compares_greedy_tokens(
             decode_ab.parse_arm(bad)
     with pytest.raises(SystemExit):
         decode_ab.main(["--arm", "a:", "--arm", "a:"])
+
+
+def test_moe_router_launch_times_each_choice_with_the_two_launches_bits(tmp_path):
+    import json
+
+    from bench.diagnostics.tuning import moe_router_launch
+
+    emulator_or_skip()
+    code = moe_router_launch.main(["--out", str(tmp_path), "--backend", "emulator", "--dims", "128,24,3",
+                                   "--batch", "1,3", "--sets", "2"])
+    assert code == 0
+    record = json.loads((tmp_path / "moe-router-launch.json").read_text())
+    assert [r["batch"] for r in record["rows"]] == [1, 3]
+    labels = {"two launches", *(f"router launch {n} x {r}" for n, r in moe_router_launch.CHOICES)}
+    for r in record["rows"]:
+        # Every choice gave the two launches' bits (a differing one has no time).
+        assert set(r["us"]) == labels and "differs" not in r and all(t > 0 for t in r["us"].values())
+    assert "| 3 |" in (tmp_path / "moe-router-launch.md").read_text()
