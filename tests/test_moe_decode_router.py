@@ -128,10 +128,11 @@ def test_the_model_decodes_the_same_bits_with_and_without_the_launch(demo_checkp
 
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     schedule, steps = {0: [0, 1, 2, 3, 4]}, {i: 3 for i in range(5)}
+    monkeypatch.setattr(decode_router, "MIN_ROWS", 1)  # every call takes the launch
     with_launch = generate(model, schedule, steps)
     assert K.moe_decode_router.last_path == "kernel", K.moe_decode_router.last_reason
     alone = generate(model, {0: [3]}, {3: 3})[3]
-    monkeypatch.setattr(decode_router, "IN_USE", False)
+    monkeypatch.setattr(decode_router, "MIN_ROWS", MAX_BATCH + 1)  # none does
     K.moe_decode_router.last_path = None
     without = generate(model, schedule, steps)
     assert K.moe_decode_router.last_path is None  # not called

@@ -45,9 +45,10 @@ def _env_off(name: str) -> bool:
 
 def router_launch_fits(h: mx.array, gates: tuple, norm_weight: mx.array, eps: float) -> bool:
     """Whether a MoE decode step takes the router's launch
-    (``moe_decode_router``): in use, and the router GEMV it stands for is
-    the row GEMV's (its logits are that kernel's bits, not the tile form's)."""
-    return decode_router.IN_USE and not takes_tiles(h, gates, norm_weight, eps)
+    (``moe_decode_router``): rows enough (``decode_router.MIN_ROWS``), and
+    the router GEMV it stands for is the row GEMV's (its logits are that
+    kernel's bits, not the tile form's)."""
+    return h.shape[0] >= decode_router.MIN_ROWS and not takes_tiles(h, gates, norm_weight, eps)
 
 
 def _triple(linear) -> tuple:

@@ -14,7 +14,8 @@ launches it replaces, the row GEMV (gemv.metal's B = 1 order) and
 (moe_decode_router.metal says how; tests compare them). Why: the picks are
 made once a layer, in the launch that makes the logits, so one stream's
 gate/up no longer redoes them in every threadgroup (the routed launch) and
-batches of 2 to 16 rows take a launch a layer fewer.
+batches take a launch a layer fewer. One threadgroup per row is slower than
+the two launches on the H200 below 16 rows (``MIN_ROWS``).
 
 The reference is stock's ops (``rms_norm``, the two quantized matmuls, the
 softmax top-k); the contract: the logits and the shared gate's logit meet
@@ -45,9 +46,16 @@ from ..linear.gemv import (
 from .decode import MAX_BATCH, MAX_EXPERTS, MAX_K, ROUTE_NORM_SG
 from .router import TOPK_HEADER, router_outputs_agree, router_topk_ground_truth, router_topk_reference
 
-# Whether the model's MoE decode step takes this launch (the layer's
-# ``_moe_step``); off: the router GEMV, then moe_decode routes (the same bits).
-IN_USE = True
+# The model's MoE decode steps of at least this many rows take this launch
+# (the layer's ``_moe_step``); smaller ones the router GEMV, then moe_decode
+# routes (the same bits either way). One threadgroup reading a row's 257
+# router rows is latency-bound: on the H200 the launch took 60 µs of device
+# time at every B against 16.5 / 19.0 / 22.7 / 33.2 / 65.1 for the two
+# launches at B = 1 / 2 / 4 / 8 / 16 (moe_router_launch, weights from
+# memory, bench/results/2026-12-04-nvidia-h200-38188be), and in one-stream
+# decode 6.14 against 5.01 device ms a token. So only a full batch takes it
+# (a launch a layer fewer there). Metal: not measured.
+MIN_ROWS = 16
 # SIMD groups per threadgroup (each at least both norms' SIMD groups) and
 # router rows per SIMD group at a time (a lane loads all their units before
 # it multiplies: ROWS x ceil(D / 512) 16-byte loads in flight). Neither
