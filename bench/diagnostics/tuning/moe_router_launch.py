@@ -96,7 +96,8 @@ def markdown(record: dict) -> str:
     labels = list(record["rows"][0]["us"])
     unit = "device µs (CUPTI)" if record["device_time"] else "µs of wall time a call, evaluated together"
     lines = [f"# The MoE decode router's launch against the router GEMV + route, {unit}", "",
-             f"{record['machine'].get('chip', '')}, weights cycled over {record['rows'][0]['weight_sets']} sets.",
+             f"{record['machine'].get('accelerator', {}).get('name', 'CPU')}, weights cycled over "
+             f"{record['rows'][0]['weight_sets']} sets.",
              "", "| B | " + " | ".join(labels) + " |", "|---:|" + "---:|" * len(labels)]
     for row in record["rows"]:
         cells = [("differs" if row["us"][l] is None else f"{row['us'][l]:.1f}") for l in labels]
