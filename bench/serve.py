@@ -50,6 +50,7 @@ import json
 import os
 import random
 import re
+import shlex
 import signal
 import socket
 import statistics
@@ -120,11 +121,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--generate-check-after", action="store_true",
                    help="start the generate check's process after the server stops, not beside it "
                         "(one copy of the model in memory at a time; slower)")
+    p.add_argument("--server-args", default="",
+                   help="more mlx_lm.server flags for both servers, as one string "
+                        "(e.g. \"--prompt-concurrency 16\"; recorded in the JSON)")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "out"), help="output folder")
     p.add_argument("--generate-worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     multi_turn.add_arguments(p)
     args = p.parse_args(argv)
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    args.server_args = shlex.split(args.server_args)
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.decode_pairs < 0:
         p.error(f"--decode-pairs {args.decode_pairs}: 0 or more")
@@ -163,10 +168,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_command(model: str, engine: str, port: int, max_tokens: int, peak_file: Path,
+                   extra: Iterable[str] = ()) -> List[str]:
+    """The server's command line: mlx_lm.server's main through
+    ``bench.serve_process``, no prompt-cache reuse (every request prefills
+    its whole prompt), then ``extra`` (``--server-args``), the same for
+    both engines."""
+    return [
+        sys.executable, "-m", "bench.serve_process", str(peak_file),
+        "serve", "--model", model, "--backend", engine,
+        "--host", HOST, "--port", str(port),
+        "--prompt-cache-size", "0", "--max-tokens", str(max_tokens), *extra,
+    ]
+
+
 class Server:
     """``mlx_lm.server --backend ENGINE`` on a free loopback port."""
 
-    def __init__(self, model: str, engine: str, out: Path, max_tokens: int, timeout_s: float):
+    def __init__(self, model: str, engine: str, out: Path, max_tokens: int, timeout_s: float,
+                 extra: Iterable[str] = ()):
         self.engine, self.port = engine, free_port()
         self.log_path = out / f"server-{engine}.log"
         env = {k: v for k, v in os.environ.items() if k != "MLX_LM_BACKEND"}
@@ -185,13 +205,7 @@ class Server:
         self.split_file = out / f"split-{engine}.json"
         self.split_file.unlink(missing_ok=True)
         env["LILY_BENCH_SERVER_SPLIT"] = str(self.split_file)
-        self.cmd = [
-            sys.executable, "-m", "bench.serve_process", str(self.peak_file),
-            "serve", "--model", model, "--backend", engine,
-            "--host", HOST, "--port", str(self.port),
-            # No prompt-cache reuse: every request prefills its whole prompt.
-            "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
-        ]
+        self.cmd = server_command(model, engine, self.port, max_tokens, self.peak_file, extra)
         start = time.perf_counter()
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -590,7 +604,7 @@ def run_engine(
 ) -> Dict[str, Any]:
     result: Dict[str, Any] = {"engine": engine, "waves": {}, "skipped": []}
     log(f"{engine}: starting mlx_lm.server --backend {engine}")
-    server = Server(model, engine, out, args.max_tokens, args.server_timeout_s)
+    server = Server(model, engine, out, args.max_tokens, args.server_timeout_s, args.server_args)
     result["startup_s"] = server.startup_s
     result["server_command"] = " ".join(server.cmd[1:])
     try:
@@ -689,7 +703,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
         "budget_s": args.budget_s,
         "sampling": "greedy (temperature 0)",
-        "server_flags": "--prompt-cache-size 0 (every request prefills), other flags default",
+        "server_flags": "--prompt-cache-size 0 (every request prefills)"
+                        + (f", {' '.join(args.server_args)}" if args.server_args else "") + ", other flags default",
     })
     report["engines"] = {}
     # Each engine's prefill through generate, for its server's ratio: the

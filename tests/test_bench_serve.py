@@ -194,3 +194,14 @@ def test_the_generate_split_times_each_token_and_unwraps():
     got = split.summary()
     assert got["steps"] == 6 and got["build"] >= 0.002e3 * 0.9 and got["other"] >= 0.001e3 * 0.9
     assert got["token"] >= got["build"] + got["other"] and got["launch"] >= 0
+
+
+def test_server_args_reach_both_servers_command_lines(tmp_path):
+    args = serve.parse_args(["--server-args", "--prompt-concurrency 16 --decode-concurrency 16"])
+    assert args.server_args == ["--prompt-concurrency", "16", "--decode-concurrency", "16"]
+    for engine in ("lily", "mlx"):
+        cmd = serve.server_command("M", engine, 1234, 8, tmp_path / "peak.json", args.server_args)
+        assert cmd[cmd.index("--backend") + 1] == engine and cmd[cmd.index("--port") + 1] == "1234"
+        assert cmd[cmd.index("--prompt-cache-size") + 1] == "0"
+        assert cmd[-4:] == ["--prompt-concurrency", "16", "--decode-concurrency", "16"]
+    assert serve.parse_args([]).server_args == []
