@@ -15,7 +15,8 @@ launches it replaces, the row GEMV (gemv.metal's B = 1 order) and
 made once a layer, in the launch that makes the logits, so one stream's
 gate/up no longer redoes them in every threadgroup (the routed launch) and
 batches take a launch a layer fewer. One threadgroup per row is slower than
-the two launches on the H200 below 16 rows (``MIN_ROWS``).
+the two launches on the H200 below 16 rows, so it is off by default
+(``MIN_ROWS``).
 
 The reference is stock's ops (``rms_norm``, the two quantized matmuls, the
 softmax top-k); the contract: the logits and the shared gate's logit meet
@@ -53,9 +54,12 @@ from .router import TOPK_HEADER, router_outputs_agree, router_topk_ground_truth,
 # time at every B against 16.5 / 19.0 / 22.7 / 33.2 / 65.1 for the two
 # launches at B = 1 / 2 / 4 / 8 / 16 (moe_router_launch, weights from
 # memory, bench/results/2026-12-04-nvidia-h200-38188be), and in one-stream
-# decode 6.14 against 5.01 device ms a token. So only a full batch takes it
-# (a launch a layer fewer there). Metal: not measured.
-MIN_ROWS = 16
+# decode 6.14 against 5.01 device ms a token. At 16 rows it saved 5 µs and
+# a launch a layer, about 1% of a 16-row step, yet a server whose full
+# batches take it meets the router GEMV's 16-row build first at 9 to 15 rows
+# (priming would need both). So no call takes it by default (MAX_BATCH + 1);
+# a smaller value turns it on. Metal: not measured.
+MIN_ROWS = MAX_BATCH + 1
 # SIMD groups per threadgroup (each at least both norms' SIMD groups) and
 # router rows per SIMD group at a time (a lane loads all their units before
 # it multiplies: ROWS x ceil(D / 512) 16-byte loads in flight). Neither
@@ -225,8 +229,8 @@ moe_decode_router = register(
         sample=_sample,
         compare=_compare,
         fuzz=_fuzz,
-        # The model calls it for full batches only (MIN_ROWS): a single
-        # request's "every op ran" checks leave it out.
+        # The model calls it only where MIN_ROWS turns it on: "every op
+        # ran" checks leave it out.
         in_model=False,
     )
 )
