@@ -47,8 +47,7 @@ def _two_launches(backend, h, norm_weight, eps, gate, shared_gate, k, normalize)
 
 
 def _router_launch(backend, args, simdgroups, rows):
-    launch = decode_router._launch(*args, simdgroups=simdgroups, rows_per_sg=rows)
-    return decode_router.moe_decode_router_kernel._run_launch(backend, launch)
+    return decode_router.moe_decode_router_kernel.run_on(backend, *args, simdgroups=simdgroups, rows_per_sg=rows)
 
 
 def _timed(fn, sets: int, device_time: bool) -> float:

@@ -27,7 +27,6 @@ logits (``router_outputs_agree``).
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from typing import Optional
@@ -44,7 +43,7 @@ from ..linear.gemv import (
     quantized_matvec_supports,
     single_row_simdgroups,
 )
-from .decode import MAX_BATCH, MAX_EXPERTS, MAX_K, ROUTE_NORM_SG
+from .decode import MAX_BATCH, MAX_EXPERTS, MAX_K, ROUTE_NORM_SG, _eps_array
 from .router import TOPK_HEADER, router_outputs_agree, router_topk_ground_truth, router_topk_reference
 
 # The model's MoE decode steps of at least this many rows take this launch
@@ -104,11 +103,6 @@ def moe_decode_router_supports(h, norm_weight, eps, gate, shared_gate, top_k, no
     if not 1 <= int(top_k) <= min(E, MAX_K):
         return f"top_k={top_k} with {E} experts (kernel: 1 <= k <= min(E, {MAX_K}))"
     return None
-
-
-@functools.lru_cache(maxsize=64)
-def _eps_array(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
 
 
 def _steps(D: int, bits: int) -> int:
