@@ -494,20 +494,19 @@ class LilyDecoderLayer(DecoderLayer):
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm
         gates = (_triple(mlp.gate), _triple(mlp.shared_expert_gate))
+        routed = None
         if mlp.sharding_group is None and router_launch_fits(h, gates, norm.weight, norm.eps):
             # The router's launch (the router GEMV's bits, route's picks and
             # norm): moe_decode then starts at gate/up.
             logits, shared_logit, xn, inds, scores = K.moe_decode_router(
                 h, norm.weight, norm.eps, *gates, mlp.top_k, mlp.norm_topk_prob)
-            routed = (xn, inds, scores) if K.moe_decode_router.last_path == "kernel" else None
-            return K.moe_decode(
-                h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
-                mlp.switch_mlp, mlp.shared_expert, routed=routed,
-            )
-        logits, shared_logit = K.decode_matvec(h, gates, norm.weight, norm.eps)
-        if mlp.sharding_group is not None:
-            return self._sharded_moe_step(h, logits, shared_logit)
+            if K.moe_decode_router.last_path == "kernel":
+                routed = (xn, inds, scores)
+        else:
+            logits, shared_logit = K.decode_matvec(h, gates, norm.weight, norm.eps)
+            if mlp.sharding_group is not None:
+                return self._sharded_moe_step(h, logits, shared_logit)
         return K.moe_decode(
             h, logits, shared_logit, norm.weight, norm.eps, mlp.top_k, mlp.norm_topk_prob,
-            mlp.switch_mlp, mlp.shared_expert,
+            mlp.switch_mlp, mlp.shared_expert, routed=routed,
         )
