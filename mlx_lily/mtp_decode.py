@@ -65,15 +65,16 @@ ROUND_PARTS = ("draft", "verify_build", "submit", "wait", "accept")
 # Greedy rounds stop drafting while the drafts are rejected: after
 # PAUSE_AFTER_MISSES rounds in a row that keep no draft, the next tokens are
 # decoded one at a time without drafts (generate_step's step, pipelined as it
-# runs it), PAUSE_FIRST of them, then one round tries the head again; such a
-# round that keeps nothing doubles the next pause (up to PAUSE_MAX), one that
-# keeps a draft ends the pauses. Why: a verify pass costs more than a step
-# (1.17x at 2 positions on the H200), so rounds that keep nothing are slower
-# than plain decoding; two misses in a row are rare where drafting pays
-# (about one round in 40 at acceptance 0.85, k = 1).
+# runs it). The head still takes those tokens' positions, k + 1 at a time,
+# and each such call also drafts the plain token that follows (a check: the
+# head's first draft, through the draft hook where there is one). Drafting
+# resumes once a check's draft is the token the model chose: one more plain
+# token, then a round. Why: a verify pass costs more than a step (1.1-1.2x
+# at 2 positions on the H200), so rounds that keep nothing are slower than
+# plain decoding, and a check costs the head's logits, not a verify pass;
+# two misses in a row are rare where drafting pays (about one round in 40
+# at acceptance 0.85, k = 1).
 PAUSE_AFTER_MISSES = 2
-PAUSE_FIRST = 4
-PAUSE_MAX = 64
 NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
            "python -m mlx_lily graft-mtp CHECKPOINT ORIGINAL adds one)")
 
@@ -200,7 +201,7 @@ def mtp_generate_step(
     head_cache = [KVCache() for _ in head.layers]
     embed = model.language_model.model.embed_tokens
     stats = stats if stats is not None else {}
-    stats.update(rounds=0, accepted=0, plain=0, pauses=0)
+    stats.update(rounds=0, accepted=0, plain=0, pauses=0, checks=0)
     # The tokens fed to the model before the current call (for the logits
     # processors, which see these and the call's own up to each row, as
     # generate_step's ``tokens``).
@@ -222,18 +223,19 @@ def mtp_generate_step(
         # of these (in bf16 a tie here need not be one in the logits).
         return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
-    def draft(hidden: mx.array, next_tokens: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
+    def draft(hidden: mx.array, next_tokens: mx.array, count: int = k) -> Tuple[mx.array, Optional[mx.array]]:
         """The head over the new verified positions (hidden [1, S, D], the
-        tokens after them [S]), then k drafts [k] and, for a ``Sampler``, the
-        distributions q [k, V] they were drawn from; its entries past the
-        verified positions are trimmed again after the round."""
+        tokens after them [S]), then ``count`` drafts [count] and, for a
+        ``Sampler``, the distributions q [count, V] they were drawn from; its
+        entries past the verified positions (count - 1) are trimmed again
+        after the round."""
         if kind != "distribution":
-            drafts = _greedy_drafts(model, hidden, next_tokens, head_cache, k, cache)
+            drafts = _greedy_drafts(model, hidden, next_tokens, head_cache, count, cache)
             if drafts is not None:
                 return drafts, None
         g = head(hidden, embed(next_tokens[None]), head_cache)[:, -1:]
         drafts, qs = [], []
-        for j in range(k):
+        for j in range(count):
             logits = _head_logits(model, g, cache)[0]  # [1, V], on the head GEMV as a decode step's
             if kind == "distribution":
                 q = sampler.probs(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -242,7 +244,7 @@ def mtp_generate_step(
             else:
                 d = mx.argmax(logits, axis=-1)
             drafts.append(d)
-            if j + 1 < k:
+            if j + 1 < count:
                 g = head(g, embed(d[None]), head_cache)
         return mx.concatenate(drafts).astype(mx.uint32), (mx.concatenate(qs) if qs else None)
 
@@ -340,10 +342,14 @@ def mtp_generate_step(
             for c in head_cache:
                 c.trim(probe.head_positions)
 
-        def feed_head(hidden: mx.array, next_tokens: mx.array) -> None:
-            """The head's cache takes verified positions (hidden [1, S, D],
-            the tokens after them [S]) without drafting from them."""
-            mx.async_eval(head(hidden, embed(next_tokens[None]), head_cache))
+        def check_draft(hidden: mx.array, next_tokens: mx.array, done: int) -> Any:
+            """While drafting pauses: the head takes verified positions
+            (hidden [1, S, D], the tokens after them [S]) and drafts the
+            token after them, token ``done`` (its first draft, queued, not
+            read; the hook's draft where there is one: a list)."""
+            drafts, _ = draft(hidden, next_tokens, 1)
+            mx.async_eval(drafts)
+            return draft_hook(done, drafts) if draft_hook is not None else drafts
 
         def plain_step(x: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
             """generate_step's greedy decode step on the pending token x (the
@@ -357,7 +363,7 @@ def mtp_generate_step(
         # The prompt's last position, paired with the first generated token.
         verified, after = last, x[None]
         current = build(verified, after, x, ntoks)
-        full, misses, pause = True, 0, PAUSE_FIRST
+        full, misses = True, 0
         while True:
             ahead = None
             if pipelined and full:
@@ -376,8 +382,6 @@ def mtp_generate_step(
             stats["rounds"] += 1
             stats["accepted"] += n
             full, misses = n == k, (misses + 1 if n == 0 else 0)
-            if n:
-                pause = PAUSE_FIRST
             if ahead is not None and n < k:  # built on a draft the model rejected
                 back_out()
                 ahead = None
@@ -405,30 +409,36 @@ def mtp_generate_step(
             verified, after = current.out[:, : n + 1], mx.array(emitted, dtype=mx.uint32)
             probe = None
             if pipelined and misses >= PAUSE_AFTER_MISSES:
-                # Drafting paused: ``pause`` plain steps, each built and
-                # submitted before the token before it is read. The head
-                # takes the positions k + 1 at a time, the widths a round's
-                # drafting takes (one call per position costs a call's host
-                # work each; a catch-up call of 5 to 65 positions would meet
-                # kernel instances of its own); the ones left at the end
-                # open the next round, with the last. That round (the probe)
-                # is built on the last plain token before it is read, as a
-                # plain step would be: the GPU runs it while the host yields.
+                # Drafting paused: plain steps, each built and submitted
+                # before the token before it is read. The head takes their
+                # positions k + 1 at a time, the widths a round's drafting
+                # takes (one call per position costs a call's host work
+                # each; a catch-up call over a whole pause would meet kernel
+                # instances of its own), each call queued before the next
+                # step and drafting the plain token it precedes (a check,
+                # read once that token is out). A check whose draft is the
+                # model's token ends the pause after one more plain token;
+                # the positions left then open the next round, with the
+                # last. That round (the probe) is built on the last plain
+                # token before it is read, as a plain step would be: the
+                # GPU runs it while the host yields.
                 stats["pauses"] += 1
                 held = [(verified, after)]  # positions the head has not taken yet
                 step = plain_step(after[-1])
                 mx.async_eval(step[1], step[2])
-                for i in range(pause):
-                    upcoming = plain_step(step[2]) if i + 1 < pause else None
+                last, first = False, True
+                while True:
+                    out, logprobs, y = step
+                    if not first:
+                        held.append((verified, after))
+                    check = None
+                    if sum(h.shape[1] for h, _ in held) >= k + 1:
+                        check = check_draft(mx.concatenate([h for h, _ in held], axis=1),
+                                            mx.concatenate([t for _, t in held]), ntoks)
+                        held = []
+                    upcoming = None if last else plain_step(y)
                     if upcoming is not None:
                         mx.async_eval(upcoming[1], upcoming[2])
-                    out, logprobs, y = step
-                    if i:
-                        held.append((verified, after))
-                    if sum(h.shape[1] for h, _ in held) >= k + 1:
-                        feed_head(mx.concatenate([h for h, _ in held], axis=1),
-                                  mx.concatenate([t for _, t in held]))
-                        held = []
                     verified, after = out, y[None]
                     ntoks += 1
                     stats["plain"] += 1
@@ -439,8 +449,9 @@ def mtp_generate_step(
                         mx.async_eval(probe.logprobs, probe.targets)
                         if timing is not None:
                             timing["submit"] = timing.get("submit", 0.0) + time.perf_counter() - t0
+                    token = int(y)
                     try:
-                        yield int(y), logprobs, False
+                        yield token, logprobs, False
                     except GeneratorExit:
                         _end(cache, None, int(upcoming is not None), back_out)
                         if probe is not None:
@@ -449,10 +460,16 @@ def mtp_generate_step(
                     if ntoks >= max_tokens:
                         _end(cache, None, int(upcoming is not None), back_out)
                         return
-                    step = upcoming
+                    if upcoming is None:
+                        break
+                    if check is not None:
+                        # The head's call ran before the step now running.
+                        stats["checks"] += 1
+                        last = (check[0] if isinstance(check, list) else int(check[0])) == token
+                    step, first = upcoming, False
                 # The round that follows tries the head again: one more miss
-                # pauses again, for twice as long.
-                pause, misses, full = min(2 * pause, PAUSE_MAX), PAUSE_AFTER_MISSES - 1, False
+                # pauses again.
+                misses, full = PAUSE_AFTER_MISSES - 1, False
             current = probe if probe is not None else build(verified, after, after[-1], ntoks)
     finally:
         make_plain(cache)

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lily
-from mlx_lily.mtp_decode import PAUSE_AFTER_MISSES, PAUSE_FIRST, mtp_generate_step
+from mlx_lily.mtp_decode import PAUSE_AFTER_MISSES, mtp_generate_step
 from mlx_lily.random_checkpoints import make_checkpoint
 
 from test_draft_model import assert_caches_equal
@@ -113,20 +113,26 @@ def _wrong(greedy, k, vocab, right_from=None):
     return hook
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 2, 3])
 def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
     """Rejected drafts pause drafting: after PAUSE_AFTER_MISSES rounds that
-    keep nothing, PAUSE_FIRST tokens without drafts, then a round, then twice
-    as many; the tokens are still greedy's, and the plain tokens come from the
+    keep nothing, tokens without drafts, the head checked on each of its
+    calls (every k + 1 plain tokens) and never right, so no round is tried
+    again; the tokens are still greedy's, and the plain tokens come from the
     model's own step (no draft)."""
     stats = {}
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=TOKENS,
                                  stats=stats, draft_hook=_wrong(setup["greedy"], k, setup["vocab"])))
     assert [t for t, _, _ in out] == setup["greedy"]
     assert stats["accepted"] == 0 and not any(d for _, _, d in out)
-    # TOKENS = 24: the first token, 2 rounds, 4 plain, a round, 8 plain, a round, 7 of 16 plain.
-    assert PAUSE_AFTER_MISSES == 2 and PAUSE_FIRST == 4
-    assert (stats["rounds"], stats["plain"], stats["pauses"]) == (4, 19, 3)
+    assert PAUSE_AFTER_MISSES == 2
+    # The first token, 2 rounds, then one pause to the end.
+    plain = TOKENS - 1 - PAUSE_AFTER_MISSES
+    assert (stats["rounds"], stats["plain"], stats["pauses"]) == (PAUSE_AFTER_MISSES, plain, 1)
+    # The pause's head calls: at its plain tokens k, 2k + 1, ... (the miss
+    # left one position, each plain token adds one); each is read before
+    # the next plain token, so a call at the pause's last token is not.
+    assert stats["checks"] == len([i for i in range(plain - 1) if i % (k + 1) == k])
 
 
 def _spy_on_the_head(model, monkeypatch):
@@ -158,13 +164,16 @@ def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypa
     widths, caches = _spy_on_the_head(setup["model"], monkeypatch)
     stats = {}
     prompt_cache = make_prompt_cache(setup["model"])
-    # 2 + 4 + 1 + 8 plain or round tokens after the first: ends on a probe round.
-    steps = 1 + PAUSE_AFTER_MISSES + PAUSE_FIRST + 1 + 2 * PAUSE_FIRST
+    # Wrong drafts until 6 tokens are out: the first token, two missed
+    # rounds, a pause of 5 plain tokens (its check at token 6 right), and
+    # the first token of the round after it, the last: the head has then
+    # taken every position that token's round verified.
+    steps = 1 + PAUSE_AFTER_MISSES + 5 + 1
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=steps,
                                  stats=stats, prompt_cache=prompt_cache,
-                                 draft_hook=_wrong(setup["greedy"], k, setup["vocab"])))
+                                 draft_hook=_wrong(setup["greedy"], k, setup["vocab"], right_from=6)))
     assert [t for t, _, _ in out] == setup["greedy"][:steps]
-    assert stats["pauses"] == 2 and stats["plain"] == 3 * PAUSE_FIRST
+    assert stats["pauses"] == 1 and stats["plain"] == 5 and out[-1][2]
     prompt_width = setup["prompt"].size
     # The prompt's pairs (h_t, token t + 1) before the first token, in one
     # chunk at this length; then the prompt's last position with the first
@@ -176,11 +185,16 @@ def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypa
 
 
 def test_drafting_resumes_once_drafts_are_kept_again(setup):
+    """A pause ends once the head's check drafts the model's token: one
+    more plain token, then rounds again."""
     stats = {}
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=2, max_tokens=TOKENS,
                                  stats=stats, draft_hook=_wrong(setup["greedy"], 2, setup["vocab"], right_from=6)))
     assert [t for t, _, _ in out] == setup["greedy"]
-    assert stats["pauses"] == 1 and stats["plain"] == PAUSE_FIRST
+    # Tokens 1 and 2 from the two missed rounds; the pause's plain tokens
+    # from 3, its checks at 5 (wrong: before 6) and at 8 (right), then
+    # token 9, the pause's last.
+    assert stats["pauses"] == 1 and stats["plain"] == 7 and stats["checks"] == 2
     # After the pause every round keeps both drafts (but where the run ends).
     assert stats["accepted"] >= 2 * (stats["rounds"] - PAUSE_AFTER_MISSES) - 2
 
@@ -214,7 +228,7 @@ def test_the_round_after_a_pause_is_queued_before_the_pause_s_last_token_is_read
     round is built after the tokens before it were taken. Output unchanged."""
     model, prompt, greedy = setup["model"], setup["prompt"], setup["greedy"]
     taken, seen = [], []
-    wrong = _wrong(greedy, 1, setup["vocab"])
+    wrong = _wrong(greedy, 1, setup["vocab"], right_from=6)
 
     def hook(done, drafts):
         seen.append(done - len(taken))
@@ -224,13 +238,14 @@ def test_the_round_after_a_pause_is_queued_before_the_pause_s_last_token_is_read
     for t, _, _ in mtp_generate_step(prompt, model, num_draft_tokens=1, max_tokens=TOKENS, stats=stats,
                                      draft_hook=hook):
         taken.append(t)
-    assert taken == greedy and stats["pauses"] == 3
+    assert taken == greedy and stats["pauses"] == 1
     # The first round (0: after the first token); the one built ahead of it,
     # as if its draft were kept (2: two tokens ahead, backed out); the round
-    # after that miss (0); the rounds after the two pauses that ran to their
-    # end (1: built on each pause's last token before it was taken). The
-    # third pause is cut by max_tokens.
-    assert seen == [0, 2, 0, 1, 1]
+    # after that miss (0); the pause's two checks (0: each drafts the plain
+    # token about to come); the round after the pause (1: built on its last
+    # token before that was taken); the round after it (0: built once its
+    # count was read); then rounds built ahead of kept drafts (2).
+    assert seen == [0, 2, 0, 0, 0, 1, 0] + [2] * (len(seen) - 7)
 
 
 def test_a_model_without_a_head_says_how_to_graft(demo_checkpoint):
