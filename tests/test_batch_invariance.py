@@ -96,10 +96,22 @@ def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
         return real(model, ids, caches)
 
     monkeypatch.setattr(prompt_rows, "packed_call", spy)
+    # The mixers' token-wise ends (projections in, gate and projection out)
+    # see every packed row's tokens in one call.
+    from mlx_lily.layers import LilyAttention, LilyGatedDeltaNet
+
+    widths = []
+    for cls, name in ((LilyGatedDeltaNet, "_project"), (LilyAttention, "_output")):
+        def seen(self, x, *rest, _real=getattr(cls, name)):
+            widths.append(x.shape[1])
+            return _real(self, x, *rest)
+        monkeypatch.setattr(cls, name, seen)
     steps = 3
     together = generate(lily, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
     # The generator holds each prompt's last token back for its first step.
     assert packed == [[8, 22, 11, 39]], packed
+    layers = len(lily.layers)
+    assert widths.count(8 + 22 + 11 + 39) == layers and not {8, 22, 39} & set(widths), widths
     packed.clear()
     for i in range(len(prompts)):
         assert_same(together[i], alone(lily, i, steps, prompts), f"row {i}")

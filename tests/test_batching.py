@@ -224,12 +224,17 @@ def test_one_model_call_reads_its_padding_mask_once(models, monkeypatch):
     tokens_of(lily, tokenizer, [long], max_tokens=2)
     layers = sum(1 for layer in lily.layers if layer.is_linear)
     assert layers > 1 and 0 < len(reads) < layers
+    # Prompts arriving together, packed into one call (prompt_rows.packed_call):
+    # each row's mask is read once for the call, not once per layer.
+    reads.clear()
+    tokens_of(lily, tokenizer, [long, long[:-3], long[:-5]], max_tokens=2)
+    assert 0 < len(reads) <= 3 + 1, len(reads)  # the rows, and the decode step's at most
     mask = mx.array([[True] * CHUNKED_FROM])
     reads.clear()
-    assert gated_deltanet._padding_only(mask, CHUNKED_FROM) is None
-    assert gated_deltanet._padding_only(mask, CHUNKED_FROM) is None and len(reads) == 1
+    assert gated_deltanet.padding_only(mask, CHUNKED_FROM) is None
+    assert gated_deltanet.padding_only(mask, CHUNKED_FROM) is None and len(reads) == 1
     padded = mx.array([[False] + [True] * (CHUNKED_FROM - 1)])
-    assert gated_deltanet._padding_only(padded, CHUNKED_FROM) is padded and len(reads) == 2
+    assert gated_deltanet.padding_only(padded, CHUNKED_FROM) is padded and len(reads) == 2
 
 
 def test_a_padding_decode_step_is_stock_s_in_the_fused_step(models, reference_backend):

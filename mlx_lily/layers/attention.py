@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from itertools import accumulate
+from typing import Any, List, Optional, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
@@ -52,16 +53,43 @@ class LilyAttention(Qwen3NextAttention):
             return super().__call__(x, mask, cache)
         return self._lily(x, mask, cache)
 
+    def packed_rows(self, x: mx.array, lengths: List[int], masks: list, caches: list) -> mx.array:
+        """Several sequences' prompt tokens, one after another in ``x`` [1,
+        sum(lengths), D], each on its own cache (``masks`` and ``caches``:
+        one per row): the q/k/v projections, the output gate and the output
+        projection over all rows' tokens at once (token-wise: a token's bits
+        do not depend on what is packed with it, where the caller packs);
+        q/k norm, RoPE and attention per row, at its positions in its
+        cache. The same as calling the layer on each row."""
+        cuts = list(accumulate(lengths[:-1]))
+        rows = mx.split(x, cuts, axis=1)
+        if any(runs_stock(self, "full attention", r, m, c, KVCache) for r, m, c in zip(rows, masks, caches)):
+            return mx.concatenate([self(r, m, c) for r, m, c in zip(rows, masks, caches)], axis=1)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        outs, gates = [], []
+        for (q_, k_, v_), mask, cache in zip(zip(*(mx.split(t, cuts, axis=1) for t in (q, k, v))), masks, caches):
+            out, gate = self._attend(q_, k_, v_, mask, cache)
+            outs.append(out)
+            gates.append(gate)
+        return self._output(mx.concatenate(outs, axis=1), mx.concatenate(gates, axis=1))
+
     def _lily(self, x: mx.array, mask: Mask, cache: Optional[KVCache]) -> mx.array:
         """mask: None, 'causal', or an array broadcasting to [B, Hq, L, S]
         (boolean or additive). With a BatchKVCache, cache.offset is one
         position per row (left padding makes them differ)."""
-        B, L, _ = x.shape
+        return self._output(*self._attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), mask, cache))
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, mask: Mask, cache: Optional[KVCache]):
+        """The projections' outputs [B, L, *] -> the heads' attention
+        outputs [B, L, Hq * D] and the output gate [B, L, Hq * D], the
+        cache updated."""
+        B, L, _ = q.shape
         offset = cache.offset if cache is not None else 0
-        queries, keys, values, gate = attention_heads(self, self.q_proj(x), self.k_proj(x), self.v_proj(x), offset)
+        queries, keys, values, gate = attention_heads(self, q, k, v, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
-
         out = K.attention(queries, keys, values, self.scale, plain_causal(mask, cache, L))
-        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(out * mx.sigmoid(gate.reshape(B, L, -1)))
+        return out.transpose(0, 2, 1, 3).reshape(B, L, -1), gate.reshape(B, L, -1)
+
+    def _output(self, out: mx.array, gate: mx.array) -> mx.array:
+        return self.o_proj(out * mx.sigmoid(gate))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from itertools import accumulate
+from typing import Any, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -28,14 +29,14 @@ def next_conv_state(conv_input: mx.array, n_keep: int, lengths: Optional[mx.arra
     return mx.take_along_axis(conv_input, positions, axis=1)
 
 
-# The last mask _padding_only read and its answer. One model call passes the
+# The last mask padding_only read and its answer. One model call passes the
 # same mask object to all its DeltaNet layers, so one read (a wait on the GPU)
 # serves the call, not one per layer; holding the mask keeps its identity
 # from being reused.
 _last_read: list = [None, None]
 
 
-def _padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
+def padding_only(mask: Optional[mx.array], steps: int) -> Optional[mx.array]:
     """None for a prompt chunk's mask that masks no step, else the mask.
 
     The server's batch generator passes its caches' padding mask with every
@@ -55,6 +56,12 @@ def _never(tokens: int) -> bool:
     return False
 
 
+def _plain_prompt(cache: Any, steps: int) -> bool:
+    """A packed row's cache runs the prompt path (no per-step states kept,
+    no decode step): a plain ``ArraysCache`` of one row, more than one step."""
+    return type(cache) is ArraysCache and cache.lengths is None and steps > 1
+
+
 def wants_piece_state(cache: Any, steps: int) -> bool:
     """Whether this call keeps, on its cache, the DeltaNet states after its
     last whole chunk (``lily_piece_state``: position in the call, conv rows,
@@ -72,6 +79,40 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         # the output projection, summed across the group where stock sums it.
         return all_sum(self._lily(inputs, mask, cache), self.sharding_group)
 
+    def packed_rows(self, inputs: mx.array, lengths: List[int], masks: list, caches: list) -> mx.array:
+        """Several sequences' prompt tokens, one after another in ``inputs``
+        [1, sum(lengths), D], each on its own cache (``masks`` and
+        ``caches``: one per row): the projections and the output norm over
+        all rows' tokens at once (token-wise: a token's bits do not depend
+        on what is packed with it, where the caller packs), the convolution
+        and the recurrence per row, on its state. The same as calling the
+        layer on each row."""
+        cuts = list(accumulate(lengths[:-1]))
+        rows = mx.split(inputs, cuts, axis=1)
+        if any(runs_stock(self, "Gated DeltaNet", x, m, c, ArraysCache) for x, m, c in zip(rows, masks, caches)) \
+                or not all(_plain_prompt(c, n) for c, n in zip(caches, lengths)):
+            return mx.concatenate([self(x, m, c) for x, m, c in zip(rows, masks, caches)], axis=1)
+        qkv, z, a, b = self._project(inputs)
+        parts = zip(*(mx.split(t, cuts, axis=1) for t in (qkv, a, b)))
+        out = mx.concatenate([self._recur(q_, a_, b_, m, c) for (q_, a_, b_), m, c in zip(parts, masks, caches)],
+                             axis=1)
+        return all_sum(self._output(out, z), self.sharding_group)
+
+    def _project(self, inputs: mx.array):
+        """The token-wise input projections: qkv [B, S, conv_dim], z [B, S,
+        Hv, Dv], a and b [B, S, Hv]."""
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        return qkv, z, self.in_proj_a(inputs), self.in_proj_b(inputs)
+
+    def _output(self, out: mx.array, z: mx.array) -> mx.array:
+        """The recurrence's output [B, S, Hv, Dv] through the gated norm and
+        the output projection."""
+        B, S = out.shape[:2]
+        out = K.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
+        return self.out_proj(out.reshape(B, S, -1))
+
     def _lily(
         self, inputs: mx.array, mask: Optional[mx.array], cache: Optional[ArraysCache]
     ) -> mx.array:
@@ -83,17 +124,20 @@ class LilyGatedDeltaNet(GatedDeltaNet):
             # keeps each token's state: the call runs a token at a time, each
             # as a decode step alone.
             return mx.concatenate([self._lily(inputs[:, t : t + 1], None, cache) for t in range(S)], axis=1)
-        qkv = self.in_proj_qkv(inputs)
-        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        b = self.in_proj_b(inputs)
-        a = self.in_proj_a(inputs)
+        qkv, z, a, b = self._project(inputs)
 
         if mask is None and cache is not None and cache.lengths is None:
             step = self._decode_step(qkv, z, a, b, cache)
             if step is not None:
                 return self.out_proj(step.reshape(B, S, -1))
+        return self._output(self._recur(qkv, a, b, mask, cache), z)
 
-        mask = _padding_only(mask, S)
+    def _recur(self, qkv: mx.array, a: mx.array, b: mx.array, mask: Optional[mx.array],
+               cache: Optional[ArraysCache]) -> mx.array:
+        """The convolution and the gated delta rule over the call's steps,
+        from and into the cache's states: the output [B, S, Hv, Dv]."""
+        B, S, _ = qkv.shape
+        mask = padding_only(mask, S)
         # Padding steps enter the convolution as zeros, as in stock.
         if mask is not None:
             qkv = mx.where(mask[..., None], qkv, 0)
@@ -102,7 +146,7 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         n_keep = self.conv_kernel_size - 1
         conv_state = cache[0] if cache is not None and cache[0] is not None else None
         if conv_state is None:
-            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
+            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=qkv.dtype)
         if cache is not None:
             # The rows the next call's convolution starts from: without
             # lengths the last K-1 of [state; qkv], so no copy of the chunk.
@@ -127,9 +171,7 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         if cache is not None:
             cache[1] = state
             cache.advance(S)
-
-        out = K.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
-        return self.out_proj(out.reshape(B, S, -1))
+        return out
 
     def _decode_step(self, qkv, z, a, b, cache: ArraysCache) -> Optional[mx.array]:
         """One token of one sequence through ``gated_delta_decode`` (the whole

@@ -21,11 +21,12 @@ row's caches then depend on the batch it was prefilled with.
 **Packed rows.** A prefill call of a few hundred tokens is bound by its fixed
 cost (on the H200 at the real shapes, 256 tokens took 52.5 ms and 2,048 took
 129.9: ``bench.diagnostics.prefill.packed_rows``), so rows of at least
-``PACK_MIN_TOKENS`` tokens share one call, in which each layer's
-post-attention norm and MoE block (the largest part of a layer's launches,
-each expert's weights then read once for all rows) run once over all rows'
-tokens; each row's mixer (attention or Gated DeltaNet, with their
-projections) still runs on its own tokens and cache. That keeps a row's bits only where those token-wise ops
+``PACK_MIN_TOKENS`` tokens share one call. In it every token-wise op runs
+once over all rows' tokens: the norms, the mixers' projections, output gate
+and output norm (``packed_rows`` of each mixer) and the MoE block (each
+expert's weights then read once for all rows). What carries state runs per
+row, on the row's tokens and cache: the DeltaNet convolution and recurrence,
+attention's q/k norm, RoPE, cache write and attention. That keeps a row's bits only where those token-wise ops
 give a token the same bits whatever is packed with it: measured on CUDA
 (MLX's quantized matmul and lily's expert GEMM take other paths below 8
 rows; from 8 on a row's outputs packed equal its outputs alone), and on the
@@ -153,34 +154,42 @@ def pack_groups(real: List[int], packing: bool) -> List[List[int]]:
 
 
 def _packable(model: Any) -> bool:
-    """Every layer is lily's, with the stock layer flow ``packed_call`` follows."""
+    """Every layer is lily's, with the stock layer flow ``packed_call``
+    follows, and its mixer takes packed rows."""
     from .decoder import LilyDecoderLayer
 
-    return all(type(layer) is LilyDecoderLayer for layer in model.layers)
+    return all(type(layer) is LilyDecoderLayer
+               and hasattr(layer.linear_attn if layer.is_linear else layer.self_attn, "packed_rows")
+               for layer in model.layers)
 
 
 def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.array]:
     """The text model's outputs [1, L_r, D] for rows ``ids`` (each [1, L_r])
     on their one-row caches: the layer flow of stock's model and decoder
-    layer, with each row's mixer on its own tokens and the token-wise rest
-    on all rows' tokens packed (module docstring)."""
+    layer over all rows' tokens packed, each mixer's stateful part per row
+    on its own tokens and cache (module docstring)."""
     from .decoder import PACE_MIN_ROWS, pace_prefill
+
+    from .gated_deltanet import padding_only
 
     hidden = [model.embed_tokens(i) for i in ids]
     lengths = [h.shape[1] for h in hidden]
     fa = [None if model.fa_idx is None else create_attention_mask(h, c[model.fa_idx]) for h, c in zip(hidden, caches)]
-    ssm = [None if model.ssm_idx is None else create_ssm_mask(h, c[model.ssm_idx]) for h, c in zip(hidden, caches)]
+    # Each row's DeltaNet mask, resolved once here (an all-True mask is
+    # dropped, as each layer would drop it): resolving reads the mask, a
+    # wait on the device, which per layer would be one for each row.
+    ssm = [None if model.ssm_idx is None else padding_only(create_ssm_mask(h, c[model.ssm_idx]), h.shape[1])
+           for h, c in zip(hidden, caches)]
     splits = [sum(lengths[:r]) for r in range(1, len(lengths))]
+    h = mx.concatenate(hidden, axis=1)
     for i, layer in enumerate(model.layers):
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         masks = ssm if layer.is_linear else fa
-        x = mx.concatenate([h + mixer(layer.input_layernorm(h), m, c[i]) for h, m, c in zip(hidden, masks, caches)],
-                           axis=1)
-        out = x + layer.mlp(layer.post_attention_layernorm(x))
-        if out.shape[1] >= PACE_MIN_ROWS:
-            pace_prefill(x, out)
-        hidden = mx.split(out, splits, axis=1)
-    return [model.norm(h) for h in hidden]
+        x = h + mixer.packed_rows(layer.input_layernorm(h), lengths, masks, [c[i] for c in caches])
+        h = x + layer.mlp(layer.post_attention_layernorm(x))
+        if h.shape[1] >= PACE_MIN_ROWS:
+            pace_prefill(x, h)
+    return mx.split(model.norm(h), splits, axis=1)
 
 
 def _row_cache(c: Any, b: int, padding: int) -> Any:
