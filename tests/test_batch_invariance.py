@@ -118,6 +118,44 @@ def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
     assert not packed  # a request alone has nothing to share its call with
 
 
+def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_bits(tmp_path_factory,
+                                                                                     emulator_backend, monkeypatch):
+    # Prompts of CHUNKED_FROM tokens and more arriving together: their
+    # DeltaNet recurrences run as one right-padded batch on the chunked
+    # passes (gated_delta_rows), each row read to its own length. Each row's
+    # log-probabilities stay those of its prompt alone, bit for bit; a
+    # shorter row (the sequential scan alone) runs on its own.
+    from mlx_lily import kernels as K
+    from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "dk64",
+                           shape={"linear_key_head_dim": 64, "linear_value_head_dim": 64})
+    model, _ = mlx_lily.load(str(path), backend="lily")
+    lengths = (CHUNKED_FROM + 6, 2 * CHUNKED_FROM + 1, 20, CHUNKED_FROM + 1, 3 * CHUNKED_FROM)
+    prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+    batches = []
+    op = K.gated_delta_rows
+
+    def spy(q, *rest):
+        batches.append((q.shape[0], rest[-1]))
+        return op(q, *rest)
+
+    monkeypatch.setattr(K, "gated_delta_rows", spy)
+    steps = 2
+    together = generate(model, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
+    linear = sum(1 for layer in model.layers if layer.is_linear)
+    # The generator holds each prompt's last token back: the rows of 64 tokens
+    # and more, longest first, in each DeltaNet layer.
+    want = tuple(sorted((n - 1 for n in lengths if n - 1 >= CHUNKED_FROM), reverse=True))
+    assert batches == [(len(want), want)] * linear, batches
+    assert op.last_path == "kernel", op.last_reason
+    batches.clear()
+    for i in range(len(prompts)):
+        assert_same(together[i], alone(model, i, steps, prompts), f"row {i}")
+    assert not batches  # a request alone has nothing to share its call with
+
+
 def test_rows_joining_and_leaving_keep_their_bits(lily):
     # Requests arrive while others decode and finish at different steps; the
     # batch is extended and filtered under them (its KV rows re-padded).

@@ -274,6 +274,10 @@ def _real_shape_units():
     prepare, state_pass, output = CHUNKED_KERNELS
     return {
         "prepare": prepare.cuda_translation_unit(q, q, v, gates, gates, params, params),
+        # Prompt rows of their own lengths (gated_delta_rows), 4 rows.
+        "prepare, a length per row": prepare.cuda_translation_unit(
+            *(mx.concatenate([x] * 4) for x in (q, q, v, gates, gates)), params, params,
+            mx.array([2048, 100, 64, 1000], dtype=mx.int32)),
         "state": state_pass.cuda_translation_unit(w, u, kd, gcum, state),
         "output": output.cuda_translation_unit(q, s0, d, p, gcum, bf),
     }

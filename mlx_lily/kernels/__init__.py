@@ -10,6 +10,7 @@ from .gated_delta.conv import conv_qk_norm
 from .gated_delta.decode import gated_delta_decode, gated_delta_decode_steps
 from .gated_delta.norm import gated_rms_norm
 from .gated_delta.recurrence import gated_delta
+from .gated_delta.rows import gated_delta_rows
 from .linear.gemv import quantized_matvec
 from .linear.gemv_tiles import decode_matvec, quantized_matvec_tiles
 from .linear.matmul import matmul_nt
@@ -22,7 +23,7 @@ from .moe.router import router_topk
 __all__ = [
     "OPS", "LilyOp", "gpu_backend", "kernels_enabled",
     "attention", "qk_norm_rope", "conv_qk_norm", "gated_delta", "gated_delta_decode",
-    "gated_delta_decode_steps",
+    "gated_delta_decode_steps", "gated_delta_rows",
     "moe_combine", "moe_experts", "moe_decode", "moe_decode_router", "gated_rms_norm", "router_topk", "matmul_nt",
     "quantized_matvec", "quantized_matvec_tiles", "decode_matvec",
 ]

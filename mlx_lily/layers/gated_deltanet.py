@@ -12,6 +12,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from .. import kernels as K
 from ..kernels.gated_delta.chunked import CHUNK, piece_end
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
+from ..kernels.gated_delta.rows import takes_rows
 from ..toolchain.tracing import contiguous
 from .sharded import all_sum
 from .stock_gate import runs_stock
@@ -56,6 +57,23 @@ def _never(tokens: int) -> bool:
     return False
 
 
+# Padded tokens (rows times the longest row) of one batch of prompt rows at
+# most: bounds the padded copies of the rows' activations.
+ROWS_MAX_TOKENS = 8192
+
+
+def _row_batches(rows: List[int], lengths: List[int]) -> List[List[int]]:
+    """``rows`` in batches of two or more, longest first, each padded to its
+    longest at most ROWS_MAX_TOKENS tokens; a row left alone is left out."""
+    batches: List[List[int]] = []
+    for r in sorted(rows, key=lambda r: -lengths[r]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= ROWS_MAX_TOKENS:
+            batches[-1].append(r)
+        else:
+            batches.append([r])
+    return [b for b in batches if len(b) > 1]
+
+
 def _plain_prompt(cache: Any, steps: int) -> bool:
     """A packed row's cache runs the prompt path (no per-step states kept,
     no decode step): a plain ``ArraysCache`` of one row, more than one step."""
@@ -93,10 +111,55 @@ class LilyGatedDeltaNet(GatedDeltaNet):
                 or not all(_plain_prompt(c, n) for c, n in zip(caches, lengths)):
             return mx.concatenate([self(x, m, c) for x, m, c in zip(rows, masks, caches)], axis=1)
         qkv, z, a, b = self._project(inputs)
-        parts = zip(*(mx.split(t, cuts, axis=1) for t in (qkv, a, b)))
-        out = mx.concatenate([self._recur(q_, a_, b_, m, c) for (q_, a_, b_), m, c in zip(parts, masks, caches)],
-                             axis=1)
-        return all_sum(self._output(out, z), self.sharding_group)
+        parts = list(zip(*(mx.split(t, cuts, axis=1) for t in (qkv, a, b))))
+        outs: list = [None] * len(lengths)
+        # Rows that alone take the chunked passes run them together, right-
+        # padded (gated_delta_rows); the others one at a time.
+        together = [r for r, (n, m, c) in enumerate(zip(lengths, masks, caches))
+                    if m is None and n >= CHUNKED_FROM and not wants_piece_state(c, n)]
+        for group in _row_batches(together, lengths):
+            done = self._recur_rows([parts[r] for r in group], [lengths[r] for r in group], [caches[r] for r in group])
+            if done is not None:
+                for r, out in zip(group, done):
+                    outs[r] = out
+        for r, (q_, a_, b_) in enumerate(parts):
+            if outs[r] is None:
+                outs[r] = self._recur(q_, a_, b_, masks[r], caches[r])
+        return all_sum(self._output(mx.concatenate(outs, axis=1), z), self.sharding_group)
+
+    def _recur_rows(self, parts: list, lengths: List[int], caches: list) -> Optional[List[mx.array]]:
+        """``_recur`` of several rows (each [1, L_r] qkv, a, b on its one-row
+        cache) as one right-padded batch: each row's outputs [1, L_r, Hv,
+        Dv] and caches as the row alone gets them; None (nothing done) where
+        the rows' op would not give those bits."""
+        steps = max(lengths)
+        n_keep = self.conv_kernel_size - 1
+
+        def padded(x: mx.array, n: int) -> mx.array:
+            return x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, *x.shape[2:]), x.dtype)], axis=1)
+
+        qkv, a, b = (mx.concatenate([padded(p[i], n) for p, n in zip(parts, lengths)], axis=0) for i in range(3))
+        conv_state = mx.concatenate([c[0] if c[0] is not None else mx.zeros((1, n_keep, self.conv_dim), qkv.dtype)
+                                     for c in caches])
+        held = [c[1] for c in caches]
+        state = None if all(s is None for s in held) else mx.concatenate(
+            [s if s is not None else mx.zeros((1, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+             for s in held])
+        q, k, v = K.conv_qk_norm(
+            qkv, conv_state, self.conv1d.weight, self.num_k_heads, self.num_v_heads,
+            self.head_k_dim, self.head_v_dim,
+        )
+        args = (q, k, v, a, b, self.A_log, self.dt_bias, state, tuple(lengths))
+        if not takes_rows(*args):
+            return None
+        out, state = K.gated_delta_rows(*args)
+        # Each row's convolution rows end at its own length (as alone: the
+        # last K-1 rows of [state; its tokens]).
+        conv_next = next_conv_state(mx.concatenate([conv_state, qkv], axis=1), n_keep, mx.array(lengths))
+        for r, (c, n) in enumerate(zip(caches, lengths)):
+            c[0], c[1] = conv_next[r : r + 1], state[r : r + 1]
+            c.advance(n)
+        return [out[r : r + 1, :n] for r, n in enumerate(lengths)]
 
     def _project(self, inputs: mx.array):
         """The token-wise input projections: qkv [B, S, conv_dim], z [B, S,

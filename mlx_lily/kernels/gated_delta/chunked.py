@@ -154,13 +154,15 @@ def chunked_supports(q, k, v, a, b, A_log, dt_bias, state=None) -> Optional[str]
     return None
 
 
-def _prepare_launch(q, k, v, a, b, A_log, dt_bias) -> Launch:
+def _prepare_launch(q, k, v, a, b, A_log, dt_bias, lengths=None) -> Launch:
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     n = -(-T // CHUNK)
     Tp = n * CHUNK
+    row_lengths = lengths is not None
     return Launch(
-        inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv)],
+        inputs=[q, k, v, a, b, A_log.reshape(Hv), dt_bias.reshape(Hv),
+                lengths.astype(mx.int32) if row_lengths else mx.zeros((1,), mx.int32)],
         grid=(n * PREPARE_THREADS, Hv, B),
         threadgroup=(PREPARE_THREADS, 1, 1),
         output_shapes=[(B, Hv, Tp, Dk), (B, Hv, Tp, Dv), (B, Hv, n, Dk, CHUNK),
@@ -170,6 +172,7 @@ def _prepare_launch(q, k, v, a, b, A_log, dt_bias) -> Launch:
             ("SumT", mx.result_type(a.dtype, dt_bias.dtype)),
             ("BetaT", b.dtype),
             ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("C", CHUNK),
+            ("ROW_LENGTHS", row_lengths),
         ],
     )
 
@@ -207,7 +210,7 @@ def _output_launch(q, s0, d, p, gcum, out_dtype) -> Launch:
 
 chunk_prepare_kernel = Kernel(
     name="gated_delta_chunk_prepare",
-    input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias"),
+    input_names=("q", "k", "v", "a", "b", "A_log", "dt_bias", "lengths"),
     output_names=("w_out", "u_out", "kd_out", "p_out", "gcum_out"),
     body=Path(__file__).with_name("gated_delta_chunk_prepare.metal"),
     launch=_prepare_launch,
@@ -234,12 +237,16 @@ chunk_output_kernel = Kernel(
 CHUNKED_KERNELS = (chunk_prepare_kernel, chunk_state_kernel, chunk_output_kernel)
 
 
-def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=None, capture: bool = False):
+def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=None, capture: bool = False,
+                            lengths=None):
     """The three passes on ``backend`` -> (y in q's dtype, state fp32); with
     ``capture`` also the fp32 state at the start of the last chunk (after
-    ``piece_end(T)`` tokens when T is not a whole number of chunks)."""
+    ``piece_end(T)`` tokens when T is not a whole number of chunks). With
+    ``lengths`` ([B] int32, each at most T), entry b is a right-padded row of
+    lengths[b] tokens: its y up to its length and its state are those of
+    the row alone (the padding's y is not meaningful)."""
     qb, kb, vb = (x.astype(_BF16) for x in (q, k, v))
-    w, u, kd, p, gcum = chunk_prepare_kernel.run_on(backend, qb, kb, vb, a, b, A_log, dt_bias)
+    w, u, kd, p, gcum = chunk_prepare_kernel.run_on(backend, qb, kb, vb, a, b, A_log, dt_bias, lengths)
     d, s0, state_out, *piece = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state, capture)
     y = chunk_output_kernel.run_on(backend, qb, s0, d, p, gcum, q.dtype)
     return (y, state_out, piece[0]) if capture else (y, state_out)

@@ -22,13 +22,19 @@
 // reused across phases: under Metal's 32 KiB.
 //
 // Template: SumT, BetaT (the gates' rounding, as gated_delta.metal), Dk, Dv
-//           (multiples of 32), Hk, Hv, C (the chunk, 64).
+//           (multiples of 32), Hk, Hv, C (the chunk, 64), ROW_LENGTHS (each
+//           batch entry has its own length, lengths[b] <= T: the entries of
+//           a right-padded batch; false: every entry has T tokens and
+//           lengths is a dummy).
 // Inputs:   q, k [B, T, Hk, Dk] bf16; v [B, T, Hv, Dv] bf16; a, b [B, T, Hv];
-//           A_log, dt_bias [Hv].
+//           A_log, dt_bias [Hv]; lengths [B] int32.
 // Outputs:  w_out [B, Hv, Tp, Dk] bf16; u_out [B, Hv, Tp, Dv] fp32;
 //           kd_out [B, Hv, N, Dk, C] bf16; p_out [B, Hv, N, C, C] bf16;
 //           gcum_out [B, Hv, Tp] fp32, with N = ceil(T / C), Tp = N C.
-//           Tokens past T count as k = v = q = 0, log g = 0, beta = 0.
+//           Tokens past T (past lengths[b]) count as k = v = q = 0, log g = 0,
+//           beta = 0: an entry's chunks, and its state after them, are those
+//           of the entry alone (a chunk wholly past its length leaves the
+//           state as it was).
 // Grid: (N * THREADS, Hv, B); threadgroup (THREADS, 1, 1).
 
 constexpr int THREADS = 256;
@@ -58,6 +64,8 @@ const int chunk = int(threadgroup_position_in_grid.x);
 const int head = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int n_tokens = int(q_shape[1]);
+// Tokens of this entry: the rest are padding, read as tokens past the end.
+const int n_live = ROW_LENGTHS ? int(lengths[batch]) : n_tokens;
 const int n_chunks = (n_tokens + C - 1) / C;
 const int padded = n_chunks * C;
 const int t0 = chunk * C;
@@ -72,7 +80,7 @@ const uint4 nothing = {0u, 0u, 0u, 0u};
 {
   const int r = tid % C;
   const int t = t0 + r;
-  const bool live = t < n_tokens;
+  const bool live = t < n_live;
   const uint at = gate_base + uint(live ? t : 0) * Hv;
   const float decay_rate = metal::precise::exp(static_cast<float>(A_log[head]));
   const float bias = static_cast<float>(dt_bias[head]);
@@ -117,7 +125,7 @@ for (int k0 = 0; k0 < Dk; k0 += KS) {
     // One 16-byte chunk of q and of k per thread: C rows x KS columns.
     const int r = tid / (KS / CHUNK8);
     const int cc = (tid % (KS / CHUNK8)) * CHUNK8;
-    const bool live = t0 + r < n_tokens;
+    const bool live = t0 + r < n_live;
     const uint at = qk_base + uint(t0 + r) * QK_STEP + uint(k0 + cc);
     lily_tile_store16(&tile_x[r * LDS + cc], live ? lily_tile_load16(&q[at]) : nothing);
     lily_tile_store16(&tile_y[r * LDS + cc], live ? lily_tile_load16(&k[at]) : nothing);
@@ -196,7 +204,7 @@ for (int pass = 0; pass < 2; ++pass) {
     for (int i = tid; i < KS * C; i += THREADS) {
       const int d = i % KS;
       const int r = i / KS;
-      const bool live = t0 + r < n_tokens;
+      const bool live = t0 + r < n_live;
       float x = 0.0f;
       if (live) {
         x = for_w ? static_cast<float>(k[qk_base + uint(t0 + r) * QK_STEP + uint(d0 + d)])
