@@ -20,9 +20,9 @@ once over all rows' tokens, packed one after another:
   alone, for 8 rows of 256 run one after another, and for the same 8 rows
   packed as the server's batch prefill packs them (``packed_call``).
 
-* **through mlx-lm's batch generator** (``--generator``): 16 prompts of 256
-  tokens inserted together into a ``BatchGenerator`` (prefill batches of 8,
-  as ``mlx_lm.server``), timed until every request has its first token, with
+* **through mlx-lm's batch generator** (``--generator``): 16 prompts of 211
+  to 256 tokens inserted together into a ``BatchGenerator`` (prefill batches
+  of 8, as ``mlx_lm.server``), timed until every request has its first token, with
   packing on and off (``MLX_LILY_PACK_PROMPTS``), alternating; and whether
   each request's first log-probabilities are the same bits either way.
 
@@ -145,7 +145,9 @@ def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tok
 
     from mlx_lily.layers.prompt_rows import PACK_ENV
 
-    ids = [[int(t) for t in np.random.default_rng(r).integers(0, vocab, tokens)] for r in range(prompts)]
+    # Lengths from ``tokens`` down by up to 45: rows padded unlike each other.
+    lengths = [tokens - (7 * r) % 46 for r in range(prompts)]
+    ids = [[int(t) for t in np.random.default_rng(r).integers(0, vocab, n)] for r, n in enumerate(lengths)]
 
     def run(packing: bool) -> tuple:
         os.environ[PACK_ENV] = "1" if packing else "0"
@@ -171,7 +173,7 @@ def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tok
             times[packing].append(seconds)
     os.environ.pop(PACK_ENV, None)
     same = [bool(np.array_equal(a, b)) for a, b in zip(logprobs[True], logprobs[False])]
-    return {"prompts": prompts, "tokens": tokens, "first_token_s_packed": statistics.median(times[True]),
+    return {"prompts": prompts, "tokens": tokens, "lengths": lengths, "first_token_s_packed": statistics.median(times[True]),
             "first_token_s_row_by_row": statistics.median(times[False]), "rounds": rounds,
             "first_logprobs_same_bits": same}
 
@@ -192,7 +194,7 @@ def main() -> int:
     if args.generator:
         result = through_generator(model, vocab)
         same = result["first_logprobs_same_bits"]
-        text_out = (f"{result['prompts']} prompts of {result['tokens']} tokens inserted together "
+        text_out = (f"{result['prompts']} prompts of {min(result['lengths'])} to {result['tokens']} tokens inserted together "
                     f"(BatchGenerator, prefill batches of 8), until each has its first token, median of "
                     f"{result['rounds']}: packed {result['first_token_s_packed']:.3f} s, row by row "
                     f"{result['first_token_s_row_by_row']:.3f} s; first log-probabilities the same bits "
