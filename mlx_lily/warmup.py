@@ -122,6 +122,29 @@ def _prime_piece_states(model: Any, server: bool) -> None:
         ask_piece_states(cache, False)
 
 
+def _prime_packed_rows(model: Any, server: bool) -> bool:
+    """Prompts arriving together, packed into one call (layers/prompt_rows.py):
+    the DeltaNet rows' batch (``gated_delta_rows``: its kernels and their
+    self-check), without and with incoming states and prefix reuse's
+    checkpoints, and the rows' attention. False where nothing is packed."""
+    from .layers.prompt_rows import _packable, packed_call, packing_enabled
+    from .prefix_reuse import ask_piece_states, cuts_merge
+
+    text = model.language_model.model
+    if not (packing_enabled() and _packable(text)):
+        return False
+    for capture in (False, True) if cuts_merge() else (False,):
+        caches = [prompt_cache(model, server) for _ in range(2)]
+        for cache in caches:
+            ask_piece_states(cache, capture)
+        for offset in (0, CHUNKED_FROM + 2):  # fresh rows, then rows with a state
+            ids = [_prompt(CHUNKED_FROM + 1 + r, offset + r) for r in range(2)]
+            mx.eval(packed_call(text, ids, caches), [c.state for cache in caches for c in cache])
+        for cache in caches:
+            ask_piece_states(cache, False)
+    return True
+
+
 def prompt_cache(model: Any, server: bool) -> List[Any]:
     """A fresh cache for one prompt: ``mlx_lm.generate``'s, or the one the
     server's batch generator makes of it (each cache merged into a batch of
@@ -164,6 +187,8 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
         log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s)")
         _prime_piece_states(model, server)
         log(f"  primed prefix reuse's checkpoints inside a call ({time.perf_counter() - start:.1f}s)")
+        if _prime_packed_rows(model, server):
+            log(f"  primed prompts packed together ({time.perf_counter() - start:.1f}s)")
 
     # Batches of mixed lengths, one per build of the batched decode kernels
     # (the GEMV's row buckets; the other batched kernels have one build).

@@ -106,16 +106,60 @@ def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
             widths.append(x.shape[1])
             return _real(self, x, *rest)
         monkeypatch.setattr(cls, name, seen)
+    # The rows' attention: batched where one row and the batch take one path.
+    attended = []
+    real_rows = LilyAttention._attend_rows
+
+    def attend_rows(self, *args):
+        done = real_rows(self, *args)
+        attended.append(len(done))
+        return done
+
+    monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
     steps = 3
     together = generate(lily, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
     # The generator holds each prompt's last token back for its first step.
     assert packed == [[8, 22, 11, 39]], packed
     layers = len(lily.layers)
     assert widths.count(8 + 22 + 11 + 39) == layers and not {8, 22, 39} & set(widths), widths
+    # Lily's prefill attention kernel takes one row a call: the rows'
+    # attention runs alone, each on the kernel (a batch would take the
+    # reference, other bits).
+    attention_layers = sum(1 for layer in lily.layers if not layer.is_linear)
+    assert attended == [0] * attention_layers, attended
     packed.clear()
     for i in range(len(prompts)):
         assert_same(together[i], alone(lily, i, steps, prompts), f"row {i}")
     assert not packed  # a request alone has nothing to share its call with
+
+
+def test_prompts_packed_on_the_references_attend_as_one_batch_and_keep_each_row_s_bits(demo_checkpoint,
+                                                                                       monkeypatch):
+    # Where attention runs its reference for one row and for many (MLX's
+    # sdpa: on CUDA from 64 queries, and everywhere without kernels), fresh
+    # rows packed together attend as one right-padded causal batch. Each
+    # row's log-probabilities stay those of its prompt alone, bit for bit.
+    from mlx_lily.layers import LilyAttention
+    from mlx_lily.toolchain.registry import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((9, 33, 4, 12, 70))]
+    attended = []
+    real_rows = LilyAttention._attend_rows
+
+    def attend_rows(self, *args):
+        done = real_rows(self, *args)
+        attended.append(len(done))
+        return done
+
+    monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
+    steps = 3
+    together = generate(model, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
+    attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
+    assert attended == [4] * attention_layers, attended  # the 4 rows of 8 tokens and more
+    for i in range(len(prompts)):
+        assert_same(together[i], alone(model, i, steps, prompts), f"row {i}")
 
 
 def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_bits(tmp_path_factory,
@@ -137,9 +181,9 @@ def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_
     batches = []
     op = K.gated_delta_rows
 
-    def spy(q, *rest):
+    def spy(q, *rest, **kwargs):
         batches.append((q.shape[0], rest[-1]))
-        return op(q, *rest)
+        return op(q, *rest, **kwargs)
 
     monkeypatch.setattr(K, "gated_delta_rows", spy)
     steps = 2

@@ -75,3 +75,21 @@ def test_where_kernels_run_but_not_the_rows_each_row_runs_alone(emulator_backend
     args = _rows((CHUNKED_FROM + 5, CHUNKED_FROM))
     half = tuple(x.astype(mx.float16) for x in args[:3]) + args[3:]
     assert not takes_rows(*half, (CHUNKED_FROM + 5, CHUNKED_FROM))
+
+
+@pytest.mark.parametrize("backend_name", ["emulator", "reference"])
+def test_each_row_keeps_the_checkpoint_it_keeps_alone(backend_name, monkeypatch):
+    # Prefix reuse's checkpoints (capture): each row's state after its whole
+    # chunks, at the start of its own last chunk (its end state when it is
+    # whole chunks), the bits of the row alone.
+    monkeypatch.setenv(BACKEND_ENV, backend_name)
+    lengths = (2 * CHUNKED_FROM + 3, CHUNKED_FROM, 3 * CHUNKED_FROM - 1, CHUNKED_FROM + 17)
+    q, k, v, a, b, A_log, dt_bias, state = _rows(lengths)
+    y, s, piece = K.gated_delta_rows(q, k, v, a, b, A_log, dt_bias, state, lengths, capture=True)
+    assert K.gated_delta_rows.last_path == ("kernel" if backend_name == "emulator" else "reference")
+    for r, n in enumerate(lengths):
+        row = [x[r : r + 1, :n] for x in (q, k, v, a, b)]
+        y_alone, s_alone, piece_alone = K.gated_delta(*row, A_log, dt_bias, state[r : r + 1], capture=True)
+        assert mx.array_equal(y[r : r + 1, :n], y_alone).item(), f"row {r}: y"
+        assert mx.array_equal(s[r : r + 1], s_alone).item(), f"row {r}: state"
+        assert mx.array_equal(piece[r : r + 1], piece_alone).item(), f"row {r}: checkpoint"

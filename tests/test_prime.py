@@ -220,3 +220,25 @@ def test_python_m_mlx_lily_serve_counts_as_the_server(monkeypatch):
     assert seen == ["mlx_lm.server"]
     monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
     assert warmup.requested(backend.current_program())
+
+
+def test_priming_covers_long_prompts_arriving_together(tmp_path_factory, emulator_backend, monkeypatch):
+    # Prompts of CHUNKED_FROM tokens and more arriving together run their
+    # DeltaNet recurrences as one batch (gated_delta_rows: its own kernel
+    # instance and self-check), on a model the chunked kernels take.
+    from mlx_lily.kernels.gated_delta.rows import gated_delta_rows_kernel
+    from mlx_lily.random_checkpoints import make_checkpoint
+
+    monkeypatch.delenv(warmup.PRIME_ENV, raising=False)
+    monkeypatch.setattr(backend, "_program", "mlx_lm.server")
+    forget_launches()
+    gated_delta_rows_kernel.forget()
+    path = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "dk64",
+                           shape={"linear_key_head_dim": 64, "linear_value_head_dim": 64})
+    model, _ = mlx_lily.load(str(path), backend="lily")
+    primed = launched()
+    from mlx_lily.kernels.gated_delta.rows import gated_delta_rows
+    assert any(key[0] == "gated_delta_chunk_prepare" and dict(key[2])["ROW_LENGTHS"] for key in primed), (gated_delta_rows.last_path, gated_delta_rows.last_reason)
+    ids = lambda n, r: [(7 * i + r) % 400 + 3 for i in range(n)]  # noqa: E731
+    serve(model, [ids(CHUNKED_FROM + 40, 0), ids(3 * CHUNKED_FROM, 1), ids(CHUNKED_FROM + 2, 2)], rows=3)
+    assert launched() - primed == set()

@@ -47,6 +47,19 @@ def attention_heads(attn: Any, q: mx.array, k: mx.array, v: mx.array, offset: An
     return queries, keys, values, gate
 
 
+def _fresh(cache: Any) -> bool:
+    """A one-row KV cache with no history yet (a new request's prompt)."""
+    return type(cache) in (KVCache, BatchKVCache) and cache.keys is None and (
+        type(cache) is KVCache or cache.offset.size == 1)
+
+
+def _attention_path(q: mx.array, k: mx.array, v: mx.array, scale: float) -> str:
+    """Which of the attention op's paths a causal prompt call takes: lily's
+    kernel, or its reference (MLX's sdpa; on CUDA every call from 64
+    queries). Causal calls on one path give a query the same bits."""
+    return K.attention.choose(q, k, v, scale, "causal")[1]
+
+
 class LilyAttention(Qwen3NextAttention):
     def __call__(self, x: mx.array, mask: Mask = None, cache: Any = None):
         if runs_stock(self, "full attention", x, mask, cache, KVCache):
@@ -66,12 +79,57 @@ class LilyAttention(Qwen3NextAttention):
         if any(runs_stock(self, "full attention", r, m, c, KVCache) for r, m, c in zip(rows, masks, caches)):
             return mx.concatenate([self(r, m, c) for r, m, c in zip(rows, masks, caches)], axis=1)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        parts = list(zip(*(mx.split(t, cuts, axis=1) for t in (q, k, v))))
+        done: dict = {}
+        # Fresh rows (no history) run as one right-padded causal batch where
+        # each would alone take the path the batch takes (``_attend_rows``).
+        fresh = [r for r, c in enumerate(caches) if _fresh(c) and lengths[r] > 1]
+        if len(fresh) > 1:
+            done = self._attend_rows([parts[r] for r in fresh], [lengths[r] for r in fresh],
+                                     [caches[r] for r in fresh], fresh)
         outs, gates = [], []
-        for (q_, k_, v_), mask, cache in zip(zip(*(mx.split(t, cuts, axis=1) for t in (q, k, v))), masks, caches):
-            out, gate = self._attend(q_, k_, v_, mask, cache)
+        for r, ((q_, k_, v_), mask, cache) in enumerate(zip(parts, masks, caches)):
+            out, gate = done[r] if r in done else self._attend(q_, k_, v_, mask, cache)
             outs.append(out)
             gates.append(gate)
         return self._output(mx.concatenate(outs, axis=1), mx.concatenate(gates, axis=1))
+
+    def _attend_rows(self, parts: list, lengths: List[int], caches: list, ids: List[int]) -> dict:
+        """``_attend`` of fresh rows (each [1, L_r] q, k, v on an empty
+        one-row cache) as one batch, right-padded to the longest: causal, so
+        a row's queries see only its own keys. {row id: (out, gate)} for the
+        rows whose attention alone takes the path the batch takes (which
+        then gives each query the bits it gets alone: MLX's sdpa on CUDA,
+        measured, and lily's kernel, whose key blocks start at the row's
+        first key); the others are left to run alone."""
+        steps = max(lengths)
+
+        def padded(x: mx.array, n: int) -> mx.array:
+            return x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, x.shape[-1]), x.dtype)], axis=1)
+
+        q, k, v = (mx.concatenate([padded(p[i], n) for p, n in zip(parts, lengths)]) for i in range(3))
+        offsets = mx.concatenate([c.offset if isinstance(c.offset, mx.array) else mx.array([c.offset])
+                                  for c in caches])
+        queries, keys, values, gate = attention_heads(self, q, k, v, offsets)
+        path = _attention_path(queries, keys, values, self.scale)
+        took = [r for r, (p, n) in enumerate(zip(parts, lengths))
+                if _attention_path(queries[r : r + 1, :, :n], keys[r : r + 1, :, :n], values[r : r + 1, :, :n],
+                                   self.scale) == path]
+        if len(took) < 2:
+            return {}
+        if len(took) < len(lengths):
+            keep = mx.array(took)
+            queries, keys, values, gate = (t[keep] for t in (queries, keys, values, gate))
+        out = K.attention(queries, keys, values, self.scale, "causal")
+        B = out.shape[0]
+        out = out.transpose(0, 2, 1, 3).reshape(B, steps, -1)
+        gate = gate.reshape(B, steps, -1)
+        done = {}
+        for i, r in enumerate(took):
+            n = lengths[r]
+            caches[r].update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+            done[ids[r]] = (out[i : i + 1, :n], gate[i : i + 1, :n])
+        return done
 
     def _lily(self, x: mx.array, mask: Mask, cache: Optional[KVCache]) -> mx.array:
         """mask: None, 'causal', or an array broadcasting to [B, Hq, L, S]

@@ -115,8 +115,7 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         outs: list = [None] * len(lengths)
         # Rows that alone take the chunked passes run them together, right-
         # padded (gated_delta_rows); the others one at a time.
-        together = [r for r, (n, m, c) in enumerate(zip(lengths, masks, caches))
-                    if m is None and n >= CHUNKED_FROM and not wants_piece_state(c, n)]
+        together = [r for r, (n, m) in enumerate(zip(lengths, masks)) if m is None and n >= CHUNKED_FROM]
         for group in _row_batches(together, lengths):
             done = self._recur_rows([parts[r] for r in group], [lengths[r] for r in group], [caches[r] for r in group])
             if done is not None:
@@ -150,13 +149,19 @@ class LilyGatedDeltaNet(GatedDeltaNet):
             self.head_k_dim, self.head_v_dim,
         )
         args = (q, k, v, a, b, self.A_log, self.dt_bias, state, tuple(lengths))
-        if not takes_rows(*args):
+        # Prefix reuse's checkpoints, for the rows that ask (as _recur keeps one).
+        capture = any(wants_piece_state(c, n) for c, n in zip(caches, lengths))
+        if not takes_rows(*args, capture=capture):
             return None
-        out, state = K.gated_delta_rows(*args)
+        out, state, *piece = K.gated_delta_rows(*args, capture=capture)
         # Each row's convolution rows end at its own length (as alone: the
         # last K-1 rows of [state; its tokens]).
         conv_next = next_conv_state(mx.concatenate([conv_state, qkv], axis=1), n_keep, mx.array(lengths))
         for r, (c, n) in enumerate(zip(caches, lengths)):
+            if wants_piece_state(c, n):
+                cut = piece_end(n)
+                c.lily_piece_state = (cut, qkv[r : r + 1, cut - n_keep : cut] * mx.array(1, qkv.dtype),
+                                      piece[0][r : r + 1])
             c[0], c[1] = conv_next[r : r + 1], state[r : r + 1]
             c.advance(n)
         return [out[r : r + 1, :n] for r, n in enumerate(lengths)]

@@ -177,19 +177,22 @@ def _prepare_launch(q, k, v, a, b, A_log, dt_bias, lengths=None) -> Launch:
     )
 
 
-def _state_launch(w, u, kd, gcum, state=None, capture: bool = False) -> Launch:
+def _state_launch(w, u, kd, gcum, state=None, capture: bool = False, lengths=None) -> Launch:
     B, Hv, Tp, Dk = w.shape
     Dv = u.shape[-1]
     n = Tp // CHUNK
     has_state = state is not None
+    row_lengths = lengths is not None
     shapes = [(B, Hv, n, Dv, CHUNK), (B, Hv, n, Dv, Dk), (B, Hv, Dv, Dk)] + [(B, Hv, Dv, Dk)] * capture
     return Launch(
-        inputs=[w, u, kd, gcum, state if has_state else mx.zeros((1,), mx.float32)],
+        inputs=[w, u, kd, gcum, state if has_state else mx.zeros((1,), mx.float32),
+                lengths.astype(mx.int32) if row_lengths else mx.zeros((1,), mx.int32)],
         grid=(Dv // STATE_SLICE * STATE_THREADS, Hv, B),
         threadgroup=(STATE_THREADS, 1, 1),
         output_shapes=shapes,
         output_dtypes=[_BF16, _BF16, mx.float32, mx.float32][: len(shapes)],
-        template=[("Dk", Dk), ("C", CHUNK), ("HAS_STATE", has_state), ("CAPTURE", capture)],
+        template=[("Dk", Dk), ("C", CHUNK), ("HAS_STATE", has_state), ("CAPTURE", capture),
+                  ("ROW_LENGTHS", row_lengths)],
         absent=() if capture else ("piece_state_out",),
     )
 
@@ -218,7 +221,7 @@ chunk_prepare_kernel = Kernel(
 )
 chunk_state_kernel = Kernel(
     name="gated_delta_chunk_state",
-    input_names=("w", "u", "kd", "gcum", "state_in"),
+    input_names=("w", "u", "kd", "gcum", "state_in", "lengths"),
     output_names=("d_out", "s0_out", "state_out", "piece_state_out"),
     body=Path(__file__).with_name("gated_delta_chunk_state.metal"),
     launch=_state_launch,
@@ -243,11 +246,12 @@ def gated_delta_chunked_run(backend: str, q, k, v, a, b, A_log, dt_bias, state=N
     ``capture`` also the fp32 state at the start of the last chunk (after
     ``piece_end(T)`` tokens when T is not a whole number of chunks). With
     ``lengths`` ([B] int32, each at most T), entry b is a right-padded row of
-    lengths[b] tokens: its y up to its length and its state are those of
-    the row alone (the padding's y is not meaningful)."""
+    lengths[b] tokens: its y up to its length, its state and its captured
+    state (at the start of its own last chunk) are those of the row alone
+    (the padding's y is not meaningful)."""
     qb, kb, vb = (x.astype(_BF16) for x in (q, k, v))
     w, u, kd, p, gcum = chunk_prepare_kernel.run_on(backend, qb, kb, vb, a, b, A_log, dt_bias, lengths)
-    d, s0, state_out, *piece = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state, capture)
+    d, s0, state_out, *piece = chunk_state_kernel.run_on(backend, w, u, kd, gcum, state, capture, lengths)
     y = chunk_output_kernel.run_on(backend, qb, s0, d, p, gcum, q.dtype)
     return (y, state_out, piece[0]) if capture else (y, state_out)
 

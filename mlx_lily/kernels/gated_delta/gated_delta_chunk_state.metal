@@ -25,9 +25,13 @@
 //
 // Template: Dk (a multiple of 64, <= 128), Dv (a multiple of 16), C (64),
 //           HAS_STATE (false: the state starts at zero; state_in is a dummy),
-//           CAPTURE (piece_state_out is written; absent otherwise).
+//           CAPTURE (piece_state_out is written; absent otherwise),
+//           ROW_LENGTHS (entry b has lengths[b] tokens, the prepare pass's
+//           right-padded rows: its captured state is at the start of its own
+//           last chunk; false: lengths is a dummy).
 // Inputs:   w [B, Hv, Tp, Dk] bf16; u [B, Hv, Tp, Dv] fp32; kd [B, Hv, N, Dk, C]
-//           bf16; gcum [B, Hv, Tp] fp32; state_in [B, Hv, Dv, Dk] fp32.
+//           bf16; gcum [B, Hv, Tp] fp32; state_in [B, Hv, Dv, Dk] fp32;
+//           lengths [B] int32.
 // Outputs:  d_out [B, Hv, N, Dv, C] bf16 (D^T per chunk); s0_out
 //           [B, Hv, N, Dv, Dk] bf16 (the state at each chunk's start);
 //           state_out [B, Hv, Dv, Dk] fp32; piece_state_out [B, Hv, Dv, Dk]
@@ -59,6 +63,8 @@ const int head = int(threadgroup_position_in_grid.y);
 const int batch = int(threadgroup_position_in_grid.z);
 const int padded = int(gcum_shape[2]);
 const int n_chunks = padded / C;
+// The chunk at whose start CAPTURE takes the state: the entry's last.
+const int capture_at = ROW_LENGTHS ? (int(lengths[batch]) + C - 1) / C - 1 : n_chunks - 1;
 const uint seq = uint(batch * int(gcum_shape[1]) + head);
 const int dv_total = int(u_shape[3]);
 
@@ -100,7 +106,7 @@ for (int n = 0; n < n_chunks; ++n) {
     u_now[e] = next_u[e];
   }
   const float log_decay = next_log_decay;
-  if (CAPTURE && n == n_chunks - 1) {
+  if (CAPTURE && n == capture_at) {
     for (int i = 0; i < STATE_TILES; ++i) {
       for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
         const int r = dv0 + lily_tile_acc_row(e, lane);

@@ -20,12 +20,13 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 from ...toolchain.kernel import SampleCheckedKernels
 from ...toolchain.registry import LilyOp, kernel_backend, register
-from .chunked import CHUNKED_KERNELS, gated_delta_chunked_run
+from .chunked import CHUNK, CHUNKED_KERNELS, gated_delta_chunked_run
 from .recurrence import (
     CHUNKED_FROM,
     _sample_recurrence,
     gated_delta_agree,
     gated_delta_compare,
+    gated_delta_reference,
     uses_chunked,
 )
 
@@ -39,18 +40,28 @@ def _zero_padding(y: mx.array, mask: mx.array) -> mx.array:
     return mx.where(mask[..., None, None], y, mx.zeros((), y.dtype))
 
 
-def gated_delta_rows_reference(q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int]):
+def gated_delta_rows_reference(q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int], capture: bool = False):
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; a, b [B, T, Hv]; state [B, Hv,
     Dv, Dk] fp32 or None; ``lengths`` B ints, each at most T (row b's tokens
     are its first lengths[b]) -> (y [B, T, Hv, Dv], zero past each row's
-    length; the state after each row's tokens). Stock's update with the
-    padding masked: a masked step leaves the state as it was."""
+    length; the state after each row's tokens), with ``capture`` also each
+    row's state after its whole chunks (``gated_delta``'s capture, per row).
+    Stock's update with the padding masked: a masked step leaves the state
+    as it was."""
     mask = padding_mask(lengths, q.shape[1])
-    y, state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
-    return _zero_padding(y, mask), state
+    if not capture:
+        y, state = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)
+        return _zero_padding(y, mask), state
+    rows = [gated_delta_reference(*(x[r : r + 1, :n] for x in (q, k, v, a, b)), A_log, dt_bias,
+                                  None if state is None else state[r : r + 1], capture=True)
+            for r, n in enumerate(lengths)]
+    T = q.shape[1]
+    y = mx.concatenate([mx.pad(y_r, [(0, 0), (0, T - y_r.shape[1]), (0, 0), (0, 0)]) for y_r, _, _ in rows])
+    return y, mx.concatenate([s for _, s, _ in rows]), mx.concatenate([p for _, _, p in rows])
 
 
-def gated_delta_rows_supports(q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int]) -> Optional[str]:
+def gated_delta_rows_supports(q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int],
+                              capture: bool = False) -> Optional[str]:
     """None when the chunked passes take these rows (each row alone would
     take them too), else why not."""
     if len(lengths) != q.shape[0]:
@@ -65,10 +76,16 @@ def gated_delta_rows_supports(q, k, v, a, b, A_log, dt_bias, state, lengths: Seq
     return uses_chunked(q, k, v, a, b, A_log, dt_bias, state)
 
 
-def run_gated_delta_rows(backend: str, q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int]):
-    y, state = gated_delta_chunked_run(backend, q, k, v, a, b, A_log, dt_bias, state,
-                                       lengths=mx.array(list(lengths), dtype=mx.int32))
-    return _zero_padding(y, padding_mask(lengths, q.shape[1])), state
+def run_gated_delta_rows(backend: str, q, k, v, a, b, A_log, dt_bias, state, lengths: Sequence[int],
+                         capture: bool = False):
+    y, state, *piece = gated_delta_chunked_run(backend, q, k, v, a, b, A_log, dt_bias, state, capture=capture,
+                                               lengths=mx.array(list(lengths), dtype=mx.int32))
+    y = _zero_padding(y, padding_mask(lengths, q.shape[1]))
+    if not capture:
+        return y, state
+    # A row of whole chunks keeps its end state, as gated_delta's capture does.
+    whole = mx.array([n % CHUNK == 0 for n in lengths])[:, None, None, None]
+    return y, state, mx.where(whole, state, piece[0])
 
 
 def _fuzz(rng):
@@ -93,21 +110,29 @@ def sample_gated_delta_rows():
     return (*args, (64 + 9, 64, 3 * 64)), {}
 
 
-def _agree(got, want, q, k, v, a, b, A_log, dt_bias, state, lengths):
+def _agree(got, want, q, k, v, a, b, A_log, dt_bias, state, lengths, capture: bool = False):
     """The op's contract, with the reference: each row's y up to its
-    length (zero past it) and its state."""
-    want = gated_delta_rows_reference(q, k, v, a, b, A_log, dt_bias, state, lengths)
-    return gated_delta_agree(got, want, q, k, v, a, b, A_log, dt_bias, state,
-                             padding_mask(lengths, q.shape[1]))
+    length (zero past it), its state and, with ``capture``, its state after
+    its whole chunks."""
+    want = gated_delta_rows_reference(q, k, v, a, b, A_log, dt_bias, state, lengths, capture)
+    mask = padding_mask(lengths, q.shape[1])
+    why = gated_delta_agree(got[:2], want[:2], q, k, v, a, b, A_log, dt_bias, state, mask)
+    if why is None and capture:
+        why = gated_delta_agree((got[0], got[2]), (want[0], want[2]), q, k, v, a, b, A_log, dt_bias, state, mask)
+        why = None if why is None else f"captured state: {why}"
+    return why
 
 
-def takes_rows(*args) -> bool:
+def takes_rows(*args, **kwargs) -> bool:
     """Whether these rows, run together, get each row's bits alone: where
     the op runs its kernels (each row alone takes the chunked passes), or
     where no op runs a kernel (the references agree too). Not where kernels
     run but these rows' do not (then each row alone takes its own kernel)."""
-    _, path, _ = gated_delta_rows.choose(*args)
-    return path == "kernel" or kernel_backend()[0] is None
+    if kernel_backend()[0] is None:
+        return True
+    # Shapes first: a model the op never takes never builds its kernels.
+    return (gated_delta_rows_supports(*args, **kwargs) is None
+            and gated_delta_rows.choose(*args, **kwargs)[1] == "kernel")
 
 
 gated_delta_rows_kernel = SampleCheckedKernels(
