@@ -463,9 +463,10 @@ def mtp_generate_step(
                     if upcoming is None:
                         break
                     if check is not None:
-                        # The head's call ran before the step now running.
+                        # The head's call ran before the step now running;
+                        # read as it is (an op on it would queue behind that step).
                         stats["checks"] += 1
-                        last = (check[0] if isinstance(check, list) else int(check[0])) == token
+                        last = (check if isinstance(check, list) else check.tolist())[0] == token
                     step, first = upcoming, False
                 # The round that follows tries the head again: one more miss
                 # pauses again.
