@@ -65,6 +65,23 @@ def assert_same(got, want, what):
         assert tg == tw and np.array_equal(lg, lw), f"{what}: step {t} differs"
 
 
+def count_attended_rows(monkeypatch) -> list:
+    """How many rows each packed call's attention ran as one batch, one entry
+    per attention layer call (LilyAttention._attend_rows)."""
+    from mlx_lily.layers import LilyAttention
+
+    attended = []
+    real_rows = LilyAttention._attend_rows
+
+    def attend_rows(self, *args):
+        done = real_rows(self, *args)
+        attended.append(len(done))
+        return done
+
+    monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
+    return attended
+
+
 @pytest.mark.parametrize("rows", [2, 5, MAX_BATCH])
 def test_a_request_decodes_the_same_bits_alone_and_in_a_batch(lily, rows):
     steps = 3
@@ -107,15 +124,7 @@ def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
             return _real(self, x, *rest)
         monkeypatch.setattr(cls, name, seen)
     # The rows' attention: batched where one row and the batch take one path.
-    attended = []
-    real_rows = LilyAttention._attend_rows
-
-    def attend_rows(self, *args):
-        done = real_rows(self, *args)
-        attended.append(len(done))
-        return done
-
-    monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
+    attended = count_attended_rows(monkeypatch)
     steps = 3
     together = generate(lily, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
     # The generator holds each prompt's last token back for its first step.
@@ -139,21 +148,12 @@ def test_prompts_packed_on_the_references_attend_as_one_batch_and_keep_each_row_
     # sdpa: on CUDA from 64 queries, and everywhere without kernels), fresh
     # rows packed together attend as one right-padded causal batch. Each
     # row's log-probabilities stay those of its prompt alone, bit for bit.
-    from mlx_lily.layers import LilyAttention
     from mlx_lily.toolchain.registry import BACKEND_ENV
 
     monkeypatch.setenv(BACKEND_ENV, "reference")
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((9, 33, 4, 12, 70))]
-    attended = []
-    real_rows = LilyAttention._attend_rows
-
-    def attend_rows(self, *args):
-        done = real_rows(self, *args)
-        attended.append(len(done))
-        return done
-
-    monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
+    attended = count_attended_rows(monkeypatch)
     steps = 3
     together = generate(model, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
     attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
