@@ -55,8 +55,11 @@ def _fresh(cache: Any) -> bool:
 
 def _attention_path(q: mx.array, k: mx.array, v: mx.array, scale: float) -> str:
     """Which of the attention op's paths a causal prompt call takes: lily's
-    kernel, or its reference (MLX's sdpa; on CUDA every call from 64
-    queries). Causal calls on one path give a query the same bits."""
+    prefill kernel (one row a call) or its reference, MLX's sdpa (on CUDA
+    every call from 64 queries, keys padded to a multiple of 8). On the
+    reference a causal query gets the same bits in a right-padded batch as
+    alone: measured on the H200 (``bench.diagnostics.prefill.packed_rows
+    --generator``), tested on the CPU."""
     return K.attention.choose(q, k, v, scale, "causal")[1]
 
 
@@ -98,10 +101,9 @@ class LilyAttention(Qwen3NextAttention):
         """``_attend`` of fresh rows (each [1, L_r] q, k, v on an empty
         one-row cache) as one batch, right-padded to the longest: causal, so
         a row's queries see only its own keys. {row id: (out, gate)} for the
-        rows whose attention alone takes the path the batch takes (which
-        then gives each query the bits it gets alone: MLX's sdpa on CUDA,
-        measured, and lily's kernel, whose key blocks start at the row's
-        first key); the others are left to run alone."""
+        rows whose attention alone takes the path the batch takes (then each
+        query gets the bits it gets alone: ``_attention_path``); the others
+        are left to run alone."""
         steps = max(lengths)
 
         def padded(x: mx.array, n: int) -> mx.array:

@@ -102,9 +102,10 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         [1, sum(lengths), D], each on its own cache (``masks`` and
         ``caches``: one per row): the projections and the output norm over
         all rows' tokens at once (token-wise: a token's bits do not depend
-        on what is packed with it, where the caller packs), the convolution
-        and the recurrence per row, on its state. The same as calling the
-        layer on each row."""
+        on what is packed with it, where the caller packs); the convolution
+        and the recurrence on each row's state, as one right-padded batch
+        for the rows that alone take the chunked passes (``_recur_rows``),
+        alone for the others. The same as calling the layer on each row."""
         cuts = list(accumulate(lengths[:-1]))
         rows = mx.split(inputs, cuts, axis=1)
         if any(runs_stock(self, "Gated DeltaNet", x, m, c, ArraysCache) for x, m, c in zip(rows, masks, caches)) \
