@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any, List, Optional, Union
 
 import mlx.core as mx
@@ -10,6 +9,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import kernels as K
+from .prompt_rows import right_padded, split_rows
 from .stock_gate import runs_stock
 
 Mask = Union[None, str, mx.array]
@@ -77,12 +77,11 @@ class LilyAttention(Qwen3NextAttention):
         do not depend on what is packed with it, where the caller packs);
         q/k norm, RoPE and attention per row, at its positions in its
         cache. The same as calling the layer on each row."""
-        cuts = list(accumulate(lengths[:-1]))
-        rows = mx.split(x, cuts, axis=1)
+        rows = split_rows(x, lengths)
         if any(runs_stock(self, "full attention", r, m, c, KVCache) for r, m, c in zip(rows, masks, caches)):
             return mx.concatenate([self(r, m, c) for r, m, c in zip(rows, masks, caches)], axis=1)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        parts = list(zip(*(mx.split(t, cuts, axis=1) for t in (q, k, v))))
+        parts = list(zip(*(split_rows(t, lengths) for t in (q, k, v))))
         done: dict = {}
         # Fresh rows (no history) run as one right-padded causal batch where
         # each would alone take the path the batch takes (``_attend_rows``).
@@ -105,11 +104,7 @@ class LilyAttention(Qwen3NextAttention):
         query gets the bits it gets alone: ``_attention_path``); the others
         are left to run alone."""
         steps = max(lengths)
-
-        def padded(x: mx.array, n: int) -> mx.array:
-            return x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, x.shape[-1]), x.dtype)], axis=1)
-
-        q, k, v = (mx.concatenate([padded(p[i], n) for p, n in zip(parts, lengths)]) for i in range(3))
+        q, k, v = (right_padded([p[i] for p in parts], lengths) for i in range(3))
         offsets = mx.concatenate([c.offset if isinstance(c.offset, mx.array) else mx.array([c.offset])
                                   for c in caches])
         queries, keys, values, gate = attention_heads(self, q, k, v, offsets)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -14,6 +13,7 @@ from ..kernels.gated_delta.chunked import CHUNK, piece_end
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
 from ..kernels.gated_delta.rows import takes_rows
 from ..toolchain.tracing import contiguous
+from .prompt_rows import right_padded, split_rows
 from .sharded import all_sum
 from .stock_gate import runs_stock
 
@@ -106,13 +106,12 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         and the recurrence on each row's state, as one right-padded batch
         for the rows that alone take the chunked passes (``_recur_rows``),
         alone for the others. The same as calling the layer on each row."""
-        cuts = list(accumulate(lengths[:-1]))
-        rows = mx.split(inputs, cuts, axis=1)
+        rows = split_rows(inputs, lengths)
         if any(runs_stock(self, "Gated DeltaNet", x, m, c, ArraysCache) for x, m, c in zip(rows, masks, caches)) \
                 or not all(_plain_prompt(c, n) for c, n in zip(caches, lengths)):
             return mx.concatenate([self(x, m, c) for x, m, c in zip(rows, masks, caches)], axis=1)
         qkv, z, a, b = self._project(inputs)
-        parts = list(zip(*(mx.split(t, cuts, axis=1) for t in (qkv, a, b))))
+        parts = list(zip(*(split_rows(t, lengths) for t in (qkv, a, b))))
         outs: list = [None] * len(lengths)
         # Rows that alone take the chunked passes run them together, right-
         # padded (gated_delta_rows); the others one at a time.
@@ -132,13 +131,8 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         cache) as one right-padded batch: each row's outputs [1, L_r, Hv,
         Dv] and caches as the row alone gets them; None (nothing done) where
         the rows' op would not give those bits."""
-        steps = max(lengths)
         n_keep = self.conv_kernel_size - 1
-
-        def padded(x: mx.array, n: int) -> mx.array:
-            return x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, *x.shape[2:]), x.dtype)], axis=1)
-
-        qkv, a, b = (mx.concatenate([padded(p[i], n) for p, n in zip(parts, lengths)], axis=0) for i in range(3))
+        qkv, a, b = (right_padded([p[i] for p in parts], lengths) for i in range(3))
         conv_state = mx.concatenate([c[0] if c[0] is not None else mx.zeros((1, n_keep, self.conv_dim), qkv.dtype)
                                      for c in caches])
         held = [c[1] for c in caches]

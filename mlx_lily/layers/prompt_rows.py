@@ -24,9 +24,11 @@ cost (on the H200 at the real shapes, 256 tokens took 52.5 ms and 2,048 took
 ``PACK_MIN_TOKENS`` tokens share one call. In it every token-wise op runs
 once over all rows' tokens: the norms, the mixers' projections, output gate
 and output norm (``packed_rows`` of each mixer) and the MoE block (each
-expert's weights then read once for all rows). What carries state runs per
-row, on the row's tokens and cache: the DeltaNet convolution and recurrence,
-attention's q/k norm, RoPE, cache write and attention. That keeps a row's bits only where those token-wise ops
+expert's weights then read once for all rows). What carries state runs on
+each row's tokens and cache: the DeltaNet convolution and recurrence as one
+right-padded batch for rows that alone take the chunked passes
+(``gated_delta_rows``), attention as one causal batch for fresh rows where
+each row alone takes the batch's path, every other row alone. That keeps a row's bits only where those token-wise ops
 give a token the same bits whatever is packed with it: measured on CUDA
 (MLX's quantized matmul and lily's expert GEMM take other paths below 8
 rows; from 8 on a row's outputs packed equal its outputs alone), and on the
@@ -39,6 +41,7 @@ and the shapes, rows are not packed until measured there.
 from __future__ import annotations
 
 import os
+from itertools import accumulate
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -166,8 +169,8 @@ def _packable(model: Any) -> bool:
 def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.array]:
     """The text model's outputs [1, L_r, D] for rows ``ids`` (each [1, L_r])
     on their one-row caches: the layer flow of stock's model and decoder
-    layer over all rows' tokens packed, each mixer's stateful part per row
-    on its own tokens and cache (module docstring)."""
+    layer over all rows' tokens packed, each mixer's stateful part on each
+    row's tokens and cache (module docstring)."""
     from .decoder import PACE_MIN_ROWS, pace_prefill
 
     from .gated_deltanet import padding_only
@@ -180,7 +183,6 @@ def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.
     # wait on the device, which per layer would be one for each row.
     ssm = [None if model.ssm_idx is None else padding_only(create_ssm_mask(h, c[model.ssm_idx]), h.shape[1])
            for h, c in zip(hidden, caches)]
-    splits = [sum(lengths[:r]) for r in range(1, len(lengths))]
     h = mx.concatenate(hidden, axis=1)
     for i, layer in enumerate(model.layers):
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
@@ -189,7 +191,21 @@ def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.
         h = x + layer.mlp(layer.post_attention_layernorm(x))
         if h.shape[1] >= PACE_MIN_ROWS:
             pace_prefill(x, h)
-    return mx.split(model.norm(h), splits, axis=1)
+    return split_rows(model.norm(h), lengths)
+
+
+def split_rows(x: mx.array, lengths: List[int]) -> List[mx.array]:
+    """Packed rows [1, sum(lengths), ...] -> each row [1, L_r, ...]."""
+    return mx.split(x, list(accumulate(lengths[:-1])), axis=1)
+
+
+def right_padded(rows: List[mx.array], lengths: List[int]) -> mx.array:
+    """Rows [1, L_r, ...] -> one batch [R, max L_r, ...], each row followed
+    by zeros."""
+    steps = max(lengths)
+    return mx.concatenate([x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, *x.shape[2:]), x.dtype)],
+                                                               axis=1)
+                           for x, n in zip(rows, lengths)])
 
 
 def _row_cache(c: Any, b: int, padding: int) -> Any:
