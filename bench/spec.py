@@ -283,9 +283,12 @@ def _run(args, argv, settings) -> int:
     want, _ = baseline(model, prompt, steps + max(ks))
     want_steps = want[:steps]
     # Untimed: each k's first round builds the head's and the verify pass's
-    # kernels and traces, which the first timed run would otherwise carry.
+    # kernels and traces, which the first timed run would otherwise carry;
+    # an adversarial run then builds the head's calls of a long pause (each
+    # width up to mtp_decode.PAUSE_WIDTH_MAX).
     for k in ks:
         speculative(model, prompt, min(steps, 2 * k + 2), k, "mtp", want, vocab)
+        speculative(model, prompt, steps, k, "adversarial", want, vocab)
     # Each pass brackets every row between two baseline runs (timed at the
     # runs' length): a row's ratio is its tok/s over the baseline's around it
     # (their mean time per token), and its speedup the median over passes,

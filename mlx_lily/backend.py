@@ -61,6 +61,12 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
         from . import served_logprobs
 
         served_logprobs.install()
+        if type(loaded[0]).__module__.startswith("mlx_lily"):
+            # Requests that arrive while it decodes join after the current
+            # step, not after a half-second round (server_admission.py).
+            from . import server_admission
+
+            server_admission.install()
     if program in ("mlx_lm.generate", "mlx_lm.cache_prompt"):
         # Prompt cache files: checked against the model; written with checkpoints.
         from . import cache_prompt

@@ -65,8 +65,8 @@ ROUND_PARTS = ("draft", "verify_build", "submit", "wait", "accept")
 # Greedy rounds stop drafting while the drafts are rejected: after
 # PAUSE_AFTER_MISSES rounds in a row that keep no draft, the next tokens are
 # decoded one at a time without drafts (generate_step's step, pipelined as it
-# runs it). The head still takes those tokens' positions, k + 1 at a time,
-# and each such call also drafts the plain token that follows (a check: the
+# runs it). The head still takes those tokens' positions, in calls of
+# growing width (PAUSE_WIDTH_MAX), and each such call also drafts the plain token that follows (a check: the
 # head's first draft, through the draft hook where there is one). Drafting
 # resumes once a check's draft is the token the model chose: one more plain
 # token, then a round. Why: a verify pass costs more than a step (1.1-1.2x
@@ -75,6 +75,17 @@ ROUND_PARTS = ("draft", "verify_build", "submit", "wait", "accept")
 # two misses in a row are rare where drafting pays (about one round in 40
 # at acceptance 0.85, k = 1).
 PAUSE_AFTER_MISSES = 2
+# A pause's head calls grow: the first takes k + 1 positions (a round's
+# width), each next one twice the last, up to PAUSE_WIDTH_MAX (the most
+# positions the head's rows path takes: verify_step's MAX_BATCH). Why: a
+# head call costs about 1.4 ms of host work on the H200 (``bench --spec``'s
+# round_ms.draft), so a call every 2 plain tokens (k = 1) added about a
+# tenth to each token of a long pause, which stays this slow while the head
+# stays wrong; growing calls bring that to a few percent, while a short
+# pause (the head wrong once or twice) meets its first checks as early as
+# before. A long pause ends up to PAUSE_WIDTH_MAX - 1 tokens after the head
+# is right again.
+PAUSE_WIDTH_MAX = 16
 NO_HEAD = ("the model has no MTP head (its checkpoint has no mtp.* tensors; "
            "python -m mlx_lily graft-mtp CHECKPOINT ORIGINAL adds one)")
 
@@ -411,10 +422,10 @@ def mtp_generate_step(
             if pipelined and misses >= PAUSE_AFTER_MISSES:
                 # Drafting paused: plain steps, each built and submitted
                 # before the token before it is read. The head takes their
-                # positions k + 1 at a time, the widths a round's drafting
-                # takes (one call per position costs a call's host work
-                # each; a catch-up call over a whole pause would meet kernel
-                # instances of its own), each call queued before the next
+                # positions k + 1, then 2(k + 1), 4(k + 1), ... at a time,
+                # up to PAUSE_WIDTH_MAX (one call per position would cost a
+                # call's host work each; a catch-up call over a whole pause
+                # would exceed the head's rows path), each call queued before the next
                 # step and drafting the plain token it precedes (a check,
                 # read once that token is out). A check whose draft is the
                 # model's token ends the pause after one more plain token;
@@ -424,6 +435,7 @@ def mtp_generate_step(
                 # GPU runs it while the host yields.
                 stats["pauses"] += 1
                 held = [(verified, after)]  # positions the head has not taken yet
+                width = k + 1  # the positions of the pause's next head call
                 step = plain_step(after[-1])
                 mx.async_eval(step[1], step[2])
                 last, first = False, True
@@ -432,10 +444,11 @@ def mtp_generate_step(
                     if not first:
                         held.append((verified, after))
                     check = None
-                    if sum(h.shape[1] for h, _ in held) >= k + 1:
+                    if sum(h.shape[1] for h, _ in held) >= width:
                         check = check_draft(mx.concatenate([h for h, _ in held], axis=1),
                                             mx.concatenate([t for _, t in held]), ntoks)
                         held = []
+                        width = min(2 * width, PAUSE_WIDTH_MAX)
                     upcoming = None if last else plain_step(y)
                     if upcoming is not None:
                         mx.async_eval(upcoming[1], upcoming[2])

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_lily
-from mlx_lily.mtp_decode import PAUSE_AFTER_MISSES, mtp_generate_step
+from mlx_lily.mtp_decode import PAUSE_AFTER_MISSES, PAUSE_WIDTH_MAX, mtp_generate_step
 from mlx_lily.random_checkpoints import make_checkpoint
 
 from test_draft_model import assert_caches_equal
@@ -117,9 +117,10 @@ def _wrong(greedy, k, vocab, right_from=None):
 def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
     """Rejected drafts pause drafting: after PAUSE_AFTER_MISSES rounds that
     keep nothing, tokens without drafts, the head checked on each of its
-    calls (every k + 1 plain tokens) and never right, so no round is tried
-    again; the tokens are still greedy's, and the plain tokens come from the
-    model's own step (no draft)."""
+    calls (k + 1 positions, then each call twice the last, up to
+    PAUSE_WIDTH_MAX) and never right, so no round is tried again; the tokens
+    are still greedy's, and the plain tokens come from the model's own step
+    (no draft)."""
     stats = {}
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=TOKENS,
                                  stats=stats, draft_hook=_wrong(setup["greedy"], k, setup["vocab"])))
@@ -129,10 +130,14 @@ def test_drafting_pauses_while_every_draft_is_rejected(setup, k):
     # The first token, 2 rounds, then one pause to the end.
     plain = TOKENS - 1 - PAUSE_AFTER_MISSES
     assert (stats["rounds"], stats["plain"], stats["pauses"]) == (PAUSE_AFTER_MISSES, plain, 1)
-    # The pause's head calls: at its plain tokens k, 2k + 1, ... (the miss
-    # left one position, each plain token adds one); each is read before
-    # the next plain token, so a call at the pause's last token is not.
-    assert stats["checks"] == len([i for i in range(plain - 1) if i % (k + 1) == k])
+    # The pause's head calls: the miss left one position and each plain
+    # token adds one, so plain token i (from 0) holds i + 1 positions, and
+    # calls of widths k + 1, 2(k + 1), 4(k + 1), ... up to 16 fall at the
+    # tokens below; each is read before the next plain token, so a call at
+    # the pause's last token (20) is not.
+    assert PAUSE_WIDTH_MAX == 16 and plain == 21
+    read = {1: [1, 5, 13], 2: [2, 8], 3: [3, 11]}[k]  # widths 2, 4, 8 | 3, 6, 12 (20: unread) | 4, 8
+    assert stats["checks"] == len(read)
 
 
 def _spy_on_the_head(model, monkeypatch):
@@ -154,10 +159,10 @@ def _spy_on_the_head(model, monkeypatch):
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypatch):
+def test_paused_positions_reach_the_head_in_growing_calls(setup, k, monkeypatch):
     """While drafting pauses, the head takes the plain steps' positions k + 1
-    at a time, a round's width (fewer calls than positions; a catch-up call
-    over a whole pause would meet kernel instances no round meets). Every
+    at a time, then twice as many a call (fewer calls than positions; none
+    wider than PAUSE_WIDTH_MAX, the most its rows path takes). Every
     verified position still reaches it once: its cache ends where the
     model's does, less the last token (not yet verified) and the prompt's
     first (no position before it)."""
@@ -165,20 +170,24 @@ def test_paused_positions_reach_the_head_k_plus_one_at_a_time(setup, k, monkeypa
     stats = {}
     prompt_cache = make_prompt_cache(setup["model"])
     # Wrong drafts until 6 tokens are out: the first token, two missed
-    # rounds, a pause of 5 plain tokens (its check at token 6 right), and
-    # the first token of the round after it, the last: the head has then
-    # taken every position that token's round verified.
-    steps = 1 + PAUSE_AFTER_MISSES + 5 + 1
+    # rounds, a pause from token 3, and the first token of the round after
+    # it, the last: the head has then taken every position that token's
+    # round verified. The pause's checks: k = 3, width 4 at token 6 (right),
+    # so 5 plain tokens; k = 1, width 2 at token 4 (wrong), width 4 at
+    # token 8 (right), so 7.
+    plain = {1: 7, 3: 5}[k]
+    steps = 1 + PAUSE_AFTER_MISSES + plain + 1
     out = list(mtp_generate_step(setup["prompt"], setup["model"], num_draft_tokens=k, max_tokens=steps,
                                  stats=stats, prompt_cache=prompt_cache,
                                  draft_hook=_wrong(setup["greedy"], k, setup["vocab"], right_from=6)))
     assert [t for t, _, _ in out] == setup["greedy"][:steps]
-    assert stats["pauses"] == 1 and stats["plain"] == 5 and out[-1][2]
+    assert stats["pauses"] == 1 and stats["plain"] == plain and out[-1][2]
     prompt_width = setup["prompt"].size
     # The prompt's pairs (h_t, token t + 1) before the first token, in one
     # chunk at this length; then the prompt's last position with the first
-    # generated token, and the rest no wider than a round.
-    assert widths[0] == prompt_width - 1 and widths[1] == 1 and max(widths[1:]) == k + 1
+    # generated token, and the rest no wider than the pause's second call
+    # (k = 1: 4) or a round (k = 3: 4).
+    assert widths[0] == prompt_width - 1 and widths[1] == 1 and max(widths[1:]) == 4
     head_cache = caches[-1]
     model_tokens = prompt_width + steps - 1  # the last token is not fed to the model yet
     assert head_cache[0].offset == model_tokens - 1
@@ -192,9 +201,9 @@ def test_drafting_resumes_once_drafts_are_kept_again(setup):
                                  stats=stats, draft_hook=_wrong(setup["greedy"], 2, setup["vocab"], right_from=6)))
     assert [t for t, _, _ in out] == setup["greedy"]
     # Tokens 1 and 2 from the two missed rounds; the pause's plain tokens
-    # from 3, its checks at 5 (wrong: before 6) and at 8 (right), then
-    # token 9, the pause's last.
-    assert stats["pauses"] == 1 and stats["plain"] == 7 and stats["checks"] == 2
+    # from 3, its checks at 5 (3 positions: wrong, before 6) and at 11 (6
+    # positions: right), then token 12, the pause's last.
+    assert stats["pauses"] == 1 and stats["plain"] == 10 and stats["checks"] == 2
     # After the pause every round keeps both drafts (but where the run ends).
     assert stats["accepted"] >= 2 * (stats["rounds"] - PAUSE_AFTER_MISSES) - 2
 

@@ -1,0 +1,100 @@
+"""The server takes requests that arrive while it decodes after the current step.
+
+``mlx_lm.server``'s generation thread takes new requests from its queue only
+between rounds of batch steps, and a round runs until half a second has
+passed (``TimeBudget``). A request that arrives just after a round began
+waits up to that half second before it is tokenized, inserted and
+prefilled. Under a burst of requests that splits one wave into groups: on
+the H200, 16 requests sent together had their first tokens at 0.70 s (8),
+0.91 s (4) and 1.55 s (4), the last four having waited out a round
+(bench/results/2026-12-04-nvidia-h200-1eba4b4).
+
+With a lily model loaded, a round also ends once a request is waiting,
+after at least one step: the server takes it at once, and its prefill runs
+in the batch generator's next call, joining the batch as it would have after
+a full round. Nothing else about the loop changes: what a step computes, the
+order of requests, the prefill batch size (``--prompt-concurrency``). A
+distributed server keeps stock's rounds (its ranks agree on each round's
+length through ``TimeBudget``'s own synchronisation, and only rank 0 reads
+the queue). ``MLX_LILY_EARLY_ADMISSION=0`` keeps stock's rounds everywhere.
+
+Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+from ._notice import notice_once
+from ._patches import Patches
+
+ENV = "MLX_LILY_EARLY_ADMISSION"
+
+_stock = Patches()
+
+
+def enabled() -> bool:
+    """Whether ``MLX_LILY_EARLY_ADMISSION`` allows it (unset: yes)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value not in ("0", "false", "no", "off"):
+        notice_once(f"admission-env:{value}", f"{ENV}={value!r} is not 0 or 1; taking requests after each step")
+        return True
+    return False
+
+
+def _next_request(self: Any, timeout: Any = None):
+    """``ResponseGenerator._next_request``, which the generation loop calls
+    before every round: its round budget learns the request queue."""
+    budget = getattr(self, "_time_budget", None)
+    if budget is not None:
+        budget._lily_requests = None if getattr(self, "_is_distributed", False) else self.requests
+    return _stock["_next_request"](self, timeout)
+
+
+def _iter(self: Any):
+    """``TimeBudget.__iter__``: a round begins; no step has run yet."""
+    self._lily_steps = 0
+    return _stock["__iter__"](self)
+
+
+def _next(self: Any):
+    """``TimeBudget.__next__``: stock's budget, and the round's end once a
+    request waits (after the round's first step)."""
+    requests = getattr(self, "_lily_requests", None)
+    steps = getattr(self, "_lily_steps", 0)
+    self._lily_steps = steps + 1
+    if requests is not None and steps > 0 and not requests.empty():
+        raise StopIteration
+    return _stock["__next__"](self)
+
+
+def install() -> None:
+    """Wrap the server's ``TimeBudget`` iteration and its generator's
+    request read (idempotent; nothing where the environment turns it off
+    or mlx-lm's server lacks them)."""
+    if _stock or not enabled():
+        return
+    try:
+        server = importlib.import_module("mlx_lm.server")
+        budget, generator = server.TimeBudget, server.ResponseGenerator
+        for owner, name in ((budget, "__iter__"), (budget, "__next__"), (generator, "_next_request")):
+            getattr(owner, name)
+    except (ImportError, AttributeError) as exc:
+        notice_once("admission-missing", f"this mlx-lm's server has no round budget to shorten ({exc}); "
+                                         "requests are taken between its rounds, as stock takes them")
+        return
+    _stock.set("__iter__", budget, "__iter__", _iter)
+    _stock.set("__next__", budget, "__next__", _next)
+    _stock.set("_next_request", generator, "_next_request", _next_request)
+
+
+def uninstall() -> None:
+    _stock.undo()
+
+
+def installed() -> bool:
+    return bool(_stock)

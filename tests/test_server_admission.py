@@ -1,0 +1,122 @@
+"""The server takes requests that arrive mid-round after the current step
+(mlx_lily/server_admission.py).
+
+mlx_lm.server's generation loop reads its request queue, then runs a round
+of batch steps for as long as its ``TimeBudget`` allows (half a second).
+With lily's admission installed a round also ends once a request waits,
+after at least one step. These tests drive mlx-lm's own ``TimeBudget`` and
+``ResponseGenerator._next_request`` the way the loop calls them.
+"""
+
+from __future__ import annotations
+
+from queue import Queue
+
+import pytest
+
+pytest.importorskip("mlx_lm.server")
+from mlx_lm import server  # noqa: E402
+
+from mlx_lily import server_admission  # noqa: E402
+
+STEPS_AT_MOST = 40
+
+
+class Loop:
+    """What ``_next_request`` reads of the server's generator: its queue,
+    its round budget (mlx-lm's, long enough never to end a round here) and
+    whether it is distributed."""
+
+    def __init__(self, distributed: bool = False):
+        self.requests = Queue()
+        self._time_budget = server.TimeBudget(budget=60.0)
+        self._is_distributed = distributed
+        self._rank = 0
+
+    def _share_request(self, request):
+        return request
+
+    def round(self, arrive_after=None):
+        """One pass of the loop: read the queue (empty here), then a round of
+        steps; a request arrives during step ``arrive_after`` (1-based).
+        Returns the steps the round ran."""
+        assert server.ResponseGenerator._next_request(self) is None
+        steps = 0
+        for _ in self._time_budget:
+            steps += 1
+            if steps == arrive_after:
+                self.requests.put("a request")
+            if steps == STEPS_AT_MOST:
+                break
+        return steps
+
+
+@pytest.fixture
+def admission(monkeypatch):
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    server_admission.install()
+    yield
+    server_admission.uninstall()
+
+
+def test_a_round_ends_after_the_step_during_which_a_request_arrived(admission):
+    loop = Loop()
+    assert loop.round(arrive_after=3) == 3
+    # The next pass takes it, then rounds run on while nothing waits.
+    assert server.ResponseGenerator._next_request(loop) == "a request"
+    assert loop.round() == STEPS_AT_MOST
+
+
+def test_a_round_runs_at_least_one_step(admission):
+    """A request that is already waiting when a round begins (it arrived
+    after the queue was read) still lets the batch take a step."""
+    loop = Loop()
+    assert server.ResponseGenerator._next_request(loop) is None
+    loop.requests.put("a request")
+    steps = sum(1 for _ in loop._time_budget)
+    assert steps == 1
+
+
+def test_a_distributed_server_keeps_stock_rounds(admission):
+    assert Loop(distributed=True).round(arrive_after=3) == STEPS_AT_MOST
+
+
+def test_stock_rounds_without_it(monkeypatch):
+    """Not installed, uninstalled, or turned off by the environment: the
+    round runs on with a request waiting, as stock's does."""
+    assert not server_admission.installed()
+    assert Loop().round(arrive_after=3) == STEPS_AT_MOST
+    server_admission.install()
+    server_admission.uninstall()
+    assert Loop().round(arrive_after=3) == STEPS_AT_MOST
+    monkeypatch.setenv(server_admission.ENV, "0")
+    server_admission.install()
+    try:
+        assert not server_admission.installed()
+        assert Loop().round(arrive_after=3) == STEPS_AT_MOST
+    finally:
+        server_admission.uninstall()
+
+
+def test_install_is_idempotent(admission):
+    held = server.TimeBudget.__next__
+    server_admission.install()
+    assert server.TimeBudget.__next__ is held
+    server_admission.uninstall()
+    assert server.TimeBudget.__next__ is not held
+    server_admission.install()  # the fixture's uninstall finds it installed
+
+
+def test_the_backend_installs_it_when_the_server_loads_a_lily_model(demo_checkpoint, monkeypatch):
+    from mlx_lily import backend, prefix_reuse, served_logprobs
+
+    monkeypatch.setattr(backend, "current_program", lambda: "mlx_lm.server")
+    monkeypatch.setenv("MLX_LILY_PRIME", "0")
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    try:
+        model, _ = backend._lily_load_model(demo_checkpoint)
+        assert type(model).__module__.startswith("mlx_lily") and server_admission.installed()
+    finally:
+        for feature in (server_admission, served_logprobs, prefix_reuse):
+            feature.uninstall()
+    assert Loop().round(arrive_after=3) == STEPS_AT_MOST
