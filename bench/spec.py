@@ -25,7 +25,9 @@ decoded without drafts while drafting paused, ``mtp_decode.PAUSE_AFTER_MISSES``;
 these three summed over passes),
 round_ms: the host's ms per round building the drafts, building the verify
 pass, submitting a round built ahead, waiting for the GPU, accepting, and
-(where every token came from a round) the rest of the round's wall time,
+(where every token came from a round) the rest of the round's wall time;
+round_ms_by_pass: those parts but the rest, pass by pass; baseline_around_by_pass:
+each pass's baseline tok/s (the mean of the two runs around the row),
 plain_token_ms: the median ms from the token before to each token decoded
 while drafting paused (None without such tokens)},
 ``verify_cost`` rows {positions, ms, ratio}, ``projected`` rows
@@ -317,6 +319,10 @@ def _run(args, argv, settings) -> int:
             for part, t in p[2]["seconds"].items():
                 seconds[part] = seconds.get(part, 0.0) + t
         round_ms = {part: round(1e3 * t / max(1, rounds), 4) for part, t in seconds.items()}
+        # Per pass too: the host's speed drifts between passes, and a row's
+        # ratio is taken pass by pass.
+        round_ms_by_pass = [{part: round(1e3 * t / max(1, p[2]["rounds"]), 4) for part, t in p[2]["seconds"].items()}
+                            for p in passes]
         stats = {key: sum(p[2][key] for p in passes) for key in ("accepted", "rounds", "plain")}
         if not any(p[2]["plain"] for p in passes) and rounds and all(p[1] for p in passes):
             # The rest of a round's wall time (the tokens' yields, the
@@ -329,7 +335,9 @@ def _run(args, argv, settings) -> int:
                "decode_tps_by_pass": [round(p[1], 3) for p in passes],
                "tokens_identical": all(p[0] == want_steps for p in passes),
                "accepted": stats["accepted"], "rounds": stats["rounds"], "plain": stats["plain"],
-               "round_ms": round_ms, "plain_token_ms": _plain_token_ms(passes)}
+               "round_ms": round_ms, "round_ms_by_pass": round_ms_by_pass,
+               "baseline_around_by_pass": [round(p[3], 3) for p in passes],
+               "plain_token_ms": _plain_token_ms(passes)}
         summary.append(row)
         parts = "  ".join(f"{part} {ms:.2f}" for part, ms in row["round_ms"].items())
         spread = f" (passes {', '.join(f'{r:.3f}' for r in ratios)})" if len(ratios) > 1 else ""

@@ -39,6 +39,13 @@ def test_spec_bench_writes_its_rows(tmp_path):
             assert "submit" in parts
         assert all(ms >= 0 for part, ms in row["round_ms"].items() if part != "other")
         assert sum(row["round_ms"].values()) > 0
+        # The same parts pass by pass ("other" is the row's only), whose
+        # rounds add up to the row's figure, and each pass's baseline.
+        by_pass = row["round_ms_by_pass"]
+        assert len(by_pass) == 2 and all(set(p) == parts - {"other"} for p in by_pass)
+        assert len(row["baseline_around_by_pass"]) == 2
+        for part in parts - {"other"}:
+            assert min(p[part] for p in by_pass) - 1e-3 <= row["round_ms"][part] <= max(p[part] for p in by_pass) + 1e-3
     for k in (1, 2, 3):
         adversarial = rows[("adversarial", k)]
         assert adversarial["accepted"] == 0
@@ -59,6 +66,7 @@ def test_spec_bench_writes_its_rows(tmp_path):
             at = pass_ * (1 + len(rows)) + j
             around = 2 / (1 / bases[at] + 1 / bases[at + 1])
             assert ratio == pytest.approx(tps / around, rel=2e-3)
+            assert row["baseline_around_by_pass"][pass_] == pytest.approx(around, rel=2e-3)
     costs = {r["positions"]: r for r in data["verify_cost"]}
     assert set(costs) == {2, 3, 4} and all(r["ratio"] > 0 for r in costs.values())
     at = next(r for r in data["projected"] if r["acceptance"] == 0.85 and r["k"] == 1)
