@@ -235,6 +235,22 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.engine} server not up within {timeout_s:.0f} s; see {self.log_path}")
 
+    def log_size(self) -> int:
+        """Bytes of the server's log so far (where ``log_since`` reads on)."""
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def log_since(self, at: int) -> str:
+        """The server's log from byte ``at`` on."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(at)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def peak_memory_gb(self) -> Optional[float]:
         """The server process's MLX peak memory so far (GiB), as its watcher
         last wrote it (within a second), or None."""
@@ -628,7 +644,9 @@ def run_engine(
         if time.perf_counter() > deadline:
             result["skipped"].append("all waves (time budget spent in startup and warmup)")
             return result
+        at = server.log_size()
         alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
+        alone["first_uses_in_wave"] = len(_FIRST_USE.findall(server.log_since(at)))
         alone["peak_memory_gb_after"] = server.peak_memory_gb()
         alone["host_split_ms"] = server.host_split().get("1")
         result["waves"]["1"] = alone
@@ -654,7 +672,11 @@ def run_engine(
             if time.perf_counter() > deadline:
                 result["skipped"].append(f"{n} streams (time budget)")
                 continue
+            at = server.log_size()
             w = wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
+            # Kernels built inside the timed wave: its figures are then not
+            # the server's steady state (the report says so).
+            w["first_uses_in_wave"] = len(_FIRST_USE.findall(server.log_since(at)))
             check_greedy(w, alone)
             w["peak_memory_gb_after"] = server.peak_memory_gb()  # the server's peak so far
             result["waves"][str(n)] = w
@@ -957,6 +979,9 @@ def markdown(report: Dict[str, Any]) -> str:
         for n, w in e.get("waves", {}).items():
             if w.get("errors"):
                 lines.append(f"{name}, {n} streams: errors: {'; '.join(w['errors'][:3])}")
+            if w.get("first_uses_in_wave"):
+                lines.append(f"{name}, {n} stream{'s' if n != '1' else ''}: {w['first_uses_in_wave']} kernel "
+                             "instances first met inside this wave (built mid-wave): not the server's steady state.")
     lily = report["engines"].get("lily", {})
     if "first_uses_in_traces" in lily:
         met = lily["first_uses_in_traces"]

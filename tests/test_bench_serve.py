@@ -99,6 +99,10 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     lily = report["engines"]["lily"]
     assert lily["first_uses_in_traces"] == [] and "primed_s" in lily
     assert "first_uses_in_traces" not in report["engines"]["mlx"]
+    # ... and per timed wave: nothing built inside one, so the report flags none.
+    for e in ("lily", "mlx"):
+        assert all(w["first_uses_in_wave"] == 0 for w in report["engines"][e]["waves"].values())
+    assert "first met inside this wave" not in table
 
 
 def test_the_server_log_says_how_long_priming_took_and_what_was_built_after_it():
@@ -116,6 +120,34 @@ def test_the_server_log_says_how_long_priming_took_and_what_was_built_after_it()
               "software": {"mlx": "", "mlx_lm": "", "git_revision": ""}, "engines": {"lily": dict(facts, waves={})}}
     assert ("primed its kernels in 8.9 s; kernel instances first met inside a compiled step after that: 10 "
             "(quantized_matvec x2, quantized_matvec_tiles x8).") in serve.markdown(report)
+
+
+def test_a_wave_that_built_kernels_is_flagged(tmp_path):
+    """The kernels a lily server built inside a timed wave are counted from
+    its log as the wave ran (``Server.log_size`` / ``log_since``), and the
+    report says the wave's figures are not the server's steady state."""
+    from types import SimpleNamespace
+
+    log = tmp_path / "server-lily.log"
+    log.write_text("[mlx-lily] primed in 3.0s\n")
+    server = SimpleNamespace(log_path=log)
+    at = serve.Server.log_size(server)
+    line = "[mlx-lily] kernel moe_decode_down (T=bfloat16) first met inside a compiled step (batch True): checked\n"
+    with open(log, "a") as f:
+        f.write("a request\n" + line + line.replace("down", "combine"))
+    assert len(serve._FIRST_USE.findall(serve.Server.log_since(server, at))) == 2
+    assert serve.Server.log_since(SimpleNamespace(log_path=tmp_path / "absent.log"), 0) == ""
+    report = {"settings": {"shape": "demo", "prompt_tokens": 8, "max_tokens": 4}, "machine": {},
+              "software": {"mlx": "", "mlx_lm": "", "git_revision": ""},
+              "engines": {"lily": {"waves": {}}}}
+    for n, built in (("1", 0), ("16", 2)):
+        report["engines"]["lily"]["waves"][n] = {
+            "aggregate_tps": 100.0, "ttft_median_s": 0.5, "ttft_max_s": 0.6, "decode_tps_median": 30.0,
+            "decode_tps_min": 29.0, "same_as_single": "16/16", "first_uses_in_wave": built}
+    text = serve.markdown(report)
+    assert ("lily, 16 streams: 2 kernel instances first met inside this wave (built mid-wave): "
+            "not the server's steady state.") in text
+    assert "lily, 1 stream" not in text
 
 
 def test_conditioned_random_checkpoints_for_the_greedy_check(tmp_path):
