@@ -66,14 +66,14 @@ ROUND_PARTS = ("draft", "verify_build", "submit", "wait", "accept")
 # PAUSE_AFTER_MISSES rounds in a row that keep no draft, the next tokens are
 # decoded one at a time without drafts (generate_step's step, pipelined as it
 # runs it). The head still takes those tokens' positions, in calls of
-# growing width (PAUSE_WIDTH_MAX), and each such call also drafts the plain token that follows (a check: the
-# head's first draft, through the draft hook where there is one). Drafting
-# resumes once a check's draft is the token the model chose: one more plain
-# token, then a round. Why: a verify pass costs more than a step (1.1-1.2x
-# at 2 positions on the H200), so rounds that keep nothing are slower than
-# plain decoding, and a check costs the head's logits, not a verify pass;
-# two misses in a row are rare where drafting pays (about one round in 40
-# at acceptance 0.85, k = 1).
+# growing width (PAUSE_WIDTH_MAX), and each such call also drafts the plain
+# token that follows (a check: the head's first draft, through the draft
+# hook where there is one). Drafting resumes once a check's draft is the
+# token the model chose: one more plain token, then a round. Why: a verify
+# pass costs more than a step (1.1-1.2x at 2 positions on the H200), so
+# rounds that keep nothing are slower than plain decoding, and a check costs
+# the head's logits, not a verify pass; two misses in a row are rare where
+# drafting pays (about one round in 40 at acceptance 0.85, k = 1).
 PAUSE_AFTER_MISSES = 2
 # A pause's head calls grow: the first takes k + 1 positions (a round's
 # width), each next one twice the last, up to PAUSE_WIDTH_MAX (the most
@@ -425,14 +425,14 @@ def mtp_generate_step(
                 # positions k + 1, then 2(k + 1), 4(k + 1), ... at a time,
                 # up to PAUSE_WIDTH_MAX (one call per position would cost a
                 # call's host work each; a catch-up call over a whole pause
-                # would exceed the head's rows path), each call queued before the next
-                # step and drafting the plain token it precedes (a check,
-                # read once that token is out). A check whose draft is the
-                # model's token ends the pause after one more plain token;
-                # the positions left then open the next round, with the
-                # last. That round (the probe) is built on the last plain
-                # token before it is read, as a plain step would be: the
-                # GPU runs it while the host yields.
+                # would exceed the head's rows path), each call queued
+                # before the next step and drafting the plain token it
+                # precedes (a check, read once that token is out). A check
+                # whose draft is the model's token ends the pause after one
+                # more plain token; the positions left then open the next
+                # round, with the last. That round (the probe) is built on
+                # the last plain token before it is read, as a plain step
+                # would be: the GPU runs it while the host yields.
                 stats["pauses"] += 1
                 held = [(verified, after)]  # positions the head has not taken yet
                 width = k + 1  # the positions of the pause's next head call

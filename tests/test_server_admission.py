@@ -120,3 +120,14 @@ def test_the_backend_installs_it_when_the_server_loads_a_lily_model(demo_checkpo
         for feature in (server_admission, served_logprobs, prefix_reuse):
             feature.uninstall()
     assert Loop().round(arrive_after=3) == STEPS_AT_MOST
+
+
+def test_a_value_that_is_not_0_or_1_is_named_in_one_notice(monkeypatch, fresh_notices, capsys):
+    for value, meant in (("0", False), ("off", False), ("1", True), ("", True), ("yes", True)):
+        monkeypatch.setenv(server_admission.ENV, value)
+        assert server_admission.enabled() is meant
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv(server_admission.ENV, "sometimes")
+    assert server_admission.enabled() and server_admission.enabled()
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and f"{server_admission.ENV}='sometimes'" in said
