@@ -10,6 +10,8 @@ after at least one step. These tests drive mlx-lm's own ``TimeBudget`` and
 
 from __future__ import annotations
 
+import json
+import os
 from queue import Queue
 
 import pytest
@@ -131,3 +133,21 @@ def test_a_value_that_is_not_0_or_1_is_named_in_one_notice(monkeypatch, fresh_no
     assert server_admission.enabled() and server_admission.enabled()
     said = capsys.readouterr().err
     assert said.count("\n") == 1 and f"{server_admission.ENV}='sometimes'" in said
+
+
+def test_the_admission_diagnostic_times_both_settings(demo_checkpoint, tmp_path, monkeypatch):
+    """``bench.diagnostics.serving.admission``: a lily server per setting, a
+    short request's time to first token while a long one decodes."""
+    from bench.diagnostics.serving import admission
+
+    monkeypatch.delenv("MLX_LM_BACKEND", raising=False)
+    monkeypatch.setenv(server_admission.ENV, "1")
+    assert admission.main(["--model", str(demo_checkpoint), "--reps", "2", "--long-tokens", "24",
+                           "--timeout-s", "240", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "admission.json").read_text())
+    assert set(record["settings"]) == {"1", "0"} and record["round_s"] == admission.ROUND_S
+    for r in record["settings"].values():
+        assert len(r["ttft_s"]) == 2 and all(t > 0 for t in r["ttft_s"]) and r["ttft_max_s"] == max(r["ttft_s"])
+    assert (tmp_path / "server-lily-admission-0.log").exists() and (tmp_path / "server-lily-admission-1.log").exists()
+    assert "| 0 |" in (tmp_path / "admission.md").read_text()
+    assert os.environ[server_admission.ENV] == "1"  # put back as it was

@@ -1,0 +1,1 @@
+"""Serving diagnostics: how mlx_lm.server with lily takes requests."""
