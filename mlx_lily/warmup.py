@@ -157,14 +157,55 @@ def prompt_cache(model: Any, server: bool) -> List[Any]:
     return cache
 
 
+class _PhaseCosts:
+    """What one priming step's time went to, for its progress line: the
+    kernels' first-use checks (building and running each new instance, on
+    CUDA mostly compiling it; and its reference), the modules lily's CUDA
+    cache compiled, and first uses met inside a compiled step's trace (each
+    traces the step again). The rest of a step's seconds is running and
+    tracing the model. Why: on the H200 one step of priming took minutes
+    where its neighbours took seconds, and its line said only when it ended."""
+
+    def __init__(self):
+        self._at = self._now()
+
+    @staticmethod
+    def _now() -> tuple:
+        from .toolchain import tracing
+
+        first = tracing.FIRST_USE_TIME
+        cache = None
+        if kernel_backend()[0] == "cuda":
+            from .toolchain import cuda_cache
+
+            cache = cuda_cache.module_cache()
+        return (time.perf_counter(), first.checks, first.kernel_s, first.reference_s,
+                cache.compiled if cache else 0, cache.compile_s if cache else 0.0, tracing.first_uses_in_traces())
+
+    def take(self) -> str:
+        """This step's costs since the last ``take`` (or the start)."""
+        now = self._now()
+        seconds, checks, kernel_s, reference_s, compiled, compile_s, in_traces = (
+            a - b for a, b in zip(now, self._at))
+        self._at = now
+        parts = [f"{seconds:.1f}s here", f"{checks} first-use checks: kernels {kernel_s:.1f}s, "
+                                         f"references {reference_s:.1f}s"]
+        if compiled:
+            parts.append(f"{compiled} modules compiled ({compile_s:.1f}s of compiling)")
+        if in_traces:
+            parts.append(f"{in_traces} first uses inside traces")
+        return "; ".join(parts)
+
+
 def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> None:
+    costs = _PhaseCosts()
     cache = prompt_cache(model, server)
     done = 0
     for length in lengths:
         logits = model(_prompt(length, done), cache=cache)
         mx.eval(logits, [c.state for c in cache])
         done += length
-        log(f"  primed a {length}-token chunk ({time.perf_counter() - start:.1f}s)")
+        log(f"  primed a {length}-token chunk ({time.perf_counter() - start:.1f}s; {costs.take()})")
     token = mx.argmax(logits[:, -1:], axis=-1)
     for _ in range(DECODE_TOKENS):
         logits = model(token, cache=cache)
@@ -173,29 +214,33 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
     # A short prompt alone: the sequential recurrence without a state.
     mx.eval(model(_prompt(SHORT_CHUNK), cache=prompt_cache(model, server)))
     del cache, logits
+    log(f"  primed {DECODE_TOKENS} decode steps and a short prompt alone ({time.perf_counter() - start:.1f}s; "
+        f"{costs.take()})")
 
     if not server:
         # The server's attention decode calls carry its batch caches' array
         # masks, which run MLX's sdpa: none meets these kernel instances.
         _prime_attention_decode(model)
+        log(f"  primed the attention decode's key-block forms ({time.perf_counter() - start:.1f}s; {costs.take()})")
 
     if server:
         # A prompt of several prefill steps through the batch generator, as a
         # server's long prompt runs: its short tail chunk carries a state and no mask.
         long = 2 * CHUNKED_FROM + SHORT_CHUNK + 1
         run_batch(model, [_prompt(long)[0].tolist()], DECODE_TOKENS, prefill_step_size=CHUNKED_FROM)
-        log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s)")
+        log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s; "
+            f"{costs.take()})")
         _prime_piece_states(model, server)
-        log(f"  primed prefix reuse's checkpoints inside a call ({time.perf_counter() - start:.1f}s)")
+        log(f"  primed prefix reuse's checkpoints inside a call ({time.perf_counter() - start:.1f}s; {costs.take()})")
         if _prime_packed_rows(model, server):
-            log(f"  primed prompts packed together ({time.perf_counter() - start:.1f}s)")
+            log(f"  primed prompts packed together ({time.perf_counter() - start:.1f}s; {costs.take()})")
 
     # Batches of mixed lengths, one per build of the batched decode kernels
     # (the GEMV's row buckets; the other batched kernels have one build).
     for rows in PRIME_BATCHES:
         batch = [_prompt(SHORT_CHUNK // (1 + r % 2), r)[0].tolist() for r in range(rows)]
         steps = run_batch(model, batch, DECODE_TOKENS + 1)
-        log(f"  primed a decode batch of {rows} ({steps} steps, {time.perf_counter() - start:.1f}s)")
+        log(f"  primed a decode batch of {rows} ({steps} steps, {time.perf_counter() - start:.1f}s; {costs.take()})")
 
 
 def run_batch(model: Any, prompts: List[List[int]], max_tokens: int, prefill_step_size: int = 2048,

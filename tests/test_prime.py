@@ -242,3 +242,42 @@ def test_priming_covers_long_prompts_arriving_together(tmp_path_factory, emulato
     ids = lambda n, r: [(7 * i + r) % 400 + 3 for i in range(n)]  # noqa: E731
     serve(model, [ids(CHUNKED_FROM + 40, 0), ids(3 * CHUNKED_FROM, 1), ids(CHUNKED_FROM + 2, 2)], rows=3)
     assert launched() - primed == set()
+
+
+def test_each_progress_line_says_where_its_time_went(demo_checkpoint, emulator_backend, monkeypatch):
+    """Priming's progress lines carry each step's seconds and its kernels'
+    first-use checks (kernels and references), and the steps' seconds add
+    up to the whole."""
+    import re
+
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    lines = []
+    assert warmup.prime(model, log=lines.append, server=True) is not None
+    steps = [line for line in lines if line.startswith("  primed")]
+    assert len(steps) >= 4 + len(warmup.PRIME_BATCHES)
+    here = []
+    for line in steps:
+        found = re.search(r"; ([0-9.]+)s here; ([0-9]+) first-use checks: kernels ([0-9.]+)s, references ([0-9.]+)s",
+                          line)
+        assert found, line
+        here.append(float(found.group(1)))
+    total = float(re.search(r"primed in ([0-9.]+)s", lines[-1]).group(1))
+    assert abs(sum(here) - total) <= 0.1 * len(here) + 0.5
+    # Every kernel instance is checked at its first use: some step checked some.
+    assert any(int(re.search(r"([0-9]+) first-use checks", line).group(1)) > 0 for line in steps)
+
+
+def test_a_step_s_costs_name_compiles_and_first_uses_inside_traces(monkeypatch):
+    from mlx_lily.toolchain import tracing
+
+    # The process's counters, as they were, once the test is over.
+    monkeypatch.setattr(tracing, "FIRST_USE_TIME", type(tracing.FIRST_USE_TIME)())
+    monkeypatch.setattr(tracing, "_FIRST_USES_IN_TRACES", [0])
+    monkeypatch.setattr(tracing, "_FIRST_USES_MET", [])
+    costs = warmup._PhaseCosts()
+    tracing.FIRST_USE_TIME.add(2.0, 0.5)
+    tracing.count_first_use_in_trace("moe_decode_down (T=bfloat16)")
+    said = costs.take()
+    assert "1 first-use checks: kernels 2.0s, references 0.5s" in said and "1 first uses inside traces" in said
+    assert "modules compiled" not in said  # no CUDA here: lily's module cache compiles nothing
+    assert "0 first-use checks" in costs.take() and "inside traces" not in costs.take()
