@@ -242,6 +242,11 @@ class Server:
         except OSError:
             return 0
 
+    def built_since(self, at: int) -> int:
+        """Kernel instances the server's log says were first met inside a
+        compiled step from byte ``at`` on (built mid-request)."""
+        return len(_FIRST_USE.findall(self.log_since(at)))
+
     def log_since(self, at: int) -> str:
         """The server's log from byte ``at`` on."""
         try:
@@ -646,7 +651,7 @@ def run_engine(
             return result
         at = server.log_size()
         alone = singles(server.port, prompts[:n_max], args.max_tokens, args.request_timeout_s)
-        alone["first_uses_in_wave"] = len(_FIRST_USE.findall(server.log_since(at)))
+        alone["first_uses_in_wave"] = server.built_since(at)
         alone["peak_memory_gb_after"] = server.peak_memory_gb()
         alone["host_split_ms"] = server.host_split().get("1")
         result["waves"]["1"] = alone
@@ -676,7 +681,7 @@ def run_engine(
             w = wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
             # Kernels built inside the timed wave: its figures are then not
             # the server's steady state (the report says so).
-            w["first_uses_in_wave"] = len(_FIRST_USE.findall(server.log_since(at)))
+            w["first_uses_in_wave"] = server.built_since(at)
             check_greedy(w, alone)
             w["peak_memory_gb_after"] = server.peak_memory_gb()  # the server's peak so far
             result["waves"][str(n)] = w

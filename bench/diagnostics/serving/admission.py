@@ -29,8 +29,8 @@ from typing import Any, Dict, List
 
 from bench.common import log, write_json, write_report
 from bench.serve import HOST, Server, sse_chunks, stream
+from mlx_lily.server_admission import ENV
 
-ENV = "MLX_LILY_EARLY_ADMISSION"
 ROUND_S = 0.5  # mlx-lm's TimeBudget
 LONG_PROMPT = "The long request decodes while the short one arrives. " * 4
 SHORT_PROMPT = "A short request. " * 4
