@@ -389,7 +389,10 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert gemv_sweep.main(["--out", str(tmp_path / "n"), "--backend", "emulator", "--calls", "four",
                             "--tiles", "--no-grid"]) == 0
     (row,) = __import__("json").loads((tmp_path / "n" / "gemv-sweep.json").read_text())["rows"]
-    assert {v for v in row if isinstance(row[v], dict)} - {"copy"} == {"chosen", "tiles1", "tiles2", "tiles4"}
+    assert {v for v in row if isinstance(row[v], dict)} - {"copy"} == {
+        "chosen", "tiles1", "tiles2", "tiles4", "tiles4x2", "tiles4x4", "tiles_default"}
+    # Several tiles a threadgroup, and the default launch: tiles4's bits.
+    assert all(row[v]["same_bits_as_tiles4"] is True for v in ("tiles4x2", "tiles4x4", "tiles_default"))
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 

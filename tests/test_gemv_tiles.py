@@ -3,11 +3,12 @@
 In the CPU emulator (Metal's simdgroup-matrix layout): the kernel against
 quantized_matvec's contract for B = 1, 3 and 16 rows of x (each prologue,
 the residual, several segments, rows not whole tiles, K not a multiple of the
-SIMD groups' slices); batch invariance, bit for bit: a row alone equals the
-same row inside batches of 2, 5 and 16 at any position, whatever the other
-rows hold; every SIMD-group choice within the contract; the calls it refuses
-(8-bit weights, fp16 or fp32 matmul inputs). The model's call shapes
-compiled for CUDA with nvcc, onto tensor-core mma.
+SIMD groups' slices), 4-bit and 8-bit; batch invariance, bit for bit: a row
+alone equals the same row inside batches of 2, 5 and 16 at any position,
+whatever the other rows hold; every SIMD-group choice within the contract;
+every tiles-per-threadgroup choice the same bits; the calls it refuses (4-
+and 8-bit segments in one call, fp16 or fp32 matmul inputs). The model's
+call shapes compiled for CUDA with nvcc, onto tensor-core mma.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mlx_lily import kernels as K
 from mlx_lily.kernels.linear.gemv import quantized_matvec_agree, quantized_matvec_reference
 from mlx_lily.kernels.linear.gemv_tiles import (
     SIMDGROUP_CHOICES,
+    TPG_CHOICES,
     simdgroup_choices,
     quantized_matvec_tiles_kernel as tiles,
     quantized_matvec_tiles_supports as supports,
@@ -53,10 +55,49 @@ def test_the_tile_gemv_meets_the_contract(batch, rows, prologue, residual):
     assert quantized_matvec_agree(got, want, *args, **kwargs) is None
 
 
-@pytest.mark.parametrize("rows, prologue, residual", CASES[:2])
-def test_a_row_has_the_same_bits_alone_and_in_any_batch(rows, prologue, residual):
+@pytest.mark.parametrize("batch", [1, 3, 16])
+@pytest.mark.parametrize("rows, prologue, residual", [((40, 1), "norm", False), ((33,), "gate", True)])
+def test_8_bit_calls_meet_the_contract(batch, rows, prologue, residual):
+    """The router and shared-expert gate are 8-bit (40 and 1 rows here, as
+    the model's 256 and 1 are not whole tiles)."""
     emulator_or_skip()
-    args, kwargs = gemv_call(KD, rows, (4,) * len(rows), prologue, residual, seed=3, batch=16)
+    args, kwargs = gemv_call(KD, rows, (8,) * len(rows), prologue, residual, seed=7 + batch, batch=batch)
+    assert supports(*args, **kwargs) is None
+    launch = tiles.launch(*args, **kwargs)
+    assert dict(launch.template)["BITS"] == 8
+    got = tiles.emulate(*args, **kwargs)
+    assert quantized_matvec_agree(got, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_tiles_per_threadgroup_choice_gives_the_same_bits(bits):
+    """5 + 1 + 2 = 8 tiles over segments of 70, 9 and 20 rows: with 2 and 4
+    tiles a threadgroup, tiles of two segments share a threadgroup, and with
+    4 the last threadgroup has tiles past the call's."""
+    emulator_or_skip()
+    rows = (70, 9, 20)
+    args, kwargs = gemv_call(KD, rows, (bits,) * 3, "norm", False, seed=11, batch=16)
+    one = tiles.emulate(*args, tiles_per_threadgroup=1, **kwargs)
+    assert quantized_matvec_agree(one, quantized_matvec_reference(*args, **kwargs), *args, **kwargs) is None
+    for tpg in TPG_CHOICES[1:]:
+        launch = tiles.launch(*args, tiles_per_threadgroup=tpg, **kwargs)
+        assert dict(launch.template)["TPG"] == tpg and launch.grid[0] == -(-8 // tpg) * 4 * 32
+        got = tiles.emulate(*args, tiles_per_threadgroup=tpg, **kwargs)
+        for s in range(3):
+            assert np.array_equal(raw_bits(got[s]), raw_bits(one[s])), (tpg, s)
+    args, kwargs = gemv_call(KD, (24,), (4,), "gate", True, seed=12, batch=5)
+    one = tiles.emulate(*args, tiles_per_threadgroup=1, **kwargs)
+    got = tiles.emulate(*args, tiles_per_threadgroup=4, **kwargs)  # 2 tiles, one threadgroup
+    assert np.array_equal(raw_bits(got[0]), raw_bits(one[0]))
+    with pytest.raises(ValueError, match="tiles_per_threadgroup"):
+        tiles.launch(*args, tiles_per_threadgroup=3, **kwargs)
+
+
+@pytest.mark.parametrize("rows, prologue, residual, bits",
+                         [(r, p, res, 4) for r, p, res in CASES[:2]] + [((40, 1), "norm", False, 8)])
+def test_a_row_has_the_same_bits_alone_and_in_any_batch(rows, prologue, residual, bits):
+    emulator_or_skip()
+    args, kwargs = gemv_call(KD, rows, (bits,) * len(rows), prologue, residual, seed=3, batch=16)
     (x, weights) = args
     every = tiles.emulate(x, weights, **kwargs)
 
@@ -93,7 +134,8 @@ def test_every_k_split_meets_the_contract(simdgroups):
 
 def test_the_calls_it_refuses_say_why():
     args, kwargs = gemv_call(128, (9, 3), (4, 8), "norm", False, seed=1)
-    assert "8-bit" in supports(*args, **kwargs)
+    assert "4-bit and 8-bit" in supports(*args, **kwargs)
+    assert supports(*gemv_call(128, (9, 3), (8, 8), "norm", False, seed=1)[0]) is None
     args, kwargs = gemv_call(128, (9,), (4,), "none", False, seed=1, dtype=mx.float16)
     assert "float16" in supports(*args, **kwargs)
     args, kwargs = gemv_call(128, (9,), (4,), "norm", False, norm_dtype=mx.float32, seed=1)
@@ -113,10 +155,17 @@ def _zeros(K, rows):
     )
 
 
+def _zeros8(K, rows):
+    return tuple(
+        (mx.zeros((n, K // 4), mx.uint32), mx.zeros((n, K // 64), mx.bfloat16), mx.zeros((n, K // 64), mx.bfloat16))
+        for n in rows
+    )
+
+
 def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
     """The model's GEMV calls (DeltaNet and attention input projections with
-    the norm, the gated output projection with the residual, lm_head) at
-    B = 1 and 16."""
+    the norm, the gated output projection with the residual, lm_head, the
+    8-bit router and shared-expert gate) at B = 1 and 16."""
     units = {}
     for batch in (1, 16):
         x2k = mx.zeros((batch, 1, 2048), mx.bfloat16)
@@ -128,11 +177,14 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
                 "gate": mx.split(mx.zeros((batch, 1, 16, 512), mx.bfloat16), 2, axis=-1)[1],
                 "residual": mx.zeros((batch, 1, 2048), mx.bfloat16)}),
             "lm_head": (x2k, _zeros(2048, (248320,)), {}),
+            "router": (x2k, _zeros8(2048, (256, 1)), norm),
         }
         for name, (x, weights, kwargs) in calls.items():
             assert supports(x, weights, **kwargs) is None, name
-            # CUDA's default K split (8 SIMD groups, 43.5 KB of shared memory).
-            units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(x, weights, simdgroups=8, **kwargs)
+            # CUDA's default K split (8 SIMD groups, 43.5 KB of shared memory),
+            # at 16 rows with 4 tiles a threadgroup.
+            units[f"{name}_b{batch}"] = tiles.cuda_translation_unit(
+                x, weights, simdgroups=8, tiles_per_threadgroup=1 if batch == 1 else 4, **kwargs)
     # Metal's default split at the output projection's shape.
     x4k = mx.zeros((16, 1, 4096), mx.bfloat16)
     units["out_proj_nsg4"] = tiles.cuda_translation_unit(
@@ -144,8 +196,7 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
 
 def test_with_the_tiles_form_the_models_batches_keep_each_rows_bits(demo_checkpoint, emulator_backend, monkeypatch):
     """MLX_LILY_GEMV=tiles: the model's decode GEMVs take the tile form at
-    every B (the router's 8-bit call keeps the row-parallel GEMV at every B),
-    and a request decodes the same bits alone and in a batch of 5, through
+    every B (the router's 8-bit call too), and a request decodes the same bits alone and in a batch of 5, through
     mlx-lm's BatchGenerator."""
     import mlx_lily
     from test_batch_invariance import alone, assert_same, generate
@@ -215,3 +266,26 @@ def test_the_defaults_follow_where_kernels_run_not_the_gpu_present(monkeypatch):
     assert gemv_tiles.runs_on() == "cuda" and gemv_tiles.gemv_form() == "tiles"
     monkeypatch.setenv(registry.BACKEND_ENV, "emulator")
     assert gemv_tiles.runs_on() == "emulator" and gemv_tiles.gemv_form() == "rows"
+
+
+def test_tiles_per_threadgroup_follow_the_batch_on_cuda_only(monkeypatch):
+    """On CUDA from 4 rows of x, calls of many tiles take 2 or 4 a
+    threadgroup, keeping at least CUDA_MIN_THREADGROUPS threadgroups; every
+    call elsewhere, and small calls and B <= 2 on CUDA, one."""
+    from mlx_lily.kernels.linear import gemv_tiles
+
+    least = gemv_tiles.CUDA_MIN_THREADGROUPS
+    pick = gemv_tiles.default_tiles_per_threadgroup
+    assert pick("cuda", 4 * least, 16) == 4 and pick("cuda", 4 * least - 1, 16) == 2
+    assert pick("cuda", 2 * least, 4) == 2 and pick("cuda", 2 * least - 1, 8) == 1
+    assert pick("cuda", 100 * least, 2) == 1 and pick("cuda", 100 * least, 1) == 1
+    assert pick("metal", 100 * least, 16) == pick(None, 100 * least, 16) == pick("emulator", 100 * least, 16) == 1
+    # The model's DeltaNet input projections (772 tiles) and lm_head (15,520).
+    monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "cuda")
+    for batch, want in ((1, 1), (2, 1), (3, 2), (16, 2)):
+        x = mx.zeros((batch, 1, 2048), mx.bfloat16)
+        launch = tiles.launch(x, _zeros(2048, (8192, 4096, 32, 32)), norm_weight=mx.ones((2048,), mx.bfloat16), eps=1e-6)
+        assert dict(launch.template)["TPG"] == want, batch
+        assert launch.grid[0] == -(-772 // want) * 8 * 32
+    launch = tiles.launch(mx.zeros((16, 1, 2048), mx.bfloat16), _zeros(2048, (248320,)))
+    assert dict(launch.template)["TPG"] == 4 and dict(launch.template)["NSG"] == 2

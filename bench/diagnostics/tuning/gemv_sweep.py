@@ -19,7 +19,11 @@ default without changing any output.
 
 ``--tiles`` also times the GEMV on matrix tiles (``gemv_tiles.py``, the
 model's form on CUDA; "chosen" is the row-parallel GEMV) where it takes the
-call (4-bit weights, bf16): the figures that chose each backend's form.
+call (bf16; every segment 4-bit or every one 8-bit): at each K split with one
+output tile a threadgroup (tilesN), with 2 and 4 tiles a threadgroup at the
+call's default split (tilesNx2, tilesNx4: the same bits as tilesN) and as
+the launcher chooses at this B (tiles_default): the figures that chose each
+backend's form and defaults.
 
 By default a call's time is the wall time of CALLS_PER_GRAPH calls evaluated
 as one graph (host gaps between kernels included). With ``--device-time``
@@ -48,6 +52,8 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_kernel,
     quantized_matvec_reference,
 )
+from mlx_lily.kernels.linear.gemv_tiles import TPG_CHOICES
+from mlx_lily.kernels.linear.gemv_tiles import default_simdgroups as tile_default_simdgroups
 from mlx_lily.kernels.linear.gemv_tiles import simdgroup_choices as tile_simdgroup_choices
 from mlx_lily.kernels.linear.gemv_tiles import quantized_matvec_tiles_kernel, quantized_matvec_tiles_supports
 from mlx_lily.kernels.linear.testing import gemv_call
@@ -98,18 +104,26 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
            "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
            "copy": copy_floor(args)}
     variants = {"chosen": (quantized_matvec_kernel, {})}
+    nsg = tile_default_simdgroups(backend, sum(rows))
     if grid:
         variants.update({f"r{r}x{g}": (quantized_matvec_kernel, dict(rows_per_simdgroup=r, simdgroups=g))
                          for r in ROWS_CHOICES for g in SIMDGROUPS})
     if tiles and quantized_matvec_tiles_supports(*args, **kwargs) is None:
-        variants.update({f"tiles{g}": (quantized_matvec_tiles_kernel, dict(simdgroups=g))
+        variants.update({f"tiles{g}": (quantized_matvec_tiles_kernel, dict(simdgroups=g, tiles_per_threadgroup=1))
                          for g in tile_simdgroup_choices(backend)})
+        # Several tiles a threadgroup at the call's default K split (the same bits).
+        variants.update({f"tiles{nsg}x{t}": (quantized_matvec_tiles_kernel,
+                                              dict(simdgroups=nsg, tiles_per_threadgroup=t))
+                         for t in TPG_CHOICES[1:]})
+        variants["tiles_default"] = (quantized_matvec_tiles_kernel, {})
+    outputs = {}
     for variant, (kernel, options) in variants.items():
         def fn(*a, kernel=kernel, options=options, **k):
             return kernel.run_on(backend, *a, **options, **k)
         try:
             us = timed(fn, args, kwargs)
-            agrees = quantized_matvec_agree(fn(*args, **kwargs), want, *args, **kwargs) is None
+            outputs[variant] = fn(*args, **kwargs)
+            agrees = quantized_matvec_agree(outputs[variant], want, *args, **kwargs) is None
         except RuntimeError as e:  # e.g. CUDA: "too many resources requested for launch"
             if variant == "chosen":
                 raise
@@ -117,6 +131,11 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
             row[variant] = {"us": None, "gb_s": None, "agrees": None, "error": str(e)}
             continue
         row[variant] = {"us": us, "gb_s": nbytes / us / 1e3, "agrees": agrees}
+        one_tile = (variant.split("x")[0] if variant.startswith("tiles") and "x" in variant
+                    else f"tiles{nsg}" if variant == "tiles_default" else None)
+        if one_tile in outputs:  # several tiles a threadgroup: tilesN's bits
+            row[variant]["same_bits_as_" + one_tile] = all(
+                mx.array_equal(a, b).item() for a, b in zip(outputs[variant], outputs[one_tile]))
     ran = [v for v in variants if v != "chosen" and row[v]["us"] is not None]
     best = min(ran, key=lambda v: row[v]["us"]) if ran else "chosen"  # noqa: B023
     row["best"] = best
@@ -172,7 +191,8 @@ def main(argv=None) -> int:
                         help="rows of x per call, 1 to 16, or a comma-separated list (default 1)")
     parser.add_argument("--tiles", action="store_true",
                         help="also time the GEMV on matrix tiles (quantized_matvec_tiles) at each of its "
-                             "SIMD-group choices (tiles1, tiles2, tiles4; tiles8 on CUDA), where it takes the call")
+                             "SIMD-group choices (tiles1, tiles2, tiles4; tiles8 on CUDA), with 2 and 4 tiles a "
+                             "threadgroup, and as launched by default, where it takes the call")
     parser.add_argument("--no-grid", action="store_true",
                         help="skip the row-parallel GEMV's grid of launch choices: stock, the chosen "
                              "launch and (with --tiles) the tile form only, a few minutes less per B")

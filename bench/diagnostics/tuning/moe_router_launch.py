@@ -40,7 +40,8 @@ CHOICES = ((16, 2), (32, 1), (16, 1))  # (SIMD groups, rows per SIMD group)
 
 
 def _two_launches(backend, h, norm_weight, eps, gate, shared_gate, k, normalize):
-    # The row GEMV: the model's router GEMV at 8 bits (the tile form takes 4-bit calls only).
+    # The row GEMV: the order whose bits the router's launch gives (on CUDA the model's router GEMV
+    # takes the tile form, and the router's launch is then never taken).
     logits, shared_logit = quantized_matvec_kernel.run_on(backend, h, (gate, shared_gate), norm_weight, eps)
     xn, inds, scores = moe_decode_route_kernel.run_on(backend, h, logits, norm_weight, eps, k, normalize)
     return logits, shared_logit, xn, inds, scores

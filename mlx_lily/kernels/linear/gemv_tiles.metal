@@ -1,41 +1,46 @@
 // The decode GEMV on matrix tiles: quantized_matvec's contract (gemv.metal:
-// up to four 4-bit projections of one input, its RMSNorm or output-gate
-// prologue, the residual epilogue) for B <= 16 rows of x, each weight tile
-// read once for all rows and multiplied with x as the 16-row operand of
-// lily_tile_mma. Launcher: mlx_lily/kernels/linear/gemv_tiles.py.
+// up to four 4-bit or 8-bit projections of one input, its RMSNorm or
+// output-gate prologue, the residual epilogue) for B <= 16 rows of x, each
+// weight tile read once for all rows and multiplied with x as the 16-row
+// operand of lily_tile_mma. Launcher: mlx_lily/kernels/linear/gemv_tiles.py.
 //
-// A threadgroup owns 16 weight rows (one output tile of one segment) and its
-// NSG SIMD groups split K: SIMD group j takes the quantization groups
+// A threadgroup owns TPG consecutive output tiles of 16 weight rows each and
+// its NSG SIMD groups split K: SIMD group j takes the quantization groups
 // [j * SLICE, (j + 1) * SLICE), on its own (no threadgroup barrier after the
 // norm). Per group a SIMD group stages xin (the prologue's output, rounded to
-// bf16 as gemv.metal rounds it) of its 64 values for the B rows, unpacks its
-// 16 x 64 weights to bf16 integers q in [0, 16) (both fetched a group ahead:
-// 16 weight bytes and two x values per row a lane), and multiplies:
-// t = xin . q and xsum = xin . ones over the group (four 16 x 16 x 16
-// products each, fp32), then acc = fma(scale, t, acc),
-// acc = fma(bias, xsum, acc): q is exact in bf16, so the weights enter
-// unrounded, as W = scale * q + bias does. (The sums on the matrix units,
-// not one simd_sum per row: at 16 rows those shuffles and the row-by-row
-// loads they serialised set the kernel's time.)
+// bf16 as gemv.metal rounds it) of its 64 values for the B rows, once for its
+// TPG tiles, then per tile unpacks its 16 x 64 weights to bf16 integers q
+// (exact: q < 16, or q < 256 at 8 bits; weights and x fetched a group ahead:
+// 16 or 32 weight bytes a tile and two x values per row a lane) and
+// multiplies: t = xin . q and xsum = xin . ones over the group (16 x 16 x 16
+// products, fp32; xsum once for every tile), then acc = fma(scale, t, acc),
+// acc = fma(bias, xsum, acc): the weights enter unrounded, as
+// W = scale * q + bias does. (The sums on the matrix units, not one simd_sum
+// per row: at 16 rows those shuffles and the row-by-row loads they
+// serialised set the kernel's time. Several tiles a threadgroup: at 16 rows
+// staging xin costs about what unpacking a tile does, and a lane keeps more
+// weight loads in flight.)
 // The SIMD groups' accumulators are summed in order j = 0..NSG-1, rounded to
 // XT, then the residual is added.
 //
 // Batch invariance: output row m depends on x's row m alone (the tile
 // product keeps rows apart), every sum runs in an order fixed by K and NSG
-// (the launcher's choice per call shape, never B), and rows past B are
+// (the launcher's choice per call shape, never B; TPG changes which
+// threadgroup computes a tile, not a sum's order), and rows past B are
 // zeros, staged once. So a row's bits are the same for every B, B = 1
 // included.
 //
 // Template: XT (bfloat16_t: x's dtype, the norm weight's too), OutT (the
-//           output's dtype), K (a multiple of 64), S (segments, 1..4), NSG
-//           (SIMD groups per threadgroup: the K split), PROLOGUE (0 none,
+//           output's dtype), K (a multiple of 64), S (segments, 1..4), BITS
+//           (4 or 8, every segment's), NSG (SIMD groups per threadgroup: the
+//           K split), TPG (output tiles per threadgroup), PROLOGUE (0 none,
 //           1 RMSNorm, 2 sigmoid gate), RESIDUAL (bool), BATCH (B's bucket:
 //           1, 2, 4, 8 or 16; sizes the loops over rows).
 // Inputs:   as gemv.metal (x, w<s>, scales<s>, biases<s>, norm_weight, gate,
-//           residual, scalars), the weights 4-bit only; layout uint32 [9]:
-//           each segment's end in 16-row tiles (4), rows (4), B (1).
+//           residual, scalars); layout uint32 [9]: each segment's end in
+//           16-row tiles (4), rows (4), B (1).
 // Outputs:  out0..out3 [B, 1, N_s].
-// Grid:     (tiles * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
+// Grid:     (ceil(tiles / TPG) * NSG * 32, 1, 1), threadgroup (NSG * 32, 1, 1).
 
 constexpr uint SIMD_WIDTH = 32;
 constexpr uint THREADS = NSG * SIMD_WIDTH;
@@ -43,7 +48,9 @@ constexpr uint TILE_ROWS = 16;
 constexpr uint GROUP = 64;
 constexpr uint GROUPS = K / GROUP;
 constexpr uint SLICE = (GROUPS + NSG - 1) / NSG;  // groups per SIMD group
-constexpr uint WORDS = K / 8;                     // uint32 words of a weight row
+constexpr uint WORDS = K * BITS / 32;             // uint32 words of a weight row
+constexpr uint GROUP_WORDS = GROUP * BITS / 32;   // words of a row's group: 8 or 16
+constexpr uint LANE_VECS = BITS / 4;              // 16-byte words a lane loads per tile and group
 constexpr uint PAD = 8;                           // keeps rows 16-byte aligned, spreads banks
 constexpr uint XLD = NSG * GROUP + PAD;           // staged xin row stride (bf16 values)
 constexpr uint QLD = GROUP + PAD;                 // staged q row stride
@@ -99,23 +106,33 @@ if (PROLOGUE == 1) {
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 
-// -- this threadgroup's tile --------------------------------------------------------
-const uint tile = threadgroup_position_in_grid.x;
-uint seg = 0;
-for (uint s = 0; s + 1 < S; ++s) {
-  if (tile >= layout[s]) {
-    seg = s + 1;
+// -- this threadgroup's tiles: TPG consecutive output tiles ------------------------
+// Each tile's segment, first row, and the weight row this lane loads (16 or 32
+// bytes of row row0 + lane / 2: half lane % 2 of a group's 64 values).
+uint tile_seg[TPG];
+uint tile_row0[TPG];
+uint tile_rows[TPG];
+bool tile_in[TPG];
+const uint tiles_total = layout[S - 1];
+for (uint t = 0; t < TPG; ++t) {
+  const uint tile = threadgroup_position_in_grid.x * TPG + t;
+  uint seg = 0;
+  for (uint s = 0; s + 1 < S; ++s) {
+    if (tile >= layout[s]) {
+      seg = s + 1;
+    }
   }
+  tile_seg[t] = seg;
+  tile_rows[t] = layout[4 + seg];
+  tile_row0[t] = (tile - (seg == 0 ? 0u : layout[seg - 1])) * TILE_ROWS;
+  tile_in[t] = tile < tiles_total && tile_row0[t] + lane / 2 < tile_rows[t];
 }
-const uint seg_rows = layout[4 + seg];
-const uint row0 = (tile - (seg == 0 ? 0u : layout[seg - 1])) * TILE_ROWS;
-// Lane l loads 16 bytes of weight row row0 + l / 2: half l % 2 of a group's 32.
-const uint my_row = row0 + lane / 2;
-const bool row_in = my_row < seg_rows;
 const uint4 no_words = {0u, 0u, 0u, 0u};
 
-lily_tile_acc acc;
-lily_tile_acc_zero(acc);
+lily_tile_acc acc[TPG];
+for (uint t = 0; t < TPG; ++t) {
+  lily_tile_acc_zero(acc[t]);
+}
 
 // A B operand of ones (staged before the norm's barrier): xin times it is
 // each row's sum over the group, in every column, which the bias multiplies.
@@ -124,23 +141,31 @@ lily_tile_load_b(ones_b, ones, int(TILE_ROWS), lane);
 
 // This SIMD group's slice of K, a quantization group at a time; the SIMD
 // groups run their slices independently (each stages its own xin and q).
-// Pass g fetches group g's weights for this lane (16 bytes of row my_row,
-// and the row's scale on even lanes, its bias on odd ones) and x's values
-// lane and lane + 32 of the group for every row, and multiplies group
-// g - 1's, fetched a pass earlier: every load of a pass is issued before the
-// work that waits for the previous one.
+// Pass g fetches group g's weights for this lane in each of the TPG tiles
+// (LANE_VECS 16-byte words of row my_row, and the row's scale on even lanes,
+// its bias on odd ones) and x's values lane and lane + 32 of the group for
+// every row, and multiplies group g - 1's, fetched a pass earlier: every
+// load of a pass is issued before the work that waits for the previous one.
+// xin is staged once a pass for all TPG tiles (at 16 rows staging it costs
+// about what unpacking a tile's weights does).
 const uint g_begin = sg * SLICE;
 const uint g_end = g_begin + SLICE < GROUPS ? g_begin + SLICE : GROUPS;
 const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
-uint4 words = no_words;
-float scale_or_bias = 0.0f;
+uint4 words[TPG * LANE_VECS];
+float scale_or_bias[TPG];
+for (uint t = 0; t < TPG; ++t) {
+  for (uint v = 0; v < LANE_VECS; ++v) {
+    words[t * LANE_VECS + v] = no_words;
+  }
+  scale_or_bias[t] = 0.0f;
+}
 uint xv[BATCH];  // per row, x's two values of this lane as bf16 bits (exact: x is bf16)
 for (uint b = 0; b < BATCH; ++b) {
   xv[b] = 0u;
 }
 for (uint g = g_begin; g <= g_end; ++g) {
-  uint4 fetched = no_words;
-  float fetched_sb = 0.0f;
+  uint4 fetched[TPG * LANE_VECS];
+  float fetched_sb[TPG];
   uint fetched_x[BATCH];
   for (uint b = 0; b < BATCH; ++b) {
     fetched_x[b] = 0u;
@@ -150,21 +175,36 @@ for (uint g = g_begin; g <= g_end; ++g) {
                                      static_cast<float>(x[b * x_strides[0] + (k + SIMD_WIDTH) * x_strides[2]]));
     }
   }
-  if (row_in && g < g_end) {
-    const uint wi = my_row * WORDS + g * 8 + (lane % 2) * 4;
-    const uint gi = my_row * GROUPS + g;
-    if (seg == 0) {
-      fetched = *reinterpret_cast<const device uint4*>(w0 + wi);
-      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
-    } else if (S > 1 && seg == 1) {
-      fetched = *reinterpret_cast<const device uint4*>(w1 + wi);
-      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
-    } else if (S > 2 && seg == 2) {
-      fetched = *reinterpret_cast<const device uint4*>(w2 + wi);
-      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
-    } else if (S > 3 && seg == 3) {
-      fetched = *reinterpret_cast<const device uint4*>(w3 + wi);
-      fetched_sb = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
+  for (uint t = 0; t < TPG; ++t) {
+    for (uint v = 0; v < LANE_VECS; ++v) {
+      fetched[t * LANE_VECS + v] = no_words;
+    }
+    fetched_sb[t] = 0.0f;
+    if (tile_in[t] && g < g_end) {
+      const uint my_row = tile_row0[t] + lane / 2;
+      const uint wi = my_row * WORDS + g * GROUP_WORDS + (lane % 2) * (GROUP_WORDS / 2);
+      const uint gi = my_row * GROUPS + g;
+      const uint seg = tile_seg[t];
+      for (uint v = 0; v < LANE_VECS; ++v) {
+        if (seg == 0) {
+          fetched[t * LANE_VECS + v] = *reinterpret_cast<const device uint4*>(w0 + wi + 4 * v);
+        } else if (S > 1 && seg == 1) {
+          fetched[t * LANE_VECS + v] = *reinterpret_cast<const device uint4*>(w1 + wi + 4 * v);
+        } else if (S > 2 && seg == 2) {
+          fetched[t * LANE_VECS + v] = *reinterpret_cast<const device uint4*>(w2 + wi + 4 * v);
+        } else if (S > 3 && seg == 3) {
+          fetched[t * LANE_VECS + v] = *reinterpret_cast<const device uint4*>(w3 + wi + 4 * v);
+        }
+      }
+      if (seg == 0) {
+        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
+      } else if (S > 1 && seg == 1) {
+        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
+      } else if (S > 2 && seg == 2) {
+        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
+      } else if (S > 3 && seg == 3) {
+        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
+      }
     }
   }
   if (g > g_begin) {
@@ -213,85 +253,117 @@ for (uint g = g_begin; g <= g_end; ++g) {
         xin[b * XLD + sg * GROUP + lane + h * SIMD_WIDTH] = static_cast<bfloat16_t>(value);
       }
     }
-    // This SIMD group's 16 x 64 weights as bf16 integers q in its rows of qs.
-    for (uint c = 0; c < 4; ++c) {
-      // Word c holds values 8c..8c+7 of this lane's 32; nibble q under the
-      // bf16 pattern 0x4300 is 128 + q (exact), unpacked less 128: q, exact.
-      const uint w = c == 0 ? words.x : (c == 1 ? words.y : (c == 2 ? words.z : words.w));
-      const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
-                           ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
-      float v[8];
-      for (uint m = 0; m < 4; ++m) {
-        v[m] = lily_tile_unpack(pairs, 2 * m) - 128.0f;
-        v[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
-      }
-      const uint4 packed = {lily_tile_pack2(v[0], v[1]), lily_tile_pack2(v[2], v[3]),
-                            lily_tile_pack2(v[4], v[5]), lily_tile_pack2(v[6], v[7])};
-      lily_tile_store16(qs + q0 + (lane / 2) * QLD + (lane % 2) * 32 + 8 * c, packed);
-    }
     simdgroup_barrier(mem_flags::mem_threadgroup);
 
-    // t = xin . q and each row's sum of xin (xin . ones), over the group.
-    lily_tile_acc t;
+    // xin as the A operand of the group's four 16-wide k steps, and each
+    // row's sum of xin over the group (xin . ones): the same for every tile.
+    lily_tile_a a[GROUP / TILE_ROWS];
     lily_tile_acc xsum;
-    lily_tile_acc_zero(t);
     lily_tile_acc_zero(xsum);
-    for (uint kk = 0; kk < GROUP; kk += 16) {
-      lily_tile_a a;
-      lily_tile_b wb;
-      lily_tile_load_a(a, xin + sg * GROUP + kk, int(XLD), lane);
-      lily_tile_load_b(wb, qs + q0 + kk, int(QLD), lane);
-      lily_tile_mma(t, a, wb);
-      lily_tile_mma(xsum, a, ones_b);
+    for (uint kk = 0; kk < GROUP / TILE_ROWS; ++kk) {
+      lily_tile_load_a(a[kk], xin + sg * GROUP + kk * TILE_ROWS, int(XLD), lane);
+      lily_tile_mma(xsum, a[kk], ones_b);
     }
-    // acc += scale * t + bias * sum(xin): the scale of weight row n from
-    // lane 2n, its bias from lane 2n + 1.
-    for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
-      const int n = lily_tile_acc_col(e, lane);
-      const float scale = simd_shuffle(scale_or_bias, uint(2 * n));
-      const float bias = simd_shuffle(scale_or_bias, uint(2 * n + 1));
-      float value = fma(scale, lily_tile_acc_get(t, e), lily_tile_acc_get(acc, e));
-      value = fma(bias, lily_tile_acc_get(xsum, e), value);
-      lily_tile_acc_set(acc, e, value);
+    for (uint t = 0; t < TPG; ++t) {
+      // This tile's 16 x 64 weights as bf16 integers q in this SIMD group's rows of qs.
+      for (uint c = 0; c < 4; ++c) {
+        float v[8];
+        if (BITS == 4) {
+          // Word c holds values 8c..8c+7 of this lane's 32; nibble q under the
+          // bf16 pattern 0x4300 is 128 + q (exact), unpacked less 128: q, exact.
+          const uint4 lo = words[t * LANE_VECS];
+          const uint w = c == 0 ? lo.x : (c == 1 ? lo.y : (c == 2 ? lo.z : lo.w));
+          const uint4 pairs = {(w & 0x000F000Fu) | 0x43004300u, ((w >> 4) & 0x000F000Fu) | 0x43004300u,
+                               ((w >> 8) & 0x000F000Fu) | 0x43004300u, ((w >> 12) & 0x000F000Fu) | 0x43004300u};
+          for (uint m = 0; m < 4; ++m) {
+            v[m] = lily_tile_unpack(pairs, 2 * m) - 128.0f;
+            v[m + 4] = lily_tile_unpack(pairs, 2 * m + 1) - 128.0f;
+          }
+        } else {
+          // Words 2c and 2c + 1 hold values 8c..8c+7, a byte each: q < 256
+          // has 8 significant bits, exact in bf16.
+          const uint4 vec = words[t * LANE_VECS + c / 2];
+          const uint w_lo = c % 2 == 0 ? vec.x : vec.z;
+          const uint w_hi = c % 2 == 0 ? vec.y : vec.w;
+          for (uint m = 0; m < 4; ++m) {
+            v[m] = float((w_lo >> (8 * m)) & 0xFFu);
+            v[m + 4] = float((w_hi >> (8 * m)) & 0xFFu);
+          }
+        }
+        const uint4 packed = {lily_tile_pack2(v[0], v[1]), lily_tile_pack2(v[2], v[3]),
+                              lily_tile_pack2(v[4], v[5]), lily_tile_pack2(v[6], v[7])};
+        lily_tile_store16(qs + q0 + (lane / 2) * QLD + (lane % 2) * 32 + 8 * c, packed);
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+
+      // t = xin . q over the group.
+      lily_tile_acc prod;
+      lily_tile_acc_zero(prod);
+      for (uint kk = 0; kk < GROUP / TILE_ROWS; ++kk) {
+        lily_tile_b wb;
+        lily_tile_load_b(wb, qs + q0 + kk * TILE_ROWS, int(QLD), lane);
+        lily_tile_mma(prod, a[kk], wb);
+      }
+      // acc += scale * t + bias * sum(xin): the scale of weight row n from
+      // lane 2n, its bias from lane 2n + 1.
+      for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+        const int n = lily_tile_acc_col(e, lane);
+        const float scale = simd_shuffle(scale_or_bias[t], uint(2 * n));
+        const float bias = simd_shuffle(scale_or_bias[t], uint(2 * n + 1));
+        float value = fma(scale, lily_tile_acc_get(prod, e), lily_tile_acc_get(acc[t], e));
+        value = fma(bias, lily_tile_acc_get(xsum, e), value);
+        lily_tile_acc_set(acc[t], e, value);
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // qs is rewritten next
     }
-    simdgroup_barrier(mem_flags::mem_threadgroup);  // xin and qs are rewritten next pass
   }
-  words = fetched;
-  scale_or_bias = fetched_sb;
+  for (uint t = 0; t < TPG; ++t) {
+    for (uint v = 0; v < LANE_VECS; ++v) {
+      words[t * LANE_VECS + v] = fetched[t * LANE_VECS + v];
+    }
+    scale_or_bias[t] = fetched_sb[t];
+  }
   for (uint b = 0; b < BATCH; ++b) {
     xv[b] = fetched_x[b];
   }
 }
 
-// -- the SIMD groups' sums in order, the matmul's rounding, the residual --------------
-for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
-  const int m = lily_tile_acc_row(e, lane);
-  const int n = lily_tile_acc_col(e, lane);
-  partial[(sg * TILE_ROWS + uint(m)) * TILE_ROWS + uint(n)] = lily_tile_acc_get(acc, e);
-}
-threadgroup_barrier(mem_flags::mem_threadgroup);
-for (uint o = tid; o < TILE_ROWS * TILE_ROWS; o += THREADS) {
-  const uint m = o / TILE_ROWS;
-  const uint row = row0 + o % TILE_ROWS;
-  if (m >= batch_rows || row >= seg_rows) {
-    continue;
+// -- per tile: the SIMD groups' sums in order, the matmul's rounding, the residual --
+for (uint t = 0; t < TPG; ++t) {
+  for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
+    const int m = lily_tile_acc_row(e, lane);
+    const int n = lily_tile_acc_col(e, lane);
+    partial[(sg * TILE_ROWS + uint(m)) * TILE_ROWS + uint(n)] = lily_tile_acc_get(acc[t], e);
   }
-  float total = partial[o];
-  for (uint j = 1; j < NSG; ++j) {
-    total += partial[j * TILE_ROWS * TILE_ROWS + o];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint seg = tile_seg[t];
+  const uint seg_rows = tile_rows[t];
+  const uint row0 = tile_row0[t];
+  const bool live = threadgroup_position_in_grid.x * TPG + t < tiles_total;
+  for (uint o = tid; o < TILE_ROWS * TILE_ROWS; o += THREADS) {
+    const uint m = o / TILE_ROWS;
+    const uint row = row0 + o % TILE_ROWS;
+    if (!live || m >= batch_rows || row >= seg_rows) {
+      continue;
+    }
+    float total = partial[o];
+    for (uint j = 1; j < NSG; ++j) {
+      total += partial[j * TILE_ROWS * TILE_ROWS + o];
+    }
+    float y = static_cast<float>(static_cast<XT>(total));
+    if (RESIDUAL) {
+      y = static_cast<float>(residual[m * residual_strides[0] + row * residual_strides[2]]) + y;
+    }
+    const uint at = m * seg_rows + row;
+    if (seg == 0) {
+      out0[at] = static_cast<OutT>(y);
+    } else if (S > 1 && seg == 1) {
+      out1[at] = static_cast<OutT>(y);
+    } else if (S > 2 && seg == 2) {
+      out2[at] = static_cast<OutT>(y);
+    } else if (S > 3 && seg == 3) {
+      out3[at] = static_cast<OutT>(y);
+    }
   }
-  float y = static_cast<float>(static_cast<XT>(total));
-  if (RESIDUAL) {
-    y = static_cast<float>(residual[m * residual_strides[0] + row * residual_strides[2]]) + y;
-  }
-  const uint at = m * seg_rows + row;
-  if (seg == 0) {
-    out0[at] = static_cast<OutT>(y);
-  } else if (S > 1 && seg == 1) {
-    out1[at] = static_cast<OutT>(y);
-  } else if (S > 2 && seg == 2) {
-    out2[at] = static_cast<OutT>(y);
-  } else if (S > 3 && seg == 3) {
-    out3[at] = static_cast<OutT>(y);
-  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // partial is rewritten for the next tile
 }

@@ -87,28 +87,61 @@ def default_simdgroups(backend: Optional[str], rows: int = 0) -> int:
     return DEFAULT_SIMDGROUPS
 
 
+# Output tiles per threadgroup: a launch choice that no sum's order depends on
+# (each tile's sums run the same way whichever threadgroup computes it), so it
+# may follow B. Several tiles share one staging of x (at 16 rows that costs
+# about what unpacking a tile does) and keep more weight loads in flight, but
+# leave fewer threadgroups to fill the GPU.
+TPG_CHOICES = (1, 2, 4)
+
+
+def default_tiles_per_threadgroup(backend: Optional[str], tiles: int, bucket: int) -> int:
+    """The tiles per threadgroup the model's calls of ``tiles`` output tiles
+    take at B's ``bucket``: 1 but on CUDA, where from 4 rows of x calls of
+    many tiles take 2 or 4 (at least CUDA_MIN_THREADGROUPS threadgroups left)."""
+    if backend != "cuda" or bucket < CUDA_TPG_FROM_BUCKET:
+        return 1
+    for tpg in sorted(TPG_CHOICES, reverse=True):
+        if tiles // tpg >= CUDA_MIN_THREADGROUPS:
+            return tpg
+    return 1
+
+
+# From this bucket of B on CUDA takes several tiles per threadgroup, keeping at
+# least CUDA_MIN_THREADGROUPS threadgroups (two an SM of an H200's 132).
+CUDA_TPG_FROM_BUCKET = 4
+CUDA_MIN_THREADGROUPS = 264
+
+
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
     """None when the tile kernel takes this call, else why not: the GEMV's
-    limits, and 4-bit weights and bf16 matmul inputs only (the tiles
-    multiply bf16)."""
+    limits, every segment 4-bit or every segment 8-bit, and bf16 matmul
+    inputs only (the tiles multiply bf16)."""
     why = quantized_matvec_supports(x, weights, norm_weight, eps, gate, residual)
     if why is not None:
         return why
-    K = x.shape[-1]
-    for s, (w, _, _) in enumerate(weights):
-        if int(w.shape[1]) * 32 // K != 4:
-            return f"segment {s}: {int(w.shape[1]) * 32 // K}-bit weights (tile kernel: 4-bit)"
+    bits = _bits(x, weights)
+    if len(set(bits)) > 1:
+        return (f"segments of {' and '.join(f'{b}-bit' for b in sorted(set(bits)))} weights "
+                "(tile kernel: one width per call)")
     xt = _input_dtype(x, norm_weight)
     if xt != mx.bfloat16:
         return f"the matmul's input is {xt} (tile kernel: bfloat16)"
     return None
 
 
+def _bits(x, weights) -> tuple:
+    K = x.shape[-1]
+    return tuple(int(w.shape[1]) * 32 // K for w, _, _ in weights)
+
+
 def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
-            simdgroups: Optional[int] = None) -> Launch:
+            simdgroups: Optional[int] = None, tiles_per_threadgroup: Optional[int] = None) -> Launch:
     """The call's launch; ``simdgroups`` (``simdgroup_choices``, default
     ``default_simdgroups`` of the GPU) splits K, a tuning choice that orders
-    the sums: keep one per call shape for batch invariance."""
+    the sums: keep one per call shape for batch invariance.
+    ``tiles_per_threadgroup`` (TPG_CHOICES, default
+    ``default_tiles_per_threadgroup``) changes no bits."""
     B, K = x.shape[0], x.shape[-1]
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
     nsg = default_simdgroups(runs_on(), sum(rows)) if simdgroups is None else int(simdgroups)
@@ -116,11 +149,15 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
     S = len(weights)
     tiles = sum(-(-n // TILE_ROWS) for n in rows)
+    tpg = (default_tiles_per_threadgroup(runs_on(), tiles, batch_bucket(B)) if tiles_per_threadgroup is None
+           else int(tiles_per_threadgroup))
+    if tpg not in TPG_CHOICES:
+        raise ValueError(f"tiles_per_threadgroup {tpg}: one of {TPG_CHOICES}")
     inputs, prologue, XT, OutT = call_inputs(x, weights, norm_weight, eps, gate, residual,
                                              _layout(rows, TILE_ROWS, B))
     return Launch(
         inputs=inputs,
-        grid=(tiles * nsg * SIMD_WIDTH, 1, 1),
+        grid=(-(-tiles // tpg) * nsg * SIMD_WIDTH, 1, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
         output_shapes=[(B, 1, rows[s]) for s in range(S)],
         output_dtypes=[OutT] * S,
@@ -129,7 +166,9 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("OutT", OutT),
             ("K", K),
             ("S", S),
+            ("BITS", _bits(x, weights)[0]),
             ("NSG", nsg),
+            ("TPG", tpg),
             ("PROLOGUE", prologue),
             ("RESIDUAL", residual is not None),
             ("BATCH", batch_bucket(B)),
@@ -147,7 +186,7 @@ def _sample():
 
 def _fuzz(rng):
     """A random call: 1-16 rows of x, 1-4 segments of 1-70 rows (not whole
-    tiles), K up to 512, each prologue, a residual."""
+    tiles), all 4-bit or all 8-bit, K up to 512, each prologue, a residual."""
     from .testing import gemv_call
 
     K = int(rng.choice([64, 128, 192, 320, 512]))
@@ -156,7 +195,8 @@ def _fuzz(rng):
     rows = tuple(int(rng.integers(1, 71)) for _ in range(S))
     prologue = ("none", "norm", "gate")[int(rng.integers(3))]
     residual = S == 1 and rng.random() < 0.5
-    return gemv_call(K, rows, (4,) * S, prologue, residual, rng=rng, batch=batch)
+    bits = int(rng.choice([4, 4, 8]))
+    return gemv_call(K, rows, (bits,) * S, prologue, residual, rng=rng, batch=batch)
 
 
 quantized_matvec_tiles_kernel = Kernel(
@@ -180,7 +220,7 @@ quantized_matvec_tiles = register(
         quantized_matvec_reference,
         kernel=quantized_matvec_tiles_kernel,
         supports=quantized_matvec_tiles_supports,
-        description="decode GEMV on matrix tiles (B <= 16 rows, 4-bit, bf16; the model's on CUDA)",
+        description="decode GEMV on matrix tiles (B <= 16 rows, 4- or 8-bit, bf16; the model's on CUDA)",
         sample=_sample,
         compare=quantized_matvec_compare,
         fuzz=_fuzz,
