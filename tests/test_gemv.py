@@ -393,6 +393,16 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
         "chosen", "tiles1", "tiles2", "tiles4", "tiles4x2", "tiles4x4", "tiles_default"}
     # Several tiles a threadgroup, and the default launch: tiles4's bits.
     assert all(row[v]["same_bits_as_tiles4"] is True for v in ("tiles4x2", "tiles4x4", "tiles_default"))
+    # Only the tile form, at one K split: stock, tiles2 and its several-tile launches.
+    assert gemv_sweep.main(["--out", str(tmp_path / "o"), "--backend", "emulator", "--calls", "four",
+                            "--tiles", "--no-row-gemv", "--tile-splits", "2", "--batch", "16"]) == 0
+    (row,) = __import__("json").loads((tmp_path / "o" / "gemv-sweep.json").read_text())["rows"]
+    assert {v for v in row if isinstance(row[v], dict)} - {"copy"} == {
+        "tiles2", "tiles4x2", "tiles4x4", "tiles_default"}
+    assert all(row[v]["agrees"] for v in ("tiles2", "tiles4x2", "tiles4x4", "tiles_default"))
+    assert "| four |" in (tmp_path / "o" / "gemv-sweep.md").read_text()
+    with pytest.raises(SystemExit):
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--no-row-gemv"])
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 
@@ -429,7 +439,7 @@ def test_the_sweep_keeps_what_it_measured_when_cut_and_takes_a_subset(tmp_path, 
     monkeypatch.setattr(gemv_sweep, "CALLS", calls)
     done = []
 
-    def sweep(name, spec, backend, device_time=False, batch=1, tiles=False, grid=True):
+    def sweep(name, spec, backend, device_time=False, batch=1, tiles=False, grid=True, tile_splits=None, chosen=True):
         if len(done) == 1:
             raise KeyboardInterrupt  # the run is cut during its second call
         done.append(name)

@@ -8,7 +8,8 @@ several SIMD groups per threadgroup; each result is checked against the
 contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
-    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles] [--no-grid]
+    python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles]
+        [--no-grid] [--tile-splits N[,N...]] [--no-row-gemv]
 
 ``--batch B`` (or a list, e.g. ``1,4,16``: one process, one row per call
 and B) sweeps calls of B rows of x (the server's decode batches, the
@@ -37,6 +38,7 @@ Writes DIR/gemv-sweep.json and DIR/gemv-sweep.md (the table).
 from __future__ import annotations
 
 import argparse
+from typing import Optional
 import json
 import sys
 
@@ -85,7 +87,7 @@ def copy_floor(args) -> dict:
 
 
 def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch: int = 1,
-          tiles: bool = False, grid: bool = True) -> dict:
+          tiles: bool = False, grid: bool = True, tile_splits: Optional[tuple] = None, chosen: bool = True) -> dict:
     K, rows, bits, prologue, residual = spec
     args, kwargs = gemv_call(K, rows, bits, prologue, residual, seed=K + sum(rows), batch=batch)
     mx.eval(args, kwargs)
@@ -100,17 +102,18 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
         timed = time_in_graph
 
     row = {"call": name, "batch": batch, "weight_bytes": nbytes, "timing": "device" if device_time else "graph",
-           "stock_us": timed(quantized_matvec_reference, args, kwargs),
-           "one_eval_us": 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"],
-           "copy": copy_floor(args)}
-    variants = {"chosen": (quantized_matvec_kernel, {})}
+           "stock_us": timed(quantized_matvec_reference, args, kwargs), "copy": copy_floor(args)}
+    variants = {}
+    if chosen:
+        row["one_eval_us"] = 1e3 * time_call(quantized_matvec_kernel.run_on, (backend,) + args, kwargs)["ms"]
+        variants["chosen"] = (quantized_matvec_kernel, {})
     nsg = tile_default_simdgroups(backend, sum(rows))
     if grid:
         variants.update({f"r{r}x{g}": (quantized_matvec_kernel, dict(rows_per_simdgroup=r, simdgroups=g))
                          for r in ROWS_CHOICES for g in SIMDGROUPS})
     if tiles and quantized_matvec_tiles_supports(*args, **kwargs) is None:
         variants.update({f"tiles{g}": (quantized_matvec_tiles_kernel, dict(simdgroups=g, tiles_per_threadgroup=1))
-                         for g in tile_simdgroup_choices(backend)})
+                         for g in tile_simdgroup_choices(backend) if tile_splits is None or g in tile_splits})
         # Several tiles a threadgroup at the call's default K split (the same bits).
         variants.update({f"tiles{nsg}x{t}": (quantized_matvec_tiles_kernel,
                                               dict(simdgroups=nsg, tiles_per_threadgroup=t))
@@ -138,10 +141,13 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
                 mx.array_equal(a, b).item() for a, b in zip(outputs[variant], outputs[one_tile]))
     ran = [v for v in variants if v != "chosen" and row[v]["us"] is not None]
     best = min(ran, key=lambda v: row[v]["us"]) if ran else "chosen"  # noqa: B023
+    if best not in row:
+        raise SystemExit(f"{name}: no variant ran (--no-row-gemv needs --tiles and a call the tile form takes)")
     row["best"] = best
-    log(f"{name}, B = {batch}: stock {row['stock_us']:.1f} us, chosen {row['chosen']['us']:.1f} us, "
-        f"best {best} {row[best]['us']:.1f} us ({row[best]['gb_s']:.0f} GB/s); one call per eval "
-        f"{row['one_eval_us']:.1f} us; MLX copy of the words {row['copy']['gb_s']:.0f} GB/s")
+    said = f", chosen {row['chosen']['us']:.1f} us" if "chosen" in row else ""
+    log(f"{name}, B = {batch}: stock {row['stock_us']:.1f} us{said}, "
+        f"best {best} {row[best]['us']:.1f} us ({row[best]['gb_s']:.0f} GB/s); "
+        f"MLX copy of the words {row['copy']['gb_s']:.0f} GB/s")
     return row
 
 
@@ -163,9 +169,11 @@ def markdown(rows: list) -> str:
         best = r[r["best"]]
         flag = "" if all(r[v]["agrees"] is not False for v in r if isinstance(r[v], dict) and v != "copy") \
             else " (A RESULT DISAGREES)"
+        chosen_us = f"{r['chosen']['us']:.1f}" if "chosen" in r else ""
+        one_eval = f"{r['one_eval_us']:.1f}" if "one_eval_us" in r else ""
         lines.append(f"| {label(r)}{flag} | {r['weight_bytes'] / 1e6:.1f} | {r['stock_us']:.1f} | "
-                     f"{r['chosen']['us']:.1f} | {r['best']} | {best['us']:.1f} | {best['gb_s']:.0f} | "
-                     f"{r['copy']['gb_s']:.0f} | {r['one_eval_us']:.1f} |")
+                     f"{chosen_us} | {r['best']} | {best['us']:.1f} | {best['gb_s']:.0f} | "
+                     f"{r['copy']['gb_s']:.0f} | {one_eval} |")
     lines += ["", "Every variant, us (rows per SIMD group x SIMD groups per threadgroup):", ""]
     variants = []
     for r in rows:
@@ -196,6 +204,11 @@ def main(argv=None) -> int:
     parser.add_argument("--no-grid", action="store_true",
                         help="skip the row-parallel GEMV's grid of launch choices: stock, the chosen "
                              "launch and (with --tiles) the tile form only, a few minutes less per B")
+    parser.add_argument("--tile-splits", default=None,
+                        help="with --tiles: only these SIMD-group counts for the tile form (comma-separated; "
+                             "fewer kernel instances to build)")
+    parser.add_argument("--no-row-gemv", action="store_true",
+                        help="with --tiles: skip the row-parallel GEMV as chosen too (stock and the tile form only)")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
     try:
@@ -204,6 +217,12 @@ def main(argv=None) -> int:
         parser.error(f"--batch {args.batch!r}: numbers of rows, 1 to 16, comma-separated")
     if not all(1 <= b <= 16 for b in batches):
         parser.error(f"--batch {args.batch}: 1 to 16 rows")
+    try:
+        tile_splits = tuple(int(g) for g in args.tile_splits.split(",")) if args.tile_splits else None
+    except ValueError:
+        parser.error(f"--tile-splits {args.tile_splits!r}: SIMD-group counts, comma-separated")
+    if args.no_row_gemv and not args.tiles:
+        parser.error("--no-row-gemv times the tile form only: it needs --tiles")
     backend = sweep_backend(args.backend, args.device_time)
     wanted = [w.strip() for w in args.calls.split(",")] if args.calls else None
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
@@ -212,7 +231,8 @@ def main(argv=None) -> int:
     rows: list = []
     for name, spec in calls.items():
         for batch in batches:
-            rows.append(sweep(name, spec, backend, args.device_time, batch, args.tiles, not args.no_grid))
+            rows.append(sweep(name, spec, backend, args.device_time, batch, args.tiles,
+                              not args.no_grid and not args.no_row_gemv, tile_splits, not args.no_row_gemv))
         # Written after every call: a run cut short (each variant compiles a
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
