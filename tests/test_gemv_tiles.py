@@ -192,6 +192,8 @@ def test_the_models_calls_compile_with_nvcc_onto_tensor_core_mma(tmp_path):
     for name, text in nvcc_ptx(tmp_path, units).items():
         assert "mma.sync.aligned.m16n8k16" in text, name
         assert "ld.global.v4.u32" in text or "ld.global.nc.v4.u32" in text, name
+        # The tiles' per-tile state stays in registers (LILY_UNROLL).
+        assert "ld.local" not in text and "st.local" not in text, name
 
 
 def test_with_the_tiles_form_the_models_batches_keep_each_rows_bits(demo_checkpoint, emulator_backend, monkeypatch):

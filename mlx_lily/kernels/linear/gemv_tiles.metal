@@ -81,9 +81,12 @@ if (PROLOGUE == 1) {
   for (uint b = 0; b < BATCH; ++b) {
     squares[b] = 0.0f;
   }
-  for (uint k = tid; k < K; k += THREADS) {
+  // A fixed trip count (not k < K from tid): the loop unrolls and its loads
+  // are all issued before the sums wait on them (at 16 rows, 128 a thread).
+  for (uint j = 0; j < (K + THREADS - 1) / THREADS; ++j) {
+    const uint k = tid + j * THREADS;
     for (uint b = 0; b < BATCH; ++b) {
-      if (b < batch_rows) {
+      if (b < batch_rows && k < K) {
         float v = static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]);
         squares[b] = fma(v, v, squares[b]);
       }
@@ -114,7 +117,7 @@ uint tile_row0[TPG];
 uint tile_rows[TPG];
 bool tile_in[TPG];
 const uint tiles_total = layout[S - 1];
-for (uint t = 0; t < TPG; ++t) {
+LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
   const uint tile = threadgroup_position_in_grid.x * TPG + t;
   uint seg = 0;
   for (uint s = 0; s + 1 < S; ++s) {
@@ -130,7 +133,7 @@ for (uint t = 0; t < TPG; ++t) {
 const uint4 no_words = {0u, 0u, 0u, 0u};
 
 lily_tile_acc acc[TPG];
-for (uint t = 0; t < TPG; ++t) {
+LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
   lily_tile_acc_zero(acc[t]);
 }
 
@@ -153,7 +156,7 @@ const uint g_end = g_begin + SLICE < GROUPS ? g_begin + SLICE : GROUPS;
 const uint q0 = sg * TILE_ROWS * QLD;  // this SIMD group's rows of qs
 uint4 words[TPG * LANE_VECS];
 float scale_or_bias[TPG];
-for (uint t = 0; t < TPG; ++t) {
+LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
   for (uint v = 0; v < LANE_VECS; ++v) {
     words[t * LANE_VECS + v] = no_words;
   }
@@ -175,7 +178,7 @@ for (uint g = g_begin; g <= g_end; ++g) {
                                      static_cast<float>(x[b * x_strides[0] + (k + SIMD_WIDTH) * x_strides[2]]));
     }
   }
-  for (uint t = 0; t < TPG; ++t) {
+  LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
     for (uint v = 0; v < LANE_VECS; ++v) {
       fetched[t * LANE_VECS + v] = no_words;
     }
@@ -264,7 +267,7 @@ for (uint g = g_begin; g <= g_end; ++g) {
       lily_tile_load_a(a[kk], xin + sg * GROUP + kk * TILE_ROWS, int(XLD), lane);
       lily_tile_mma(xsum, a[kk], ones_b);
     }
-    for (uint t = 0; t < TPG; ++t) {
+    LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
       // This tile's 16 x 64 weights as bf16 integers q in this SIMD group's rows of qs.
       for (uint c = 0; c < 4; ++c) {
         float v[8];
@@ -317,7 +320,7 @@ for (uint g = g_begin; g <= g_end; ++g) {
       simdgroup_barrier(mem_flags::mem_threadgroup);  // qs is rewritten next
     }
   }
-  for (uint t = 0; t < TPG; ++t) {
+  LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
     for (uint v = 0; v < LANE_VECS; ++v) {
       words[t * LANE_VECS + v] = fetched[t * LANE_VECS + v];
     }
@@ -329,7 +332,7 @@ for (uint g = g_begin; g <= g_end; ++g) {
 }
 
 // -- per tile: the SIMD groups' sums in order, the matmul's rounding, the residual --
-for (uint t = 0; t < TPG; ++t) {
+LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
   for (int e = 0; e < LILY_TILE_ACC_ELEMS; ++e) {
     const int m = lily_tile_acc_row(e, lane);
     const int n = lily_tile_acc_col(e, lane);
