@@ -271,23 +271,25 @@ def test_the_defaults_follow_where_kernels_run_not_the_gpu_present(monkeypatch):
 
 
 def test_tiles_per_threadgroup_follow_the_batch_on_cuda_only(monkeypatch):
-    """On CUDA from 4 rows of x, calls of many tiles take 2 or 4 a
-    threadgroup, keeping at least CUDA_MIN_THREADGROUPS threadgroups; every
-    call elsewhere, and small calls and B <= 2 on CUDA, one."""
+    """On CUDA calls of at least CUDA_TPG_MIN_TILES tiles take 2 a
+    threadgroup, 4 from B's bucket CUDA_TPG_WIDE_BUCKET; smaller calls, and
+    every call elsewhere, one."""
     from mlx_lily.kernels.linear import gemv_tiles
 
-    least = gemv_tiles.CUDA_MIN_THREADGROUPS
+    many, wide = gemv_tiles.CUDA_TPG_MIN_TILES, gemv_tiles.CUDA_TPG_WIDE_BUCKET
     pick = gemv_tiles.default_tiles_per_threadgroup
-    assert pick("cuda", 4 * least, 16) == 4 and pick("cuda", 4 * least - 1, 16) == 2
-    assert pick("cuda", 2 * least, 4) == 2 and pick("cuda", 2 * least - 1, 8) == 1
-    assert pick("cuda", 100 * least, 2) == 1 and pick("cuda", 100 * least, 1) == 1
-    assert pick("metal", 100 * least, 16) == pick(None, 100 * least, 16) == pick("emulator", 100 * least, 16) == 1
-    # The model's DeltaNet input projections (772 tiles) and lm_head (15,520).
+    assert pick("cuda", many, 1) == pick("cuda", many, wide // 2) == 2
+    assert pick("cuda", many, wide) == pick("cuda", 100 * many, 16) == 4
+    assert pick("cuda", many - 1, 16) == pick("cuda", many - 1, 1) == 1
+    assert pick("metal", 100 * many, 16) == pick(None, 100 * many, 16) == pick("emulator", 100 * many, 16) == 1
+    # The model's DeltaNet input projections (772 tiles), the router (17), lm_head (15,520).
     monkeypatch.setattr(gemv_tiles, "runs_on", lambda: "cuda")
-    for batch, want in ((1, 1), (2, 1), (3, 2), (16, 2)):
+    norm = {"norm_weight": mx.ones((2048,), mx.bfloat16), "eps": 1e-6}
+    for batch, want in ((1, 2), (4, 2), (5, 4), (16, 4)):
         x = mx.zeros((batch, 1, 2048), mx.bfloat16)
-        launch = tiles.launch(x, _zeros(2048, (8192, 4096, 32, 32)), norm_weight=mx.ones((2048,), mx.bfloat16), eps=1e-6)
+        launch = tiles.launch(x, _zeros(2048, (8192, 4096, 32, 32)), **norm)
         assert dict(launch.template)["TPG"] == want, batch
         assert launch.grid[0] == -(-772 // want) * 8 * 32
+        assert dict(tiles.launch(x, _zeros8(2048, (256, 1)), **norm).template)["TPG"] == 1
     launch = tiles.launch(mx.zeros((16, 1, 2048), mx.bfloat16), _zeros(2048, (248320,)))
     assert dict(launch.template)["TPG"] == 4 and dict(launch.template)["NSG"] == 2

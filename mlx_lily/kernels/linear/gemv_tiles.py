@@ -89,28 +89,30 @@ def default_simdgroups(backend: Optional[str], rows: int = 0) -> int:
 
 # Output tiles per threadgroup: a launch choice that no sum's order depends on
 # (each tile's sums run the same way whichever threadgroup computes it), so it
-# may follow B. Several tiles share one staging of x (at 16 rows that costs
-# about what unpacking a tile does) and keep more weight loads in flight, but
-# leave fewer threadgroups to fill the GPU.
+# may follow B. Several tiles share one staging of x and the norm's sums, and
+# keep more weight loads in flight a lane, but leave fewer threadgroups to fill
+# the GPU and take more registers (H200, nvcc: 118, 128 and 175 a thread at 1,
+# 2 and 4 tiles, 16 rows).
 TPG_CHOICES = (1, 2, 4)
+# CUDA's choice, from the H200's device times (gemv_sweep --device-time
+# --tiles, bench/results/2026-12-04-nvidia-h200-3471bcd): calls of at least
+# CUDA_TPG_MIN_TILES tiles take 2 a threadgroup, 4 from B's bucket
+# CUDA_TPG_WIDE_BUCKET; smaller calls 1. DeltaNet input projections (772
+# tiles): 33.4 / 39.9 / 69.8 us at B = 1 / 4 / 16 against 35.2 / 47.0 / 89.9
+# with one; attention's (576): 29.6 / 34.5 / 65.4 against 30.9 / 37.2 / 77.5;
+# lm_head (15,520): 211.4 / 243.8 / 675.5 against 231.7 (one) / 269.0 (four)
+# / 739.7 (two). The router (17 tiles) and the output projections (128) are
+# slower with more at every B.
+CUDA_TPG_MIN_TILES = 512
+CUDA_TPG_WIDE_BUCKET = 8
 
 
 def default_tiles_per_threadgroup(backend: Optional[str], tiles: int, bucket: int) -> int:
     """The tiles per threadgroup the model's calls of ``tiles`` output tiles
-    take at B's ``bucket``: 1 but on CUDA, where from 4 rows of x calls of
-    many tiles take 2 or 4 (at least CUDA_MIN_THREADGROUPS threadgroups left)."""
-    if backend != "cuda" or bucket < CUDA_TPG_FROM_BUCKET:
+    take at B's ``bucket``: 1 but on CUDA's large calls (above)."""
+    if backend != "cuda" or tiles < CUDA_TPG_MIN_TILES:
         return 1
-    for tpg in sorted(TPG_CHOICES, reverse=True):
-        if tiles // tpg >= CUDA_MIN_THREADGROUPS:
-            return tpg
-    return 1
-
-
-# From this bucket of B on CUDA takes several tiles per threadgroup, keeping at
-# least CUDA_MIN_THREADGROUPS threadgroups (two an SM of an H200's 132).
-CUDA_TPG_FROM_BUCKET = 4
-CUDA_MIN_THREADGROUPS = 264
+    return 4 if bucket >= CUDA_TPG_WIDE_BUCKET else 2
 
 
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
