@@ -116,8 +116,13 @@ def check_before_serving(argv) -> None:
     (``--model``, ``--draft-model``) before it serves, raising lily's
     CheckpointError. The server loads its model in its generation thread
     while already answering, so a refusal there leaves a server answering
-    every request with an error."""
+    every request with an error. Also, before its socket listens: a queue
+    for a burst of connections (``server_admission.install_backlog``)."""
     import argparse
+
+    from . import server_admission
+
+    server_admission.install_backlog()
 
     if any(arg in ("-h", "--help") for arg in argv):
         return

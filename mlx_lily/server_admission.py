@@ -1,4 +1,5 @@
-"""The server takes requests that arrive while it decodes after the current step.
+"""The server takes requests that arrive while it decodes after the current
+step, and accepts a burst of connections at once.
 
 ``mlx_lm.server``'s generation thread takes new requests from its queue only
 between rounds of batch steps, and a round runs until half a second has
@@ -19,6 +20,19 @@ length through ``TimeBudget``'s own synchronisation, and only rank 0 reads
 the queue). ``MLX_LILY_EARLY_ADMISSION=0`` keeps stock's rounds everywhere.
 
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
+
+A burst of connections: mlx-lm's HTTP server is the standard library's
+``ThreadingHTTPServer``, whose listening socket queues 5 connections not yet
+accepted (``request_queue_size``). Sixteen clients connecting together while
+the generation thread keeps the interpreter busy then overflow that queue:
+the kernel drops some connection attempts, which the clients retry a second
+later, or resets them. On the H200 the last four of 16 requests reached the
+server 1 s after the others (first tokens at 0.64 s for 8, 0.83 s for 4 and
+1.58 s for 4; bench/results/2026-12-04-nvidia-h200-5b9ed7a). With lily,
+``mlx_lm.server`` listens with a queue of ``LISTEN_BACKLOG`` (installed
+before the server starts: ``install_backlog``, from the backend's
+``check_before_serving``). ``MLX_LILY_EARLY_ADMISSION=0`` keeps stock's
+queue too.
 """
 
 from __future__ import annotations
@@ -69,14 +83,14 @@ def _next(self: Any):
     self._lily_steps = steps + 1
     if requests is not None and steps > 0 and not requests.empty():
         raise StopIteration
-    return _stock["__next__"](self)
+    return _stock["_next"](self)
 
 
 def install() -> None:
     """Wrap the server's ``TimeBudget`` iteration and its generator's
     request read (idempotent; nothing where the environment turns it off
     or mlx-lm's server lacks them)."""
-    if _stock or not enabled():
+    if "_next" in _stock or not enabled():
         return
     try:
         server = importlib.import_module("mlx_lm.server")
@@ -88,8 +102,50 @@ def install() -> None:
                                          "requests are taken between its rounds, as stock takes them")
         return
     _stock.set("__iter__", budget, "__iter__", _iter)
-    _stock.set("__next__", budget, "__next__", _next)
+    _stock.set("_next", budget, "__next__", _next)
     _stock.set("_next_request", generator, "_next_request", _next_request)
+
+
+# Connections the server's listening socket queues before it accepts them
+# (the standard library's socketserver: 5); Linux caps it at somaxconn.
+LISTEN_BACKLOG = 128
+
+
+def _run_http_server(*args: Any, **kwargs: Any):
+    """mlx-lm's ``_run_http_server`` with a server class whose listening
+    socket queues LISTEN_BACKLOG connections (a subclass of the one given,
+    by default its own ``ThreadingHTTPServer``)."""
+    import inspect
+
+    stock = _stock["_run_http_server"]
+    bound = inspect.signature(stock).bind(*args, **kwargs)
+    bound.apply_defaults()
+    base = bound.arguments["server_class"]
+    bound.arguments["server_class"] = type(base.__name__, (base,), {
+        "request_queue_size": max(LISTEN_BACKLOG, getattr(base, "request_queue_size", 0)),
+        "__doc__": f"{base.__name__}, listening with a queue of {LISTEN_BACKLOG} (mlx_lily.server_admission)",
+    })
+    return stock(*bound.args, **bound.kwargs)
+
+
+def install_backlog() -> None:
+    """Make ``mlx_lm.server`` listen with a queue of LISTEN_BACKLOG
+    connections (idempotent; before the server starts; nothing where the
+    environment turns admission off, or one notice where mlx-lm's server
+    builds its HTTP server some other way)."""
+    if "_run_http_server" in _stock or not enabled():
+        return
+    try:
+        server = importlib.import_module("mlx_lm.server")
+        import inspect
+
+        if "server_class" not in inspect.signature(server._run_http_server).parameters:
+            raise AttributeError("_run_http_server takes no server_class")
+    except (ImportError, AttributeError) as exc:
+        notice_once("backlog-missing", f"this mlx-lm's server builds its HTTP server another way ({exc}); "
+                                       "it listens with the standard library's queue of 5 connections")
+        return
+    _stock.set("_run_http_server", server, "_run_http_server", _run_http_server)
 
 
 def uninstall() -> None:
@@ -97,4 +153,5 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    return bool(_stock)
+    """Whether the rounds end early (``install``)."""
+    return "_next" in _stock

@@ -151,3 +151,134 @@ def test_the_admission_diagnostic_times_both_settings(demo_checkpoint, tmp_path,
     assert (tmp_path / "server-lily-admission-0.log").exists() and (tmp_path / "server-lily-admission-1.log").exists()
     assert "| 0 |" in (tmp_path / "admission.md").read_text()
     assert os.environ[server_admission.ENV] == "1"  # put back as it was
+
+
+class _Handler:
+    """Stands in for mlx-lm's APIHandler, as ``_run_http_server`` builds it
+    (the response generator first): answers every POST at once."""
+
+    def __new__(cls, response_generator, *args, system_fingerprint=None, **kwargs):
+        from http.server import BaseHTTPRequestHandler
+
+        class Quick(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *a):
+                pass
+
+        return Quick(*args, **kwargs)
+
+
+def _burst(clients: int, busy: bool = True):
+    """mlx-lm's ``_run_http_server`` (as installed now) serving on a free
+    port while another thread keeps the interpreter busy, as the generation
+    thread does; ``clients`` connections made together. Returns the server's
+    queue size and each client's seconds to its answer (None: the
+    connection failed)."""
+    import http.client
+    import threading
+    import time
+    from http.server import ThreadingHTTPServer
+
+    built = []
+
+    class Recording(ThreadingHTTPServer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    class Generator:
+        def stop_and_join(self):
+            pass
+
+    serving = threading.Thread(target=server._run_http_server, args=("127.0.0.1", 0, Generator()),
+                               kwargs={"server_class": Recording, "handler_class": _Handler}, daemon=True)
+    serving.start()
+    while not built:
+        time.sleep(0.01)
+    httpd = built[0]
+    stop = threading.Event()
+
+    def hold_the_interpreter():
+        x = 0
+        while not stop.is_set():
+            for i in range(20000):
+                x += i
+
+    if busy:
+        threading.Thread(target=hold_the_interpreter, daemon=True).start()
+    barrier, seconds = threading.Barrier(clients), [None] * clients
+
+    def client(i):
+        barrier.wait()
+        t0 = time.perf_counter()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", httpd.server_address[1], timeout=10)
+            conn.request("POST", "/", body=b"{}")
+            conn.getresponse().read()
+            seconds[i] = time.perf_counter() - t0
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    return httpd.request_queue_size, seconds
+
+
+def test_a_burst_of_16_connections_is_accepted_at_once(monkeypatch):
+    """Installed, the server listens with LISTEN_BACKLOG: 16 clients that
+    connect together while the interpreter is busy all get their answers
+    well within the second after which a dropped connection is retried."""
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    server_admission.install_backlog()
+    try:
+        queue, seconds = _burst(16)
+    finally:
+        server_admission.uninstall()
+    assert queue == server_admission.LISTEN_BACKLOG
+    assert all(s is not None for s in seconds), seconds
+    assert max(seconds) < 0.9, seconds
+
+
+def test_the_backlog_is_stocks_without_it(monkeypatch, fresh_notices, capsys):
+    """Not installed or turned off: the standard library's queue of 5."""
+    queue, _ = _burst(2, busy=False)
+    assert queue == 5
+    monkeypatch.setenv(server_admission.ENV, "0")
+    server_admission.install_backlog()
+    try:
+        assert "_run_http_server" not in server_admission._stock
+        assert _burst(2, busy=False)[0] == 5
+    finally:
+        server_admission.uninstall()
+    # An mlx-lm whose server builds its HTTP server another way: one notice.
+    monkeypatch.delenv(server_admission.ENV)
+    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator: None)
+    server_admission.install_backlog()
+    server_admission.install_backlog()
+    assert "_run_http_server" not in server_admission._stock
+    said = capsys.readouterr().err
+    assert said.count("queue of 5 connections") == 1
+
+
+def test_serving_with_lily_installs_the_backlog_before_the_server_starts(monkeypatch, demo_checkpoint):
+    from mlx_lily import backend
+
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    try:
+        backend.check_before_serving(["--model", str(demo_checkpoint)])
+        assert server._run_http_server is server_admission._run_http_server
+    finally:
+        server_admission.uninstall()
+    assert server._run_http_server is not server_admission._run_http_server

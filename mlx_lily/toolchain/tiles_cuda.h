@@ -6,10 +6,6 @@
 
 #define LILY_TILE 16
 #define LILY_TILE_ACC_ELEMS 8
-// Before a loop over a few tiles whose per-tile state sits in arrays: unrolled,
-// the arrays stay in registers (a loop with a barrier in it is otherwise kept,
-// and its arrays indexed in local memory).
-#define LILY_UNROLL _Pragma("unroll")
 
 // The prelude defines Metal's `device` address space away (an empty macro),
 // which would also empty CUDA's __device__ (an attribute spelled with

@@ -9,9 +9,6 @@
 
 #define LILY_TILE 16
 #define LILY_TILE_ACC_ELEMS 8
-// Before a loop over a few tiles (tiles_cuda.h unrolls it; Metal's compiler
-// unrolls such constant-count loops by itself).
-#define LILY_UNROLL
 
 struct lily_tile_a {
   simdgroup_matrix<float, 8, 8> m[2][2];  // [row half][k half]

@@ -201,8 +201,21 @@ def _fuzz(rng):
     return gemv_call(K, rows, (bits,) * S, prologue, residual, rng=rng, batch=batch)
 
 
+# Before each loop over a threadgroup's tiles, whose per-tile state sits in
+# arrays: nvcc and NVRTC keep such a loop (a barrier in it) rolled and index
+# its arrays in local memory; unrolled, they stay in registers. Metal's
+# compiler unrolls constant-count loops by itself.
+UNROLL_HEADER = """
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define LILY_UNROLL _Pragma("unroll")
+#else
+#define LILY_UNROLL
+#endif
+"""
+
 quantized_matvec_tiles_kernel = Kernel(
     name="quantized_matvec_tiles",
+    header=UNROLL_HEADER,
     input_names=INPUT_NAMES,
     output_names=OUTPUT_NAMES,
     body=Path(__file__).with_name("gemv_tiles.metal"),
