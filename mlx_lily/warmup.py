@@ -161,10 +161,13 @@ class _PhaseCosts:
     """What one priming step's time went to, for its progress line: the
     kernels' first-use checks (building and running each new instance, on
     CUDA mostly compiling it; and its reference), the modules lily's CUDA
-    cache compiled, and first uses met inside a compiled step's trace (each
-    traces the step again). The rest of a step's seconds is running and
-    tracing the model. Why: on the H200 one step of priming took minutes
-    where its neighbours took seconds, and its line said only when it ended."""
+    cache compiled, first uses met inside a compiled step's trace (each
+    traces the step again), and the kernels MLX itself compiled into its PTX
+    folder (``MLX_PTX_CACHE_DIR``: its own ops' and fused elementwise kernels,
+    files not named ``custom_kernel_*``). The rest of a step's seconds is
+    running and tracing the model. Why: on the H200 one step of priming took
+    minutes where its neighbours took seconds; at 5b9ed7a its line showed that
+    neither lily's compiling nor its checks took that time."""
 
     def __init__(self):
         self._at = self._now()
@@ -180,12 +183,13 @@ class _PhaseCosts:
 
             cache = cuda_cache.module_cache()
         return (time.perf_counter(), first.checks, first.kernel_s, first.reference_s,
-                cache.compiled if cache else 0, cache.compile_s if cache else 0.0, tracing.first_uses_in_traces())
+                cache.compiled if cache else 0, cache.compile_s if cache else 0.0, tracing.first_uses_in_traces(),
+                _mlx_ptx_files())
 
     def take(self) -> str:
         """This step's costs since the last ``take`` (or the start)."""
         now = self._now()
-        seconds, checks, kernel_s, reference_s, compiled, compile_s, in_traces = (
+        seconds, checks, kernel_s, reference_s, compiled, compile_s, in_traces, mlx_files = (
             a - b for a, b in zip(now, self._at))
         self._at = now
         parts = [f"{seconds:.1f}s here", f"{checks} first-use checks: kernels {kernel_s:.1f}s, "
@@ -194,7 +198,22 @@ class _PhaseCosts:
             parts.append(f"{compiled} modules compiled ({compile_s:.1f}s of compiling)")
         if in_traces:
             parts.append(f"{in_traces} first uses inside traces")
+        if mlx_files:
+            parts.append(f"{mlx_files} of MLX's own kernels compiled")
         return "; ".join(parts)
+
+
+def _mlx_ptx_files() -> int:
+    """Files in MLX's PTX folder (``MLX_PTX_CACHE_DIR``, where set) that are
+    not custom kernels: each one of MLX's own kernels it compiled."""
+    folder = os.environ.get("MLX_PTX_CACHE_DIR", "")
+    if not folder:
+        return 0
+    try:
+        with os.scandir(folder) as entries:
+            return sum(1 for e in entries if not e.name.startswith("custom_kernel_"))
+    except OSError:
+        return 0
 
 
 def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> None:

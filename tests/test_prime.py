@@ -281,3 +281,15 @@ def test_a_step_s_costs_name_compiles_and_first_uses_inside_traces(monkeypatch):
     assert "1 first-use checks: kernels 2.0s, references 0.5s" in said and "1 first uses inside traces" in said
     assert "modules compiled" not in said  # no CUDA here: lily's module cache compiles nothing
     assert "0 first-use checks" in costs.take() and "inside traces" not in costs.take()
+
+
+def test_a_step_s_costs_count_the_kernels_mlx_compiled_into_its_ptx_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    (tmp_path / "gather_uint32_uint32_1.ptx").write_text("")
+    costs = warmup._PhaseCosts()
+    for name in ("scatter_axis_bfloat16_1.ptx", "compiled_fused_abc.ptx", "custom_kernel_gemv_0123_bfloat16.ptx"):
+        (tmp_path / name).write_text("")
+    assert "2 of MLX's own kernels compiled" in costs.take()  # lily's custom kernels counted apart
+    assert "MLX's own" not in costs.take()
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
+    assert "MLX's own" not in warmup._PhaseCosts().take()
