@@ -250,6 +250,12 @@ def test_each_progress_line_says_where_its_time_went(demo_checkpoint, emulator_b
     up to the whole."""
     import re
 
+    from mlx_lily.toolchain.kernel import KERNELS
+
+    # As in a fresh process: no instance checked yet (tests before this one in
+    # the same process may have met every instance priming meets).
+    for kernel in KERNELS.values():
+        monkeypatch.setattr(kernel, "_instances", {})
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
     lines = []
     assert warmup.prime(model, log=lines.append, server=True) is not None
