@@ -302,6 +302,11 @@ def sse_chunks(lines: Iterable[Union[bytes, str]]) -> Iterator[Dict[str, Any]]:
         yield json.loads(data)
 
 
+# A connection accepted this late was retried: the server's listening queue
+# was full when it first arrived (Linux retries a dropped connection after 1 s).
+SLOW_CONNECT_S = 0.5
+
+
 def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[str, Any]:
     """One streaming text completion, greedy; its timings and text."""
     body = {
@@ -310,6 +315,10 @@ def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[st
     }
     sent = time.perf_counter()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    # Connected once the server's socket has queued the connection: a queue
+    # that overflows shows here, as a connection retried a second later.
+    conn.connect()
+    connected = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
                  headers={"Content-Type": "application/json"})
     response = conn.getresponse()
@@ -335,6 +344,7 @@ def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[st
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": tokens,
         "ttft_s": (first - sent) if first is not None else None,
+        "connect_s": connected - sent,
         "decode_tps": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
         "sent": sent,
         "done": done,
@@ -387,6 +397,7 @@ def summarize(streams: List[Dict[str, Any]], errors: List[str], concurrent: bool
         "aggregate_tps": aggregate,
         "ttft_median_s": statistics.median(ttfts) if ttfts else None,
         "ttft_max_s": max(ttfts) if ttfts else None,
+        "connect_max_s": max((s["connect_s"] for s in streams if s.get("connect_s") is not None), default=None),
         "decode_tps_median": statistics.median(decode) if decode else None,
         "decode_tps_min": min(decode) if decode else None,
         "prompt_tokens_median": median("prompt_tokens"),
@@ -987,6 +998,11 @@ def markdown(report: Dict[str, Any]) -> str:
             if w.get("first_uses_in_wave"):
                 lines.append(f"{name}, {n} stream{'s' if n != '1' else ''}: {w['first_uses_in_wave']} kernel "
                              "instances first met inside this wave (built mid-wave): not the server's steady state.")
+            if (w.get("connect_max_s") or 0.0) >= SLOW_CONNECT_S:
+                slow = sum(1 for st in w.get("streams", []) if (st.get("connect_s") or 0.0) >= SLOW_CONNECT_S)
+                lines.append(f"{name}, {n} streams: {slow} connection{'s' if slow != 1 else ''} took "
+                             f"{SLOW_CONNECT_S} s or more to be accepted (the slowest {w['connect_max_s']:.2f} s: "
+                             "the server's listening queue overflowed, and those requests arrived late).")
     lily = report["engines"].get("lily", {})
     if "first_uses_in_traces" in lily:
         met = lily["first_uses_in_traces"]

@@ -238,3 +238,49 @@ def test_server_args_reach_both_servers_command_lines(tmp_path):
         assert cmd[cmd.index("--prompt-cache-size") + 1] == "0"
         assert cmd[-4:] == ["--prompt-concurrency", "16", "--decode-concurrency", "16"]
     assert serve.parse_args([]).server_args == []
+
+
+def test_each_stream_records_when_its_connection_was_accepted():
+    """``connect_s``: from sending to the server's socket queuing the
+    connection; a wave whose slowest connection took SLOW_CONNECT_S or more
+    (a full listening queue: the connection was retried) is flagged."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Completions(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            chunks = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                      {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}]
+            for chunk in chunks:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer((serve.HOST, 0), Completions)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        out = serve.wave(httpd.server_address[1], ["x", "y"], 2, 10.0)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert not out["errors"] and out["completion_tokens"] == 4
+    for s in out["streams"]:
+        assert s["text"] == "ab" and 0 <= s["connect_s"] <= s["ttft_s"]
+    assert out["connect_max_s"] == max(s["connect_s"] for s in out["streams"])
+    report = {"settings": {"shape": "demo", "prompt_tokens": 8, "max_tokens": 4}, "machine": {},
+              "software": {"mlx": "", "mlx_lm": "", "git_revision": ""}, "engines": {"lily": {"waves": {}}}}
+    for n, slow in (("8", 0.01), ("16", 1.02)):
+        report["engines"]["lily"]["waves"][n] = {
+            "aggregate_tps": 100.0, "ttft_median_s": 0.5, "ttft_max_s": 1.6, "decode_tps_median": 30.0,
+            "decode_tps_min": 29.0, "same_as_single": "16/16", "connect_max_s": slow,
+            "streams": [{"connect_s": 0.01}, {"connect_s": slow}, {"connect_s": slow}]}
+    text = serve.markdown(report)
+    assert ("lily, 16 streams: 2 connections took 0.5 s or more to be accepted (the slowest 1.02 s: the "
+            "server's listening queue overflowed, and those requests arrived late).") in text
+    assert "lily, 8 streams: " not in text
