@@ -403,6 +403,13 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     assert "| four |" in (tmp_path / "o" / "gemv-sweep.md").read_text()
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--no-row-gemv"])
+    # --prologue: the same calls with another prologue (here none instead of the norm).
+    assert gemv_sweep.main(["--out", str(tmp_path / "p"), "--backend", "emulator", "--calls", "four",
+                            "--tiles", "--no-row-gemv", "--tile-splits", "2", "--prologue", "none"]) == 0
+    doc = __import__("json").loads((tmp_path / "p" / "gemv-sweep.json").read_text())
+    (row,) = doc["rows"]
+    assert row["call"] == "four [none prologue]" and doc["settings"]["prologue"] == "none"
+    assert row["tiles2"]["agrees"]
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 

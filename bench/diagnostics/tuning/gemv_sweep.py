@@ -9,7 +9,7 @@ contract. GB/s is the weights' bytes (words, scales, biases) over the time:
 the HBM-speed figure the kernel should approach.
 
     python3 -m bench.diagnostics.tuning.gemv_sweep --out DIR [--device-time] [--batch B[,B...]] [--tiles]
-        [--no-grid] [--tile-splits N[,N...]] [--no-row-gemv]
+        [--no-grid] [--tile-splits N[,N...]] [--no-row-gemv] [--prologue none|norm|gate]
 
 ``--batch B`` (or a list, e.g. ``1,4,16``: one process, one row per call
 and B) sweeps calls of B rows of x (the server's decode batches, the
@@ -209,6 +209,9 @@ def main(argv=None) -> int:
                              "fewer kernel instances to build)")
     parser.add_argument("--no-row-gemv", action="store_true",
                         help="with --tiles: skip the row-parallel GEMV as chosen too (stock and the tile form only)")
+    parser.add_argument("--prologue", choices=("none", "norm", "gate"), default=None,
+                        help="every call with this prologue instead of its own (what the norm or the gate "
+                             "costs at each B; rows named with the prologue)")
     parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
     try:
@@ -228,6 +231,9 @@ def main(argv=None) -> int:
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
     if not calls:
         raise SystemExit(f"--calls {args.calls!r} matches none of: {'; '.join(CALLS)}")
+    if args.prologue is not None:
+        calls = {f"{n} [{args.prologue} prologue]": (K, rows, bits, args.prologue, residual)
+                 for n, (K, rows, bits, _, residual) in calls.items()}
     rows: list = []
     for name, spec in calls.items():
         for batch in batches:
@@ -237,7 +243,7 @@ def main(argv=None) -> int:
         # kernel instance, through NVRTC on CUDA) keeps what it measured.
         doc = {"tool": "mlx-lily decode GEMV sweep", "finished": now_iso(), "machine": machine_info(),
                "software": software_info(),
-               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS,
+               "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "prologue": args.prologue,
                             "batch": batches[0] if len(batches) == 1 else batches,
                             "tiles": args.tiles, "grid": not args.no_grid},
                "calls_done": len(rows), "calls_asked": len(calls) * len(batches), "rows": rows}
