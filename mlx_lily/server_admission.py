@@ -118,7 +118,10 @@ def _run_http_server(*args: Any, **kwargs: Any):
     import inspect
 
     stock = _stock["_run_http_server"]
-    bound = inspect.signature(stock).bind(*args, **kwargs)
+    try:
+        bound = inspect.signature(stock).bind(*args, **kwargs)
+    except TypeError:  # called some other way than install_backlog saw: as it is
+        return stock(*args, **kwargs)
     bound.apply_defaults()
     base = bound.arguments["server_class"]
     bound.arguments["server_class"] = type(base.__name__, (base,), {
