@@ -4,7 +4,9 @@ and what was there before, so that ``undo`` puts every one back."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+import importlib
+import sys
+from typing import Any, Dict, Optional, Tuple
 
 
 class Patches:
@@ -31,3 +33,23 @@ class Patches:
         for owner, name, original in reversed(list(self._held.values())):
             setattr(owner, name, original)
         self._held.clear()
+
+
+def _run_as_main(name: str) -> Optional[Any]:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return main if getattr(spec, "name", None) == name else None
+
+
+def program_module(name: str) -> Any:
+    """mlx-lm's module ``name`` as the running program calls it: ``__main__``
+    where the process was started as ``python -m name`` (importing ``name``
+    then loads a second copy, whose functions and classes the program never
+    calls), else the imported module. For patches made once the program's
+    module has run its definitions (at model load, not from the startup hook)."""
+    return _run_as_main(name) or importlib.import_module(name)
+
+
+def loaded_program_module(name: str) -> Optional[Any]:
+    """``program_module(name)`` where that module is loaded, else None."""
+    return _run_as_main(name) or sys.modules.get(name)

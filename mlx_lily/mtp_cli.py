@@ -98,9 +98,10 @@ def _samplers_that_say_their_law() -> None:
     ``make_sampler`` (the same draws; a ``Sampler`` also says its law, so the
     loop can draft from the head's distribution)."""
     from . import mtp_sampling
+    from ._patches import loaded_program_module
 
     for name in ("mlx_lm.generate", "mlx_lm.server"):
-        module = sys.modules.get(name)
+        module = loaded_program_module(name)
         if module is not None and hasattr(module, "make_sampler"):
             module.make_sampler = mtp_sampling.make_sampler
 
@@ -109,7 +110,9 @@ def _serve_one_at_a_time() -> bool:
     """Make mlx_lm.server's requests non-batchable while the loaded model has
     a head (its ``ResponseGenerator._is_batchable``, as stock's answer for a
     draft model); whether the server could be patched."""
-    server = sys.modules.get("mlx_lm.server")
+    from ._patches import loaded_program_module
+
+    server = loaded_program_module("mlx_lm.server")
     generator = getattr(server, "ResponseGenerator", None)
     stock = getattr(generator, "_is_batchable", None)
     if stock is None:

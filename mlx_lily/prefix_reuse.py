@@ -47,7 +47,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, LRUPromptCache
 
 from ._notice import notice_once
-from ._patches import Patches
+from ._patches import Patches, program_module
 from .prefill_cuts import cold_cuts, cuts_merge, exact_from, on_piece_grid  # noqa: F401 - cold_cuts re-exported
 
 POLICY_ENV = "MLX_LILY_PREFIX_REUSE"
@@ -525,7 +525,7 @@ def install() -> None:
     _stock.set("fetch", LRUPromptCache, "fetch_nearest_cache", fetch_nearest_cache)
     _stock.set("insert", LRUPromptCache, "insert_cache", insert_cache)
     try:
-        server = importlib.import_module("mlx_lm.server")
+        server = program_module("mlx_lm.server")
 
         _stock.set("tokenize", server.ResponseGenerator, "_tokenize", _tokenize)
     except (ImportError, AttributeError):

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._notice import notice_once
-from ._patches import Patches
+from ._patches import Patches, program_module
 
 _stock = Patches()
 
@@ -114,7 +114,7 @@ def install() -> None:
     gen = importlib.import_module("mlx_lm.generate")
     _stock.set("next", gen.GenerationBatch, "next", _next)
     try:
-        server = importlib.import_module("mlx_lm.server")
+        server = program_module("mlx_lm.server")
         _stock.set("stream_generate", server, "stream_generate", _stream_generate)
     except (ImportError, AttributeError):
         pass

@@ -37,12 +37,11 @@ queue too.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 from ._notice import notice_once
-from ._patches import Patches
+from ._patches import Patches, program_module
 
 ENV = "MLX_LILY_EARLY_ADMISSION"
 
@@ -93,7 +92,7 @@ def install() -> None:
     if "_next" in _stock or not enabled():
         return
     try:
-        server = importlib.import_module("mlx_lm.server")
+        server = program_module("mlx_lm.server")
         budget, generator = server.TimeBudget, server.ResponseGenerator
         for owner, name in ((budget, "__iter__"), (budget, "__next__"), (generator, "_next_request")):
             getattr(owner, name)
@@ -111,44 +110,20 @@ def install() -> None:
 LISTEN_BACKLOG = 128
 
 
-def _run_http_server(*args: Any, **kwargs: Any):
-    """mlx-lm's ``_run_http_server`` with a server class whose listening
-    socket queues LISTEN_BACKLOG connections (a subclass of the one given,
-    by default its own ``ThreadingHTTPServer``)."""
-    import inspect
-
-    stock = _stock["_run_http_server"]
-    try:
-        bound = inspect.signature(stock).bind(*args, **kwargs)
-    except TypeError:  # called some other way than install_backlog saw: as it is
-        return stock(*args, **kwargs)
-    bound.apply_defaults()
-    base = bound.arguments["server_class"]
-    bound.arguments["server_class"] = type(base.__name__, (base,), {
-        "request_queue_size": max(LISTEN_BACKLOG, getattr(base, "request_queue_size", 0)),
-        "__doc__": f"{base.__name__}, listening with a queue of {LISTEN_BACKLOG} (mlx_lily.server_admission)",
-    })
-    return stock(*bound.args, **bound.kwargs)
-
-
 def install_backlog() -> None:
     """Make ``mlx_lm.server`` listen with a queue of LISTEN_BACKLOG
     connections (idempotent; before the server starts; nothing where the
-    environment turns admission off, or one notice where mlx-lm's server
-    builds its HTTP server some other way)."""
-    if "_run_http_server" in _stock or not enabled():
+    environment turns admission off). The server class is the standard
+    library's ``ThreadingHTTPServer``, whose ``request_queue_size`` its
+    socket listens with: set on that class, which every copy of mlx-lm's
+    server module uses (``python -m mlx_lm.server`` runs one that the startup
+    hook cannot reach yet), in the one process that serves."""
+    if "backlog" in _stock or not enabled():
         return
-    try:
-        server = importlib.import_module("mlx_lm.server")
-        import inspect
+    import http.server
 
-        if "server_class" not in inspect.signature(server._run_http_server).parameters:
-            raise AttributeError("_run_http_server takes no server_class")
-    except (ImportError, AttributeError) as exc:
-        notice_once("backlog-missing", f"this mlx-lm's server builds its HTTP server another way ({exc}); "
-                                       "it listens with the standard library's queue of 5 connections")
-        return
-    _stock.set("_run_http_server", server, "_run_http_server", _run_http_server)
+    base = http.server.ThreadingHTTPServer
+    _stock.set("backlog", base, "request_queue_size", max(LISTEN_BACKLOG, base.request_queue_size))
 
 
 def uninstall() -> None:

@@ -251,34 +251,63 @@ def test_a_burst_of_16_connections_is_accepted_at_once(monkeypatch):
     assert max(seconds) < 0.9, seconds
 
 
-def test_the_backlog_is_stocks_without_it(monkeypatch, fresh_notices, capsys):
-    """Not installed or turned off: the standard library's queue of 5."""
+def test_the_backlog_is_stocks_without_it(monkeypatch):
+    """Not installed, uninstalled, or turned off: the standard library's 5."""
+    from http.server import ThreadingHTTPServer
+
+    assert ThreadingHTTPServer.request_queue_size == 5
     queue, _ = _burst(2, busy=False)
     assert queue == 5
     monkeypatch.setenv(server_admission.ENV, "0")
     server_admission.install_backlog()
     try:
-        assert "_run_http_server" not in server_admission._stock
+        assert "backlog" not in server_admission._stock
         assert _burst(2, busy=False)[0] == 5
     finally:
         server_admission.uninstall()
-    # An mlx-lm whose server builds its HTTP server another way: one notice.
     monkeypatch.delenv(server_admission.ENV)
-    monkeypatch.setattr(server, "_run_http_server", lambda host, port, generator: None)
     server_admission.install_backlog()
-    server_admission.install_backlog()
-    assert "_run_http_server" not in server_admission._stock
-    said = capsys.readouterr().err
-    assert said.count("queue of 5 connections") == 1
+    server_admission.install_backlog()  # idempotent
+    server_admission.uninstall()
+    assert ThreadingHTTPServer.request_queue_size == 5
 
 
 def test_serving_with_lily_installs_the_backlog_before_the_server_starts(monkeypatch, demo_checkpoint):
+    from http.server import ThreadingHTTPServer
+
     from mlx_lily import backend
 
     monkeypatch.delenv(server_admission.ENV, raising=False)
     try:
         backend.check_before_serving(["--model", str(demo_checkpoint)])
-        assert server._run_http_server is server_admission._run_http_server
+        assert ThreadingHTTPServer.request_queue_size == server_admission.LISTEN_BACKLOG
     finally:
         server_admission.uninstall()
-    assert server._run_http_server is not server_admission._run_http_server
+    assert ThreadingHTTPServer.request_queue_size == 5
+
+
+def test_a_server_run_as_python_m_gets_the_patches(monkeypatch):
+    """``python -m mlx_lm.server``: the program is ``__main__``, and
+    importing ``mlx_lm.server`` would load a second copy that it never calls;
+    the patches made at model load land on ``__main__``'s classes."""
+    import sys
+    import types
+
+    from mlx_lily._patches import loaded_program_module, program_module
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="mlx_lm.server")
+    main.TimeBudget = type("TimeBudget", (server.TimeBudget,), {})
+    main.ResponseGenerator = type("ResponseGenerator", (server.ResponseGenerator,), {})
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert program_module("mlx_lm.server") is main and loaded_program_module("mlx_lm.server") is main
+    assert program_module("mlx_lm.generate") is sys.modules["mlx_lm.generate"]
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    held = server.TimeBudget.__dict__["__next__"]
+    server_admission.install()
+    try:
+        assert main.TimeBudget.__dict__["__next__"] is server_admission._next
+        assert server.TimeBudget.__dict__["__next__"] is held  # the copy the program never calls
+    finally:
+        server_admission.uninstall()
+    assert main.TimeBudget.__next__ is held  # stock's again
