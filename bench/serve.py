@@ -315,8 +315,10 @@ def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[st
     }
     sent = time.perf_counter()
     conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
-    # Connected once the server's socket has queued the connection: a queue
-    # that overflows shows here, as a connection retried a second later.
+    # Connected once the handshake is done: a first attempt that a full
+    # listening queue dropped shows here, retried a second later. (A lower
+    # bound: a handshake completed while the queue was full may be dropped
+    # after connect() returned, and its delay then lands in the first token.)
     conn.connect()
     connected = time.perf_counter()
     conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),

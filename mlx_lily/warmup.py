@@ -198,20 +198,24 @@ class _PhaseCosts:
             parts.append(f"{compiled} modules compiled ({compile_s:.1f}s of compiling)")
         if in_traces:
             parts.append(f"{in_traces} first uses inside traces")
-        if mlx_files:
+        if mlx_files > 0:  # (a folder emptied meanwhile counts none)
             parts.append(f"{mlx_files} of MLX's own kernels compiled")
         return "; ".join(parts)
 
 
 def _mlx_ptx_files() -> int:
-    """Files in MLX's PTX folder (``MLX_PTX_CACHE_DIR``, where set) that are
-    not custom kernels: each one of MLX's own kernels it compiled."""
-    folder = os.environ.get("MLX_PTX_CACHE_DIR", "")
-    if not folder:
+    """Modules in MLX's PTX folder (``cuda_cache.ptx_dir``: MLX_PTX_CACHE_DIR,
+    else MLX's default) that are not custom kernels, on CUDA: each one of
+    MLX's own kernels it compiled (a module's ``.ptx``; long names are
+    folders of it)."""
+    if kernel_backend()[0] != "cuda":
         return 0
+    from .toolchain import cuda_cache
+
+    folder = cuda_cache.ptx_dir()
     try:
-        with os.scandir(folder) as entries:
-            return sum(1 for e in entries if not e.name.startswith("custom_kernel_"))
+        return sum(1 for path in folder.rglob("*.ptx")
+                   if not path.relative_to(folder).parts[0].startswith("custom_kernel_"))
     except OSError:
         return 0
 

@@ -410,6 +410,10 @@ def test_the_sweep_diagnostic_times_every_choice_and_checks_it(tmp_path, monkeyp
     (row,) = doc["rows"]
     assert row["call"] == "four [none prologue]" and doc["settings"]["prologue"] == "none"
     assert row["tiles2"]["agrees"]
+    assert doc["settings"]["tile_splits"] == [2] and doc["settings"]["row_gemv"] is False
+    assert doc["settings"]["grid"] is False
+    with pytest.raises(SystemExit):  # 8 SIMD groups: CUDA's only
+        gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--tiles", "--tile-splits", "8"])
     with pytest.raises(SystemExit):
         gemv_sweep.main(["--out", str(tmp_path), "--backend", "emulator", "--batch", "1,x"])
 

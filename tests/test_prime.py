@@ -290,12 +290,22 @@ def test_a_step_s_costs_name_compiles_and_first_uses_inside_traces(monkeypatch):
 
 
 def test_a_step_s_costs_count_the_kernels_mlx_compiled_into_its_ptx_folder(monkeypatch, tmp_path):
+    """On CUDA: the modules (.ptx; MLX also writes a .txt and a .cu beside each)
+    MLX wrote to its PTX folder during the step, but lily's custom kernels."""
+    monkeypatch.setattr(warmup, "kernel_backend", lambda: ("cuda", None))
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
     (tmp_path / "gather_uint32_uint32_1.ptx").write_text("")
     costs = warmup._PhaseCosts()
-    for name in ("scatter_axis_bfloat16_1.ptx", "compiled_fused_abc.ptx", "custom_kernel_gemv_0123_bfloat16.ptx"):
-        (tmp_path / name).write_text("")
-    assert "2 of MLX's own kernels compiled" in costs.take()  # lily's custom kernels counted apart
+    for name in ("scatter_axis_bfloat16_1", "compiled_fused_abc", "custom_kernel_gemv_0123_bfloat16"):
+        for suffix in (".ptx", ".txt", ".cu"):
+            (tmp_path / (name + suffix)).write_text("")
+    (tmp_path / ("x" * 245)).mkdir()  # a long name: folders, the module's .ptx inside
+    (tmp_path / ("x" * 245) / "tail.ptx").write_text("")
+    assert "3 of MLX's own kernels compiled" in costs.take()
     assert "MLX's own" not in costs.take()
-    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "absent"))
+    for path in tmp_path.glob("*.ptx"):  # the folder emptied: no count below zero
+        path.unlink()
+    assert "MLX's own" not in costs.take()
+    monkeypatch.setattr(warmup, "kernel_backend", lambda: ("emulator", None))
+    (tmp_path / "more.ptx").write_text("")
     assert "MLX's own" not in warmup._PhaseCosts().take()

@@ -54,7 +54,8 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_kernel,
     quantized_matvec_reference,
 )
-from mlx_lily.kernels.linear.gemv_tiles import TPG_CHOICES
+from mlx_lily.kernels.linear.gemv import batch_bucket
+from mlx_lily.kernels.linear.gemv_tiles import TILE_ROWS, TPG_CHOICES, default_tiles_per_threadgroup
 from mlx_lily.kernels.linear.gemv_tiles import default_simdgroups as tile_default_simdgroups
 from mlx_lily.kernels.linear.gemv_tiles import simdgroup_choices as tile_simdgroup_choices
 from mlx_lily.kernels.linear.gemv_tiles import quantized_matvec_tiles_kernel, quantized_matvec_tiles_supports
@@ -118,7 +119,11 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
         variants.update({f"tiles{nsg}x{t}": (quantized_matvec_tiles_kernel,
                                               dict(simdgroups=nsg, tiles_per_threadgroup=t))
                          for t in TPG_CHOICES[1:]})
-        variants["tiles_default"] = (quantized_matvec_tiles_kernel, {})
+        # The backend's own defaults for this call and B (given, not read from
+        # the process: --backend may name another backend than it runs).
+        tiles = sum(-(-n // TILE_ROWS) for n in rows)
+        variants["tiles_default"] = (quantized_matvec_tiles_kernel, dict(
+            simdgroups=nsg, tiles_per_threadgroup=default_tiles_per_threadgroup(backend, tiles, batch_bucket(batch))))
     outputs = {}
     for variant, (kernel, options) in variants.items():
         def fn(*a, kernel=kernel, options=options, **k):
@@ -227,6 +232,9 @@ def main(argv=None) -> int:
     if args.no_row_gemv and not args.tiles:
         parser.error("--no-row-gemv times the tile form only: it needs --tiles")
     backend = sweep_backend(args.backend, args.device_time)
+    if tile_splits is not None and not set(tile_splits) <= set(tile_simdgroup_choices(backend)):
+        parser.error(f"--tile-splits {args.tile_splits}: the tile form takes "
+                     f"{', '.join(map(str, tile_simdgroup_choices(backend)))} SIMD groups on {backend}")
     wanted = [w.strip() for w in args.calls.split(",")] if args.calls else None
     calls = {n: spec for n, spec in CALLS.items() if wanted is None or any(w in n for w in wanted)}
     if not calls:
@@ -245,7 +253,9 @@ def main(argv=None) -> int:
                "software": software_info(),
                "settings": {"rows_choices": ROWS_CHOICES, "simdgroups": SIMDGROUPS, "prologue": args.prologue,
                             "batch": batches[0] if len(batches) == 1 else batches,
-                            "tiles": args.tiles, "grid": not args.no_grid},
+                            "tiles": args.tiles, "grid": not args.no_grid and not args.no_row_gemv,
+                            "tile_splits": list(tile_splits) if tile_splits else None,
+                            "row_gemv": not args.no_row_gemv},
                "calls_done": len(rows), "calls_asked": len(calls) * len(batches), "rows": rows}
         write_report(args.out, "gemv-sweep.json", json.dumps(doc, indent=1), echo=False)
         write_report(args.out, "gemv-sweep.md", markdown(rows), echo=False)

@@ -4,7 +4,7 @@
         -> tuple of S arrays [B, 1, N_s]
 
 ``quantized_matvec``'s contract (the same reference and tolerance, gemv.py)
-for 4-bit projections and bf16 activations, computed another way: each
+for 4-bit or 8-bit projections and bf16 activations, computed another way: each
 threadgroup reads 16 weight rows once and multiplies them with x, padded to
 16 rows, on the GPU's matrix units (``lily_tile_mma``: tensor cores on
 NVIDIA, simdgroup matrices on Apple GPUs), so a weight read costs the same
@@ -278,7 +278,7 @@ def takes_tiles(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None)
 
 def decode_matvec(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None):
     """The model's decode GEMV (``quantized_matvec``'s arguments and result):
-    in the tile form (``gemv_form``) wherever it takes the call (4-bit,
+    in the tile form (``gemv_form``) wherever it takes the call (4- or 8-bit,
     bf16, B <= 16; the same for every B of a call shape), else the
     row-parallel GEMV. Both answer with the same reference where no kernel
     runs."""
