@@ -289,11 +289,16 @@ def test_a_step_s_costs_name_compiles_and_first_uses_inside_traces(monkeypatch):
     assert "0 first-use checks" in costs.take() and "inside traces" not in costs.take()
 
 
-def test_a_step_s_costs_count_the_kernels_mlx_compiled_into_its_ptx_folder(monkeypatch, tmp_path):
+def test_a_step_s_costs_count_the_kernels_mlx_compiled_into_its_ptx_folder(monkeypatch, tmp_path, request):
     """On CUDA: the modules (.ptx; MLX also writes a .txt and a .cu beside each)
     MLX wrote to its PTX folder during the step, but lily's custom kernels."""
+    from mlx_lily.toolchain import cuda_cache
+
     monkeypatch.setattr(warmup, "kernel_backend", lambda: ("cuda", None))
     monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path))
+    cuda_cache.ptx_dir.cache_clear()  # it keeps the folder it found first
+    request.addfinalizer(cuda_cache.ptx_dir.cache_clear)
+    assert cuda_cache.ptx_dir() == tmp_path
     (tmp_path / "gather_uint32_uint32_1.ptx").write_text("")
     costs = warmup._PhaseCosts()
     for name in ("scatter_axis_bfloat16_1", "compiled_fused_abc", "custom_kernel_gemv_0123_bfloat16"):
