@@ -29,7 +29,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from . import prefix_files, prefix_reuse
-from ._patches import Patches
+from ._patches import Patches, program_module
 from .prefix_reuse import Checkpoint
 
 DEFAULT_STEP = 2048
@@ -145,7 +145,7 @@ def install_cache_prompt() -> None:
     """Record and save checkpoints in mlx_lm.cache_prompt (idempotent)."""
     if _stock:
         return
-    module = importlib.import_module("mlx_lm.cache_prompt")
+    module = program_module("mlx_lm.cache_prompt")  # at model load: the program's own module
     _stock.set("generate_step", module, "generate_step", _generate_step)
     _stock.set("save_prompt_cache", module, "save_prompt_cache", _save_prompt_cache)
 

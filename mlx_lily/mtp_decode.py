@@ -548,9 +548,10 @@ def install() -> None:
     """Put ``generate_step`` in place of mlx-lm's (``mlx_lm.generate``'s
     module global); idempotent. Calls without drafts pass through to stock."""
     global _stock_generate_step
-    import importlib
+    from ._patches import program_module
 
-    generate = importlib.import_module("mlx_lm.generate")
+    # At model load: the program's own module (``python -m mlx_lm.generate``'s __main__).
+    generate = program_module("mlx_lm.generate")
     current = generate.generate_step
     if getattr(current, "_lily_mtp", False):
         return

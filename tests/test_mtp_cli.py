@@ -110,3 +110,29 @@ def test_doctor_says_whether_there_is_a_head(head, demo_checkpoint):
     assert "MTP head (1 layer)" in mtp_cli.head_line(str(head))
     line = mtp_cli.head_line(str(demo_checkpoint))
     assert "no MTP head" in line and "graft-mtp" in line
+
+
+def test_python_m_mlx_lm_generate_drafts_on_its_own_module(monkeypatch):
+    """``python -m mlx_lm.generate --mtp``: the program is ``__main__``, whose
+    ``generate_step`` its ``stream_generate`` calls; the wrapper goes there,
+    not to a second copy of ``mlx_lm.generate``."""
+    import importlib
+    import sys
+    import types
+
+    from mlx_lily import mtp_decode
+
+    def generate_step(*args, **kwargs):  # the program's own
+        yield from ()
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="mlx_lm.generate")
+    main.generate_step = generate_step
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(mtp_decode, "_stock_generate_step", mtp_decode._stock_generate_step)
+    imported = importlib.import_module("mlx_lm.generate")
+    before = imported.generate_step
+    mtp_decode.install()
+    assert main.generate_step is mtp_decode.generate_step
+    assert mtp_decode._stock_generate_step is generate_step
+    assert imported.generate_step is before  # the copy the program never calls
