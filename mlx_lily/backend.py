@@ -67,6 +67,13 @@ def _lily_load_model(model_path, *args: Any, **kwargs: Any):
             from . import server_admission
 
             server_admission.install()
+    if program == "mlx_lm.generate":
+        # The speculative loop (--draft-model) of the program's own module:
+        # ``enable`` wrapped the imported one, a second copy where the
+        # program runs as ``python -m mlx_lm.generate`` (its ``__main__``).
+        from ._patches import program_module
+
+        trimmable_cache.install(program_module("mlx_lm.generate"))
     if program in ("mlx_lm.generate", "mlx_lm.cache_prompt"):
         # Prompt cache files: checked against the model; written with checkpoints.
         from . import cache_prompt

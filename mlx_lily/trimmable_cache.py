@@ -208,11 +208,13 @@ def _generate_module():
     return importlib.import_module("mlx_lm.generate")
 
 
-def install() -> None:
+def install(generate: Any = None) -> None:
     """Wrap mlx-lm's speculative loop (``mlx_lm.generate``'s module global,
-    which ``stream_generate`` calls); idempotent."""
+    which ``stream_generate`` calls; or ``generate``'s: the program's own
+    module, ``__main__`` under ``python -m mlx_lm.generate``, which the
+    backend wraps too once the model loads); idempotent."""
     global _stock_speculative
-    generate = _generate_module()
+    generate = generate if generate is not None else _generate_module()
 
     current = generate.speculative_generate_step
     if getattr(current, "_lily", False):

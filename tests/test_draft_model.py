@@ -149,3 +149,30 @@ def test_command_line_draft_model(models, demo_checkpoint):
         return out.stdout.split("==========")[1]
 
     assert run("--draft-model", str(models["draft_path"]), "--num-draft-tokens", "3") == run()
+
+
+def test_python_m_mlx_lm_generate_gets_the_speculative_loop_at_model_load(demo_checkpoint, monkeypatch):
+    """``python -m mlx_lm.generate --draft-model``: the program is
+    ``__main__``, which the startup hook meets before its functions exist;
+    once lily loads the model, ``__main__``'s speculative loop is wrapped
+    too (the imported copy, wrapped by ``enable``, is one it never calls)."""
+    import sys
+    import types
+
+    from mlx_lily import backend, cache_prompt, trimmable_cache
+
+    def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):  # the program's own
+        yield from ()
+
+    main = types.ModuleType("__main__")
+    main.__spec__ = types.SimpleNamespace(name="mlx_lm.generate")
+    main.speculative_generate_step = speculative_generate_step
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(trimmable_cache, "_stock_speculative", trimmable_cache._stock_speculative)
+    monkeypatch.setattr(backend, "current_program", lambda: "mlx_lm.generate")
+    monkeypatch.setattr(cache_prompt, "_settings", {})  # the load's own check of generate's flags, kept apart
+    monkeypatch.setenv("MLX_LILY_PRIME", "0")
+    backend._lily_load_model(demo_checkpoint)
+    wrapped = main.speculative_generate_step
+    assert getattr(wrapped, "_lily", False) and wrapped.__wrapped__ is speculative_generate_step
+    assert trimmable_cache._stock_speculative is speculative_generate_step
