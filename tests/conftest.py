@@ -24,6 +24,24 @@ def fresh_notices():
     _notice.reset_notices()
 
 
+@pytest.fixture
+def run_as_main(monkeypatch):
+    """``run_as_main(name, **attributes)``: a stand-in ``__main__`` for the
+    test, as ``python -m name`` makes it (its ``__spec__`` names the module)."""
+    import sys
+    import types
+
+    def stand_in(name: str, **attributes):
+        main = types.ModuleType("__main__")
+        main.__spec__ = types.SimpleNamespace(name=name)
+        for key, value in attributes.items():
+            setattr(main, key, value)
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        return main
+
+    return stand_in
+
+
 @pytest.fixture(scope="session")
 def demo_checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "demo", shape="demo")

@@ -151,23 +151,17 @@ def test_command_line_draft_model(models, demo_checkpoint):
     assert run("--draft-model", str(models["draft_path"]), "--num-draft-tokens", "3") == run()
 
 
-def test_python_m_mlx_lm_generate_gets_the_speculative_loop_at_model_load(demo_checkpoint, monkeypatch):
+def test_python_m_mlx_lm_generate_gets_the_speculative_loop_at_model_load(demo_checkpoint, monkeypatch, run_as_main):
     """``python -m mlx_lm.generate --draft-model``: the program is
     ``__main__``, which the startup hook meets before its functions exist;
     once lily loads the model, ``__main__``'s speculative loop is wrapped
     too (the imported copy, wrapped by ``enable``, is one it never calls)."""
-    import sys
-    import types
-
     from mlx_lily import backend, cache_prompt, trimmable_cache
 
     def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):  # the program's own
         yield from ()
 
-    main = types.ModuleType("__main__")
-    main.__spec__ = types.SimpleNamespace(name="mlx_lm.generate")
-    main.speculative_generate_step = speculative_generate_step
-    monkeypatch.setitem(sys.modules, "__main__", main)
+    main = run_as_main("mlx_lm.generate", speculative_generate_step=speculative_generate_step)
     monkeypatch.setattr(trimmable_cache, "_stock_speculative", trimmable_cache._stock_speculative)
     monkeypatch.setattr(backend, "current_program", lambda: "mlx_lm.generate")
     monkeypatch.setattr(cache_prompt, "_settings", {})  # the load's own check of generate's flags, kept apart

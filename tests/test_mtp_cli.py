@@ -112,23 +112,18 @@ def test_doctor_says_whether_there_is_a_head(head, demo_checkpoint):
     assert "no MTP head" in line and "graft-mtp" in line
 
 
-def test_python_m_mlx_lm_generate_drafts_on_its_own_module(monkeypatch):
+def test_python_m_mlx_lm_generate_drafts_on_its_own_module(monkeypatch, run_as_main):
     """``python -m mlx_lm.generate --mtp``: the program is ``__main__``, whose
     ``generate_step`` its ``stream_generate`` calls; the wrapper goes there,
     not to a second copy of ``mlx_lm.generate``."""
     import importlib
-    import sys
-    import types
 
     from mlx_lily import mtp_decode
 
     def generate_step(*args, **kwargs):  # the program's own
         yield from ()
 
-    main = types.ModuleType("__main__")
-    main.__spec__ = types.SimpleNamespace(name="mlx_lm.generate")
-    main.generate_step = generate_step
-    monkeypatch.setitem(sys.modules, "__main__", main)
+    main = run_as_main("mlx_lm.generate", generate_step=generate_step)
     monkeypatch.setattr(mtp_decode, "_stock_generate_step", mtp_decode._stock_generate_step)
     imported = importlib.import_module("mlx_lm.generate")
     before = imported.generate_step

@@ -286,20 +286,16 @@ def test_serving_with_lily_installs_the_backlog_before_the_server_starts(monkeyp
     assert ThreadingHTTPServer.request_queue_size == 5
 
 
-def test_a_server_run_as_python_m_gets_the_patches(monkeypatch):
+def test_a_server_run_as_python_m_gets_the_patches(monkeypatch, run_as_main):
     """``python -m mlx_lm.server``: the program is ``__main__``, and
     importing ``mlx_lm.server`` would load a second copy that it never calls;
     the patches made at model load land on ``__main__``'s classes."""
     import sys
-    import types
 
     from mlx_lily._patches import loaded_program_module, program_module
 
-    main = types.ModuleType("__main__")
-    main.__spec__ = types.SimpleNamespace(name="mlx_lm.server")
-    main.TimeBudget = type("TimeBudget", (server.TimeBudget,), {})
-    main.ResponseGenerator = type("ResponseGenerator", (server.ResponseGenerator,), {})
-    monkeypatch.setitem(sys.modules, "__main__", main)
+    main = run_as_main("mlx_lm.server", TimeBudget=type("TimeBudget", (server.TimeBudget,), {}),
+                       ResponseGenerator=type("ResponseGenerator", (server.ResponseGenerator,), {}))
     assert program_module("mlx_lm.server") is main and loaded_program_module("mlx_lm.server") is main
     assert program_module("mlx_lm.generate") is sys.modules["mlx_lm.generate"]
     monkeypatch.delenv(server_admission.ENV, raising=False)
