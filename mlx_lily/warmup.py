@@ -163,8 +163,8 @@ class _PhaseCosts:
     CUDA mostly compiling it; and its reference), the modules lily's CUDA
     cache compiled, first uses met inside a compiled step's trace (each
     traces the step again), and the kernels MLX itself compiled into its PTX
-    folder (``MLX_PTX_CACHE_DIR``: its own ops' and fused elementwise kernels,
-    files not named ``custom_kernel_*``). The rest of a step's seconds is
+    folder (``_mlx_ptx_files``: its own ops' and fused elementwise kernels).
+    The rest of a step's seconds is
     running and tracing the model. Why: on the H200 one step of priming took
     minutes where its neighbours took seconds; at 5b9ed7a its line showed that
     neither lily's compiling nor its checks took that time."""
@@ -222,13 +222,19 @@ def _mlx_ptx_files() -> int:
 
 def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> None:
     costs = _PhaseCosts()
+
+    def said(what: str, note: str = "") -> None:
+        """A step's progress line: the seconds since priming began, then where
+        this step's went."""
+        log(f"  primed {what} ({note}{time.perf_counter() - start:.1f}s; {costs.take()})")
+
     cache = prompt_cache(model, server)
     done = 0
     for length in lengths:
         logits = model(_prompt(length, done), cache=cache)
         mx.eval(logits, [c.state for c in cache])
         done += length
-        log(f"  primed a {length}-token chunk ({time.perf_counter() - start:.1f}s; {costs.take()})")
+        said(f"a {length}-token chunk")
     token = mx.argmax(logits[:, -1:], axis=-1)
     for _ in range(DECODE_TOKENS):
         logits = model(token, cache=cache)
@@ -237,33 +243,31 @@ def _run(model: Any, lengths: List[int], start: float, log, server: bool) -> Non
     # A short prompt alone: the sequential recurrence without a state.
     mx.eval(model(_prompt(SHORT_CHUNK), cache=prompt_cache(model, server)))
     del cache, logits
-    log(f"  primed {DECODE_TOKENS} decode steps and a short prompt alone ({time.perf_counter() - start:.1f}s; "
-        f"{costs.take()})")
+    said(f"{DECODE_TOKENS} decode steps and a short prompt alone")
 
     if not server:
         # The server's attention decode calls carry its batch caches' array
         # masks, which run MLX's sdpa: none meets these kernel instances.
         _prime_attention_decode(model)
-        log(f"  primed the attention decode's key-block forms ({time.perf_counter() - start:.1f}s; {costs.take()})")
+        said("the attention decode's key-block forms")
 
     if server:
         # A prompt of several prefill steps through the batch generator, as a
         # server's long prompt runs: its short tail chunk carries a state and no mask.
         long = 2 * CHUNKED_FROM + SHORT_CHUNK + 1
         run_batch(model, [_prompt(long)[0].tolist()], DECODE_TOKENS, prefill_step_size=CHUNKED_FROM)
-        log(f"  primed a prompt of {long} tokens in chunks of {CHUNKED_FROM} ({time.perf_counter() - start:.1f}s; "
-            f"{costs.take()})")
+        said(f"a prompt of {long} tokens in chunks of {CHUNKED_FROM}")
         _prime_piece_states(model, server)
-        log(f"  primed prefix reuse's checkpoints inside a call ({time.perf_counter() - start:.1f}s; {costs.take()})")
+        said("prefix reuse's checkpoints inside a call")
         if _prime_packed_rows(model, server):
-            log(f"  primed prompts packed together ({time.perf_counter() - start:.1f}s; {costs.take()})")
+            said("prompts packed together")
 
     # Batches of mixed lengths, one per build of the batched decode kernels
     # (the GEMV's row buckets; the other batched kernels have one build).
     for rows in PRIME_BATCHES:
         batch = [_prompt(SHORT_CHUNK // (1 + r % 2), r)[0].tolist() for r in range(rows)]
         steps = run_batch(model, batch, DECODE_TOKENS + 1)
-        log(f"  primed a decode batch of {rows} ({steps} steps, {time.perf_counter() - start:.1f}s; {costs.take()})")
+        said(f"a decode batch of {rows}", f"{steps} steps, ")
 
 
 def run_batch(model: Any, prompts: List[List[int]], max_tokens: int, prefill_step_size: int = 2048,

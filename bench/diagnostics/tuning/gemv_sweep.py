@@ -54,8 +54,7 @@ from mlx_lily.kernels.linear.gemv import (
     quantized_matvec_kernel,
     quantized_matvec_reference,
 )
-from mlx_lily.kernels.linear.gemv import batch_bucket
-from mlx_lily.kernels.linear.gemv_tiles import TILE_ROWS, TPG_CHOICES, default_tiles_per_threadgroup
+from mlx_lily.kernels.linear.gemv_tiles import TPG_CHOICES, default_launch
 from mlx_lily.kernels.linear.gemv_tiles import default_simdgroups as tile_default_simdgroups
 from mlx_lily.kernels.linear.gemv_tiles import simdgroup_choices as tile_simdgroup_choices
 from mlx_lily.kernels.linear.gemv_tiles import quantized_matvec_tiles_kernel, quantized_matvec_tiles_supports
@@ -121,9 +120,9 @@ def sweep(name: str, spec: tuple, backend: str, device_time: bool = False, batch
                          for t in TPG_CHOICES[1:]})
         # The backend's own defaults for this call and B (given, not read from
         # the process: --backend may name another backend than it runs).
-        tiles = sum(-(-n // TILE_ROWS) for n in rows)
-        variants["tiles_default"] = (quantized_matvec_tiles_kernel, dict(
-            simdgroups=nsg, tiles_per_threadgroup=default_tiles_per_threadgroup(backend, tiles, batch_bucket(batch))))
+        default_nsg, default_tpg = default_launch(backend, rows, batch)
+        variants["tiles_default"] = (quantized_matvec_tiles_kernel,
+                                     dict(simdgroups=default_nsg, tiles_per_threadgroup=default_tpg))
     outputs = {}
     for variant, (kernel, options) in variants.items():
         def fn(*a, kernel=kernel, options=options, **k):

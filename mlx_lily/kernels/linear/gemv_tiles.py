@@ -115,6 +115,15 @@ def default_tiles_per_threadgroup(backend: Optional[str], tiles: int, bucket: in
     return 4 if bucket >= CUDA_TPG_WIDE_BUCKET else 2
 
 
+def default_launch(backend: Optional[str], rows: tuple, batch: int) -> tuple:
+    """(SIMD groups splitting K, tiles per threadgroup) that a call of
+    ``rows`` output rows (per segment) takes on ``backend`` at ``batch`` rows
+    of x by default: ``_launch``'s choice, and the sweep's "tiles_default"."""
+    tiles = sum(-(-int(n) // TILE_ROWS) for n in rows)
+    return (default_simdgroups(backend, sum(rows)),
+            default_tiles_per_threadgroup(backend, tiles, batch_bucket(batch)))
+
+
 def quantized_matvec_tiles_supports(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None) -> Optional[str]:
     """None when the tile kernel takes this call, else why not: the GEMV's
     limits, every segment 4-bit or every segment 8-bit, and bf16 matmul
@@ -146,13 +155,13 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
     ``default_tiles_per_threadgroup``) changes no bits."""
     B, K = x.shape[0], x.shape[-1]
     rows = tuple(int(w.shape[0]) for w, _, _ in weights)
-    nsg = default_simdgroups(runs_on(), sum(rows)) if simdgroups is None else int(simdgroups)
+    default_nsg, default_tpg = default_launch(runs_on(), rows, B)
+    nsg = default_nsg if simdgroups is None else int(simdgroups)
     if nsg not in CUDA_SIMDGROUP_CHOICES:
         raise ValueError(f"simdgroups {nsg}: one of {SIMDGROUP_CHOICES} ({CUDA_SIMDGROUP_CHOICES} on CUDA)")
     S = len(weights)
     tiles = sum(-(-n // TILE_ROWS) for n in rows)
-    tpg = (default_tiles_per_threadgroup(runs_on(), tiles, batch_bucket(B)) if tiles_per_threadgroup is None
-           else int(tiles_per_threadgroup))
+    tpg = default_tpg if tiles_per_threadgroup is None else int(tiles_per_threadgroup)
     if tpg not in TPG_CHOICES:
         raise ValueError(f"tiles_per_threadgroup {tpg}: one of {TPG_CHOICES}")
     inputs, prologue, XT, OutT = call_inputs(x, weights, norm_weight, eps, gate, residual,
