@@ -32,7 +32,8 @@
 //
 // Template: XT (bfloat16_t: x's dtype, the norm weight's too), OutT (the
 //           output's dtype), K (a multiple of 64), S (segments, 1..4), BITS
-//           (4 or 8, every segment's), NSG (SIMD groups per threadgroup: the
+//           (4 or 8, every segment's), SBT (the scales' and biases' dtype where
+//           every segment's share one, else float), NSG (SIMD groups per threadgroup: the
 //           K split), TPG (output tiles per threadgroup), PROLOGUE (0 none,
 //           1 RMSNorm, 2 sigmoid gate), RESIDUAL (bool), BATCH (B's bucket:
 //           1, 2, 4, 8 or 16; sizes the loops over rows).
@@ -144,11 +145,18 @@ lily_tile_load_b(ones_b, ones, int(TILE_ROWS), lane);
 
 // This SIMD group's slice of K, a quantization group at a time; the SIMD
 // groups run their slices independently (each stages its own xin and q).
-// Pass g fetches group g's weights for this lane in each of the TPG tiles
-// (LANE_VECS 16-byte words of row my_row, and the row's scale on even lanes,
-// its bias on odd ones) and x's values lane and lane + 32 of the group for
-// every row, and multiplies group g - 1's, fetched a pass earlier: every
-// load of a pass is issued before the work that waits for the previous one.
+// Pass g fetches group g's inputs and multiplies group g - 1's, fetched a
+// pass earlier: per tile LANE_VECS 16-byte words of this lane's weight row
+// (row tile_row0 + lane / 2) and the row's scale (even lanes) or bias (odd
+// ones); per row of x its values lane and lane + 32 of the group; the
+// prologue's norm weight or gate values for those columns. Every load of a
+// pass is issued before any of them is used: the loads carry no branch
+// (rows past B read row 0 and the pass past the slice group 0, values never
+// used), the weights are moved as loaded, the scales and biases kept in
+// their own dtype (SBT) until the pass ends, and x and the gate are packed to
+// bf16 pairs only after all of their loads are out. (A load consumed in its
+// own branch, one per row, made the pass wait for each row's load in turn:
+// at 16 rows that, not the weights, set the kernel's time.)
 // xin is staged once a pass for all TPG tiles (at 16 rows staging it costs
 // about what unpacking a tile's weights does).
 const uint g_begin = sg * SLICE;
@@ -162,28 +170,25 @@ LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
   }
   scale_or_bias[t] = 0.0f;
 }
-uint xv[BATCH];  // per row, x's two values of this lane as bf16 bits (exact: x is bf16)
+uint xv[BATCH];         // per row, x's two values of this lane as bf16 bits (exact: x is bf16)
+uint gate_bits[BATCH];  // per row, the gate's two values as bf16 bits (the gate has x's dtype)
+float norm_w[2];        // the norm weight at this lane's two columns
 for (uint b = 0; b < BATCH; ++b) {
   xv[b] = 0u;
+  gate_bits[b] = 0u;
 }
+norm_w[0] = 1.0f;
+norm_w[1] = 1.0f;
 for (uint g = g_begin; g <= g_end; ++g) {
+  const bool fetching = g < g_end;
   uint4 fetched[TPG * LANE_VECS];
-  float fetched_sb[TPG];
-  uint fetched_x[BATCH];
-  for (uint b = 0; b < BATCH; ++b) {
-    fetched_x[b] = 0u;
-    if (b < batch_rows && g < g_end) {
-      const uint k = g * GROUP + lane;
-      fetched_x[b] = lily_tile_pack2(static_cast<float>(x[b * x_strides[0] + k * x_strides[2]]),
-                                     static_cast<float>(x[b * x_strides[0] + (k + SIMD_WIDTH) * x_strides[2]]));
-    }
-  }
+  SBT fetched_sb[TPG];
   LILY_UNROLL for (uint t = 0; t < TPG; ++t) {
     for (uint v = 0; v < LANE_VECS; ++v) {
       fetched[t * LANE_VECS + v] = no_words;
     }
-    fetched_sb[t] = 0.0f;
-    if (tile_in[t] && g < g_end) {
+    fetched_sb[t] = static_cast<SBT>(0.0f);
+    if (tile_in[t] && fetching) {
       const uint my_row = tile_row0[t] + lane / 2;
       const uint wi = my_row * WORDS + g * GROUP_WORDS + (lane % 2) * (GROUP_WORDS / 2);
       const uint gi = my_row * GROUPS + g;
@@ -200,40 +205,63 @@ for (uint g = g_begin; g <= g_end; ++g) {
         }
       }
       if (seg == 0) {
-        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
+        fetched_sb[t] = static_cast<SBT>(lane % 2 == 0 ? scales0[gi] : biases0[gi]);
       } else if (S > 1 && seg == 1) {
-        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
+        fetched_sb[t] = static_cast<SBT>(lane % 2 == 0 ? scales1[gi] : biases1[gi]);
       } else if (S > 2 && seg == 2) {
-        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
+        fetched_sb[t] = static_cast<SBT>(lane % 2 == 0 ? scales2[gi] : biases2[gi]);
       } else if (S > 3 && seg == 3) {
-        fetched_sb[t] = static_cast<float>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
+        fetched_sb[t] = static_cast<SBT>(lane % 2 == 0 ? scales3[gi] : biases3[gi]);
       }
     }
   }
-  if (g > g_begin) {
-    const uint gc = g - 1;  // the group multiplied in this pass
-    // xin of group gc for rows < B (lanes take values lane and lane + 32):
-    // the prologue's inputs loaded for every row first, then applied.
-    float norm_w[2];
-    uint gate_at[2];
+  // Columns k and k + 32 of the group fetched (group 0 in the pass past the
+  // slice): every row's loads, then their packing.
+  const uint k_lo = (fetching ? g : 0u) * GROUP + lane;
+  uint gate_at[2];
+  for (uint h = 0; h < 2; ++h) {
+    gate_at[h] = 0u;
+    if (PROLOGUE == 2) {
+      const uint k = k_lo + h * SIMD_WIDTH;
+      const uint gh = k / gate_d;
+      gate_at[h] = gh * uint(gate_strides[2]) + (k - gh * gate_d) * uint(gate_strides[3]);
+    }
+  }
+  XT x_loaded[2 * BATCH];
+  XT gate_loaded[2 * BATCH];
+  for (uint b = 0; b < BATCH; ++b) {
+    const uint row = b < batch_rows ? b : 0u;
+    const uint x_at = row * x_strides[0];
+    x_loaded[2 * b] = x[x_at + k_lo * x_strides[2]];
+    x_loaded[2 * b + 1] = x[x_at + (k_lo + SIMD_WIDTH) * x_strides[2]];
+    if (PROLOGUE == 2) {
+      const uint gate_row_at = row * uint(gate_strides[0]);
+      gate_loaded[2 * b] = gate[gate_row_at + gate_at[0]];
+      gate_loaded[2 * b + 1] = gate[gate_row_at + gate_at[1]];
+    }
+  }
+  uint fetched_x[BATCH];
+  uint fetched_gate[BATCH];
+  for (uint b = 0; b < BATCH; ++b) {
+    fetched_x[b] = lily_tile_pack2(static_cast<float>(x_loaded[2 * b]), static_cast<float>(x_loaded[2 * b + 1]));
+    fetched_gate[b] = 0u;
+    if (PROLOGUE == 2) {
+      fetched_gate[b] = lily_tile_pack2(static_cast<float>(gate_loaded[2 * b]),
+                                        static_cast<float>(gate_loaded[2 * b + 1]));
+    }
+  }
+  XT norm_loaded[2];
+  if (PROLOGUE == 1) {
     for (uint h = 0; h < 2; ++h) {
-      const uint k = gc * GROUP + lane + h * SIMD_WIDTH;
-      norm_w[h] = PROLOGUE == 1 ? static_cast<float>(norm_weight[k * norm_weight_strides[0]]) : 1.0f;
-      gate_at[h] = 0u;
-      if (PROLOGUE == 2) {
-        const uint gh = k / gate_d;
-        gate_at[h] = gh * uint(gate_strides[2]) + (k - gh * gate_d) * uint(gate_strides[3]);
-      }
+      norm_loaded[h] = norm_weight[(k_lo + h * SIMD_WIDTH) * norm_weight_strides[0]];
     }
-    uint gate_bits[BATCH];  // per row, the gate's two values as bf16 bits (the gate has x's dtype)
-    for (uint b = 0; b < BATCH; ++b) {
-      gate_bits[b] = 0u;
-      if (PROLOGUE == 2 && b < batch_rows) {
-        const uint row_at = b * uint(gate_strides[0]);
-        gate_bits[b] = lily_tile_pack2(static_cast<float>(gate[row_at + gate_at[0]]),
-                                       static_cast<float>(gate[row_at + gate_at[1]]));
-      }
-    }
+  }
+  float fetched_norm_w[2];
+  for (uint h = 0; h < 2; ++h) {
+    fetched_norm_w[h] = PROLOGUE == 1 ? static_cast<float>(norm_loaded[h]) : 1.0f;
+  }
+  if (g > g_begin) {
+    // xin of group g - 1 for rows < B (lanes take values lane and lane + 32).
     for (uint b = 0; b < BATCH; ++b) {
       if (b >= batch_rows) {
         continue;  // uniform; rows past B stay zero
@@ -324,10 +352,14 @@ for (uint g = g_begin; g <= g_end; ++g) {
     for (uint v = 0; v < LANE_VECS; ++v) {
       words[t * LANE_VECS + v] = fetched[t * LANE_VECS + v];
     }
-    scale_or_bias[t] = fetched_sb[t];
+    scale_or_bias[t] = static_cast<float>(fetched_sb[t]);
   }
   for (uint b = 0; b < BATCH; ++b) {
     xv[b] = fetched_x[b];
+    gate_bits[b] = fetched_gate[b];
+  }
+  for (uint h = 0; h < 2; ++h) {
+    norm_w[h] = fetched_norm_w[h];
   }
 }
 

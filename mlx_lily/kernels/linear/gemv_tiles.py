@@ -178,6 +178,7 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
             ("K", K),
             ("S", S),
             ("BITS", _bits(x, weights)[0]),
+            ("SBT", _scale_bias_dtype(weights)),
             ("NSG", nsg),
             ("TPG", tpg),
             ("PROLOGUE", prologue),
@@ -187,6 +188,14 @@ def _launch(x, weights, norm_weight=None, eps=0.0, gate=None, residual=None, *,
         finish=tuple,
         absent=_ABSENT[S],
     )
+
+
+def _scale_bias_dtype(weights) -> mx.Dtype:
+    """The dtype the body holds the scales and biases in between their loads
+    and their use: theirs where every segment's share one, else float32
+    (exact for each)."""
+    dtypes = {a.dtype for _, scales, biases in weights for a in (scales, biases)}
+    return dtypes.pop() if len(dtypes) == 1 else mx.float32
 
 
 def _sample():
