@@ -19,6 +19,20 @@ distributed server keeps stock's rounds (its ranks agree on each round's
 length through ``TimeBudget``'s own synchronisation, and only rank 0 reads
 the queue). ``MLX_LILY_EARLY_ADMISSION=0`` keeps stock's rounds everywhere.
 
+A burst of requests is taken whole. The loop inserts each request it reads
+(tokenizing it) and reads again; once the queue is empty it runs the batch
+generator, whose next call prefills what has been inserted. Requests sent
+together reach the queue a few milliseconds apart (each through its HTTP
+handler's thread), so a burst of 16 on the H200 was prefilled in three
+calls of 6, 2 and 8 rows, each about 0.3 s, and every first token came after
+1.1 s (bench/results/2026-12-04-nvidia-h200-efe1204). With lily, a poll that
+finds the queue empty less than ``BURST_GAP_S`` (10 ms) after the last
+request was taken waits for the next until then (at most ``BURST_MAX_S``,
+50 ms, from the burst's first request), so the burst's requests are inserted
+before its first prefill call. A lone request's first token comes at most
+``BURST_GAP_S`` later. How many rows a prefill call takes is still the
+server's ``--prompt-concurrency`` (8 by default).
+
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
 
 A burst of connections: mlx-lm's HTTP server is the standard library's
@@ -38,6 +52,7 @@ queue too.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ._notice import notice_once
@@ -59,13 +74,38 @@ def enabled() -> bool:
     return False
 
 
+# A burst: requests taken less than BURST_GAP_S apart. While one is under way
+# (and for at most BURST_MAX_S from its first request) the loop's poll of an
+# empty queue, after which it would run a prefill or decode call, waits for
+# the burst's next request until BURST_GAP_S after the last one.
+BURST_GAP_S = 0.01
+BURST_MAX_S = 0.05
+
+
 def _next_request(self: Any, timeout: Any = None):
     """``ResponseGenerator._next_request``, which the generation loop calls
-    before every round: its round budget learns the request queue."""
+    before every round: its round budget learns the request queue, and a
+    burst of requests is taken whole before the next batch call."""
+    distributed = getattr(self, "_is_distributed", False)
     budget = getattr(self, "_time_budget", None)
     if budget is not None:
-        budget._lily_requests = None if getattr(self, "_is_distributed", False) else self.requests
-    return _stock["_next_request"](self, timeout)
+        budget._lily_requests = None if distributed else self.requests
+    request = _stock["_next_request"](self, timeout)
+    if distributed:
+        return request
+    now = time.perf_counter()
+    last = getattr(self, "_lily_last_taken", None)
+    if request is None and timeout is None and last is not None:
+        began = getattr(self, "_lily_burst_began", last)
+        wait = min(last + BURST_GAP_S, began + BURST_MAX_S) - now
+        if wait > 0:
+            request = _stock["_next_request"](self, wait)
+            now = time.perf_counter()
+    if request is not None:
+        if last is None or now - last > BURST_GAP_S:
+            self._lily_burst_began = now
+        self._lily_last_taken = now
+    return request
 
 
 def _iter(self: Any):

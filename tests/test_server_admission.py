@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from queue import Queue
 
 import pytest
@@ -81,6 +83,79 @@ def test_a_round_runs_at_least_one_step(admission):
 
 def test_a_distributed_server_keeps_stock_rounds(admission):
     assert Loop(distributed=True).round(arrive_after=3) == STEPS_AT_MOST
+
+
+def _poll(loop):
+    """The loop's poll while a batch is under way (no timeout), timed."""
+    began = time.perf_counter()
+    request = server.ResponseGenerator._next_request(loop)
+    return request, time.perf_counter() - began
+
+
+def _put_after(loop, seconds, request):
+    timer = threading.Timer(seconds, loop.requests.put, args=(request,))
+    timer.start()
+    return timer
+
+
+@pytest.fixture
+def slow_burst(admission, monkeypatch):
+    """Bursts measured in tenths of a second, so a loaded CI machine's
+    scheduling does not decide the outcome."""
+    monkeypatch.setattr(server_admission, "BURST_GAP_S", 0.4)
+    monkeypatch.setattr(server_admission, "BURST_MAX_S", 1.0)
+
+
+def test_a_request_arriving_just_after_another_joins_it(slow_burst):
+    """The poll after a request was taken waits for the burst's next one
+    (which the loop then inserts before its prefill call), and no longer."""
+    loop = Loop()
+    loop.requests.put("first")
+    assert _poll(loop)[0] == "first"
+    _put_after(loop, 0.1, "second").join()
+    request, waited = _poll(loop)
+    assert request == "second"
+    request, waited = _poll(loop)  # nothing more comes: the gap's end, then the batch call
+    assert request is None and 0.2 < waited < 0.8
+
+
+def test_no_wait_once_the_gap_has_passed(slow_burst):
+    loop = Loop()
+    loop.requests.put("first")
+    assert _poll(loop)[0] == "first"
+    time.sleep(0.45)
+    request, waited = _poll(loop)
+    assert request is None and waited < 0.1
+    # Nor before any request was taken.
+    request, waited = _poll(Loop())
+    assert request is None and waited < 0.1
+
+
+def test_a_burst_is_taken_for_at_most_its_limit(slow_burst):
+    """Requests that keep coming within the gap are taken until BURST_MAX_S
+    after the burst's first; then the poll returns at once."""
+    loop = Loop()
+    loop.requests.put(0)
+    assert _poll(loop)[0] == 0
+    began = time.perf_counter()
+    taken = [0]
+    while time.perf_counter() - began < 2.0:
+        timer = _put_after(loop, 0.25, len(taken))
+        request, _ = _poll(loop)
+        if request is None:
+            timer.cancel()
+            break
+        taken.append(request)
+    assert 2 <= len(taken) <= 6, taken
+    assert time.perf_counter() - began < 1.6
+
+
+def test_a_distributed_server_takes_no_burst(slow_burst):
+    loop = Loop(distributed=True)
+    loop.requests.put("first")
+    assert _poll(loop)[0] == "first"
+    request, waited = _poll(loop)
+    assert request is None and waited < 0.1
 
 
 def test_stock_rounds_without_it(monkeypatch):
