@@ -296,7 +296,7 @@ def test_moe_decode_sweep_checks_each_rows_per_pass_and_restores_the_default(tmp
             "group 1", "down apart", "combined down", "combined down sg 2", "combined down rows 1")},
             "emulator", (128, 16, 3, 64, 128), False)
         assert all(e["same_bits"] for e in both["groups"].values()) and both["contract"] == "met"
-    assert (decode.COMBINED_DOWN_MAX_ROWS, decode.COMBINED_DOWN_SIMD_GROUPS, decode.COMBINED_DOWN_ROWS) == (1, None, 4)
+    assert (decode.COMBINED_DOWN_MAX_ROWS, decode.COMBINED_DOWN_SIMD_GROUPS, decode.COMBINED_DOWN_ROWS) == (2, None, 4)
     # --cold: the timed calls cycle over weight sets; the first set is checked as before.
     cold = moe_decode_sweep.sweep(2, {"group 1": choices["group 1"]}, "emulator", (128, 16, 3, 64, 128), False, cold=2)
     assert cold["weight_sets"] == 2 and cold["contract"] == "met" and cold["groups"]["group 1"]["chain_us"] > 0
@@ -398,7 +398,7 @@ def test_decode_ab_alternates_arms_from_the_defaults_and_compares_greedy_tokens(
     arm = "two launches:mlx_lily.kernels.moe.decode.COMBINED_DOWN_MAX_ROWS=0"
     code = decode_ab.main(["--arm", "defaults:", "--arm", arm, "--shape", "demo", "--context", "24", "--tokens", "3",
                            "--rounds", "2", "--greedy", "5", "--out", str(tmp_path)])
-    assert code == 0 and decode.COMBINED_DOWN_MAX_ROWS == 1
+    assert code == 0 and decode.COMBINED_DOWN_MAX_ROWS == 2
     record = json.loads((tmp_path / "decode-ab.json").read_text())
     defaults, two = record["arms"]["defaults"], record["arms"]["two launches"]
     assert defaults["settings"] == {} and two["settings"] == {"mlx_lily.kernels.moe.decode.COMBINED_DOWN_MAX_ROWS": "0"}

@@ -336,7 +336,8 @@ def test_down_and_combine_as_one_launch_give_every_row_the_recorded_bits(setting
     from mlx_lily.kernels.moe import decode
 
     emulator_or_skip()
-    assert decode.combines_in_down(1) and not decode.combines_in_down(2)  # one stream's step (the default)
+    # One stream's step and a k = 1 verification (the default), not more rows.
+    assert decode.combines_in_down(1) and decode.combines_in_down(2) and not decode.combines_in_down(3)
     monkeypatch.setattr(decode, "COMBINED_DOWN_MAX_ROWS", decode.MAX_BATCH)
     assert decode.combines_in_down(1) and decode.combines_in_down(decode.MAX_BATCH)
     for name, value in setting.items():

@@ -130,10 +130,15 @@ ROUTED_MAX_ROWS = 1
 # against 5.04 in an earlier run) with 289 kernels a token against 329, and
 # 6.19 ms a token against 7.84 over four rounds in rotated order (an earlier
 # run, the two launches always first: 7.25 against 5.99). moe_decode_sweep
-# --launch times it ("combined down ...", against "down apart"). Its launch:
+# --launch times it ("combined down ...", against "down apart"). Up to two
+# rows: a k = 1 speculative round verifies two positions and is bound by the
+# host; with the one launch at two rows it spent 8.7 ms of host time against
+# 10.3 (submitting 5.21 against 6.22 ms, building 2.50 against 2.92) on one
+# H200, one run after the other (bench --spec --k 1 --set ...=2,
+# bench/results/2026-12-04-nvidia-h200-efe1204). Its launch:
 # SIMD groups per threadgroup (None: one per slot, K + 1, at most 32) and
 # output elements per threadgroup.
-COMBINED_DOWN_MAX_ROWS = 1
+COMBINED_DOWN_MAX_ROWS = 2
 COMBINED_DOWN_SIMD_GROUPS, COMBINED_DOWN_ROWS = None, 4
 COMBINED_DOWN_ROWS_CHOICES = (1, 2, 4, 8, 16)
 COMBINE_THREADS = 256

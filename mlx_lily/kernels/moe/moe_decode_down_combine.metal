@@ -63,23 +63,21 @@ for (uint j = sg; j < SLOTS; j += uint(NSG)) {  // uniform within the SIMD group
 
   // The slot's weights for the threadgroup's elements, read at once (zeros
   // past D, as down holds them: that element is not written).
-  // (Scales and biases kept in T until used: converted where loaded, each
-  // (row, unit)'s branch would wait for its load before the next is issued.)
   uint2 q[ROWS][UNITS_PER_LANE];
-  T scale[ROWS][UNITS_PER_LANE];
-  T offset[ROWS][UNITS_PER_LANE];
+  float scale[ROWS][UNITS_PER_LANE];
+  float offset[ROWS][UNITS_PER_LANE];
   for (uint rr = 0; rr < uint(ROWS); ++rr) {
     for (uint m = 0; m < UNITS_PER_LANE; ++m) {
       const uint u = lane + m * SIMD_WIDTH;
       q[rr][m] = uint2{0u, 0u};
-      scale[rr][m] = static_cast<T>(0.0f);
-      offset[rr][m] = static_cast<T>(0.0f);
+      scale[rr][m] = 0.0f;
+      offset[rr][m] = 0.0f;
       if (d0 + rr < uint(D) && u < units) {
         const uint row = row_base + d0 + rr;
         q[rr][m] = *reinterpret_cast<const device uint2*>(w + row * row_words + u * 2);
         const uint at = row * row_groups + u / 4;
-        scale[rr][m] = s[at];
-        offset[rr][m] = bias[at];
+        scale[rr][m] = static_cast<float>(s[at]);
+        offset[rr][m] = static_cast<float>(bias[at]);
       }
     }
   }
@@ -96,8 +94,7 @@ for (uint j = sg; j < SLOTS; j += uint(NSG)) {  // uniform within the SIMD group
       float a_sum;
       LILY_DOWN_UNIT_ACTIVATIONS(a, a_sum, act + a_row + u * UNIT);
       for (uint rr = 0; rr < uint(ROWS); ++rr) {
-        LILY_DOWN_UNIT_ACC(acc[rr], a, a_sum, q[rr][m], static_cast<float>(scale[rr][m]),
-                            static_cast<float>(offset[rr][m]));
+        LILY_DOWN_UNIT_ACC(acc[rr], a, a_sum, q[rr][m], scale[rr][m], offset[rr][m]);
       }
     }
   }

@@ -48,7 +48,7 @@
 //           bits a row in the packed member list), GROUP (rows a pass), NSG
 //           (SIMD groups per threadgroup), ROWS (hidden rows per SIMD group).
 // Two builds share this body (the macros LILY_ROWS, LILY_GATE_UP_PROLOGUE,
-// LILY_PICK, LILY_X_WORDS, LILY_X_LOAD and LILY_X_VALUES, from each build's header): launch 2 as
+// LILY_PICK and LILY_X_CHUNK, from each build's header): launch 2 as
 // described, reading launch 1's xn and inds; and, for a few rows, launches 1
 // and 2 as one ("routed": moe_decode_route_gate_up.metal.h), whose
 // threadgroups each take every row's top-k and norm first, as launch 1
@@ -166,19 +166,16 @@ for (uint turn = 0; turn < uint(ROWS); ++turn) {
     // multiplies, so that two steps' words are in flight (scalars, not arrays
     // indexed by the step: a loop nvcc leaves rolled would put those in local
     // memory).
-    // The scales and biases stay in T until their step: converted where
-    // loaded, the branch would wait for them before the step's x is loaded.
     uint4 next_gate = no_words;
     uint4 next_up = no_words;
-    T next_s_gate = static_cast<T>(0.0f), next_b_gate = static_cast<T>(0.0f);
-    T next_s_up = static_cast<T>(0.0f), next_b_up = static_cast<T>(0.0f);
+    float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
     if (lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
       next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
       next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
-      next_s_gate = gs[row * ROW_GROUPS + lane * VALUES / 64];
-      next_b_gate = gb[row * ROW_GROUPS + lane * VALUES / 64];
-      next_s_up = us[row * ROW_GROUPS + lane * VALUES / 64];
-      next_b_up = ub[row * ROW_GROUPS + lane * VALUES / 64];
+      next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
+      next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
+      next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
+      next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
     }
 
     float acc_gate[GROUP];
@@ -193,26 +190,16 @@ for (uint turn = 0; turn < uint(ROWS); ++turn) {
       const bool present = k0 < uint(D);
       const uint4 words_gate = next_gate;
       const uint4 words_up = next_up;
-      const T s_gate_t = next_s_gate, b_gate_t = next_b_gate, s_up_t = next_s_up, b_up_t = next_b_up;
-      // The step's x for the pass's rows, every chunk's loads issued before
-      // any is unpacked (LILY_X_LOAD: LILY_X_WORDS 16-byte words a chunk).
-      uint4 x_words[GROUP * 4 * LILY_X_WORDS];
-      for (uint g = 0; g < uint(GROUP); ++g) {
-        for (uint c = 0; c < 4; ++c) {
-          LILY_X_LOAD(x_words, (g * 4 + c) * LILY_X_WORDS, pass_row[g], k0 + 8 * c, present && in_pass[g]);
-        }
-      }
+      const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
       const uint k_next = k0 + SPAN;
       if (s + 1 < STEPS && k_next < uint(D)) {
         next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
         next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
-        next_s_gate = gs[row * ROW_GROUPS + k_next / 64];
-        next_b_gate = gb[row * ROW_GROUPS + k_next / 64];
-        next_s_up = us[row * ROW_GROUPS + k_next / 64];
-        next_b_up = ub[row * ROW_GROUPS + k_next / 64];
+        next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
+        next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + k_next / 64]);
+        next_s_up = static_cast<float>(us[row * ROW_GROUPS + k_next / 64]);
+        next_b_up = static_cast<float>(ub[row * ROW_GROUPS + k_next / 64]);
       }
-      const float s_gate = static_cast<float>(s_gate_t), b_gate = static_cast<float>(b_gate_t);
-      const float s_up = static_cast<float>(s_up_t), b_up = static_cast<float>(b_up_t);
       for (uint g = 0; g < uint(GROUP); ++g) {
         x_sum[g] = 0.0f;
       }
@@ -236,7 +223,7 @@ for (uint turn = 0; turn < uint(ROWS); ++turn) {
         for (uint g = 0; g < uint(GROUP); ++g) {
           if (in_pass[g]) {  // uniform
             float xs[8];
-            LILY_X_VALUES(xs, x_words, (g * 4 + c) * LILY_X_WORDS, pass_row[g]);
+            LILY_X_CHUNK(xs, pass_row[g], k0 + 8 * c, present);
             float dot_gate = 0.0f;
             float dot_up = 0.0f;
             for (uint i = 0; i < 8; ++i) {

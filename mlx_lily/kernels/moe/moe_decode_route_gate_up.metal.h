@@ -56,18 +56,15 @@
     threadgroup_barrier(mem_flags::mem_threadgroup);                                     \
   }                                                                                      \
   threadgroup_barrier(mem_flags::mem_threadgroup);
-// A chunk of x: row ROW's normed values K0 .. K0 + 7 as launch 1 writes xn,
-// from two 16-byte words (h's and the norm weight's) loaded into W[AT] and
-// W[AT + 1] (zeros where not PRESENT), then unpacked to XS[0..8).
-#define LILY_X_WORDS 2
-#define LILY_X_LOAD(W, AT, ROW, K0, PRESENT)                                             \
-  W[(AT)] = (PRESENT) ? lily_tile_load16(h + (ROW) * uint(D) + (K0)) : no_words;         \
-  W[(AT) + 1] = (PRESENT) ? lily_tile_load16(norm_weight + (K0)) : no_words;
-#define LILY_X_VALUES(XS, W, AT, ROW)                                                    \
+// XS[0..8) = row ROW's normed x at K0 .. K0 + 7, as launch 1 writes xn
+// (zeros where not PRESENT).
+#define LILY_X_CHUNK(XS, ROW, K0, PRESENT)                                               \
   {                                                                                      \
+    const uint4 lily_hw = (PRESENT) ? lily_tile_load16(h + (ROW) * uint(D) + (K0)) : no_words; \
+    const uint4 lily_ww = (PRESENT) ? lily_tile_load16(norm_weight + (K0)) : no_words;   \
     const float lily_inv = lily_inv_rms[(ROW)];                                          \
     for (uint lily_i = 0; lily_i < 8; ++lily_i) {                                        \
-      const float lily_normed = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(W[(AT)], lily_i) * lily_inv)); \
-      XS[lily_i] = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(W[(AT) + 1], lily_i) * lily_normed)); \
+      const float lily_normed = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_hw, lily_i) * lily_inv)); \
+      XS[lily_i] = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_ww, lily_i) * lily_normed)); \
     }                                                                                    \
   }
