@@ -30,7 +30,8 @@ finds the queue empty less than ``BURST_GAP_S`` (10 ms) after the last
 request was taken waits for the next until then (at most ``BURST_MAX_S``,
 50 ms, from the burst's first request), so the burst's requests are inserted
 before its first prefill call. A lone request's first token comes at most
-``BURST_GAP_S`` later. How many rows a prefill call takes is still the
+``BURST_GAP_S`` later, and streams decoding when a burst arrives wait as long
+once before their next step. How many rows a prefill call takes is still the
 server's ``--prompt-concurrency`` (8 by default).
 
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
