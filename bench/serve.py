@@ -695,6 +695,7 @@ def run_engine(
             # Kernels built inside the timed wave: its figures are then not
             # the server's steady state (the report says so).
             w["first_uses_in_wave"] = server.built_since(at)
+            w["prefill_calls"] = prefill_calls(server.log_since(at))
             check_greedy(w, alone)
             w["peak_memory_gb_after"] = server.peak_memory_gb()  # the server's peak so far
             result["waves"][str(n)] = w
@@ -911,6 +912,34 @@ def split_table(report: Dict[str, Any]) -> List[str]:
 
 _PRIMED = re.compile(r"\[mlx-lily\] primed in ([0-9.]+)s")
 _FIRST_USE = re.compile(r"\[mlx-lily\] kernel (.*) first met inside a compiled step")
+# mlx-lm's server logs each prompt's progress after each prefill call, one
+# line per row of the call, from the request's own thread.
+_PROGRESS = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) - \w+ - Prompt processing progress: "
+                       r"(\d+)/(\d+)", re.M)
+# Rows whose partial progress lines lie within this of each other were in one
+# call (a call's lines come within a few ms; calls are a prefill apart).
+PREFILL_CALL_GAP_S = 0.02
+
+
+def prefill_calls(text: str) -> List[int]:
+    """The rows of each prefill call a server log shows, in order: its lines
+    of partial progress (``a/b`` with a < b; a prompt's last token goes with
+    its first decode step), grouped where they come within
+    PREFILL_CALL_GAP_S of each other."""
+    import datetime
+
+    calls: List[int] = []
+    last = None
+    for m in _PROGRESS.finditer(text):
+        done, total = int(m.group(3)), int(m.group(4))
+        if done >= total:
+            continue
+        at = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2)) / 1e3
+        if last is None or at - last > PREFILL_CALL_GAP_S:
+            calls.append(0)
+        calls[-1] += 1
+        last = at
+    return calls
 
 
 def server_log_facts(text: str) -> Dict[str, Any]:
@@ -1000,6 +1029,9 @@ def markdown(report: Dict[str, Any]) -> str:
             if w.get("first_uses_in_wave"):
                 lines.append(f"{name}, {n} stream{'s' if n != '1' else ''}: {w['first_uses_in_wave']} kernel "
                              "instances first met inside this wave (built mid-wave): not the server's steady state.")
+            if len(w.get("prefill_calls") or []) > 1:
+                lines.append(f"{name}, {n} streams: prompts prefilled in {len(w['prefill_calls'])} calls of "
+                             f"{', '.join(str(r) for r in w['prefill_calls'])} rows.")
             if (w.get("connect_max_s") or 0.0) >= SLOW_CONNECT_S:
                 slow = sum(1 for st in w.get("streams", []) if (st.get("connect_s") or 0.0) >= SLOW_CONNECT_S)
                 lines.append(f"{name}, {n} streams: {slow} connection{'s' if slow != 1 else ''} took "

@@ -105,6 +105,24 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     assert "first met inside this wave" not in table
 
 
+def test_a_waves_prefill_calls_are_read_from_the_servers_progress_lines():
+    """Rows whose partial progress lines come together were one call; a
+    prompt's last token (a/a) is its first decode step, not a call."""
+    log = "\n".join([
+        "2026-12-04 21:35:50,358 - INFO - Prompt processing progress: 257/258",
+        "2026-12-04 21:35:50,359 - INFO - Prompt processing progress: 258/259",
+        "127.0.0.1 - - [04/Dec/2026 21:35:50] \"POST /v1/completions HTTP/1.1\" 200 -",
+        "2026-12-04 21:35:50,646 - INFO - Prompt processing progress: 257/258",
+        "2026-12-04 21:35:50,683 - INFO - Prompt processing progress: 259/259",
+        "2026-12-04 21:35:51,060 - INFO - Prompt processing progress: 2048/4100",
+        "2026-12-04 21:35:51,061 - INFO - Prompt processing progress: 255/256",
+        "2026-12-04 21:35:51,062 - INFO - Prompt processing progress: 258/259",
+        "2026-12-04 21:35:51,400 - INFO - Prompt processing progress: 4096/4100",
+    ])
+    assert serve.prefill_calls(log) == [2, 1, 3, 1]
+    assert serve.prefill_calls("") == []
+
+
 def test_the_server_log_says_how_long_priming_took_and_what_was_built_after_it():
     from bench.common import REPO_ROOT
 
