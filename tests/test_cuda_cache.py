@@ -197,7 +197,7 @@ def test_the_shipped_record_names_current_kernels():
     # Kernels changed since the record was made compile at their first use,
     # as without the record; say so when most of it is stale.
     assert current >= len(entries) // 2, f"{len(entries) - current} of {len(entries)} shipped instances are stale: " \
-        "record them again (bench --cold-start writes cuda-instances-lily.json)"
+        "record them again (python -m bench.diagnostics.tuning.first_instances --against ... --write)"
 
 
 def test_the_cache_is_off_with_its_switch(monkeypatch):

@@ -433,3 +433,36 @@ def test_moe_router_launch_times_each_choice_with_the_two_launches_bits(tmp_path
         # Every choice gave the two launches' bits (a differing one has no time).
         assert set(r["us"]) == labels and "differs" not in r and all(t > 0 for t in r["us"].values())
     assert "| 3 |" in (tmp_path / "moe-router-launch.md").read_text()
+
+
+def test_first_instances_records_what_a_prompt_and_reply_launch(tmp_path, monkeypatch):
+    """Recorded without a GPU (kernels stubbed as on CUDA): the decode step's
+    kernels and the prompt's are among them, each entry's build current; an
+    instance a GPU's record lacks (but for its build name) is left out; the
+    shipped record keeps its current entries and takes the new ones once."""
+    import json
+
+    from bench.diagnostics.tuning import first_instances
+    from mlx_lily.toolchain import cuda_cache
+    from mlx_lily.toolchain.kernel import KERNELS
+
+    entries = first_instances.record("demo", 4, 24, 2)
+    kernels = {e["kernel"] for e in entries}
+    assert {"quantized_matvec_tiles", "moe_decode_route_gate_up", "moe_decode_down_combine", "gated_delta_decode",
+            "attention_decode", "moe_gate_up"} <= kernels, kernels
+    for entry in entries:
+        instance = cuda_cache.Instance.from_json(entry)
+        assert KERNELS[instance.kernel].backend_name("cuda", instance.absent) == instance.build
+    renamed = [dict(e, build=e["build"] + "x") for e in entries[1:]]  # a GPU's record, one instance short
+    kept, left_out = first_instances.met_on_gpu(entries, renamed)
+    assert kept == entries[1:] and left_out == entries[:1]
+    shipped = tmp_path / "shipped.json"
+    stale = dict(entries[0], build=entries[0]["build"] + "0")
+    shipped.write_text(json.dumps([stale, entries[0]]))
+    monkeypatch.setattr(cuda_cache, "SHIPPED_INSTANCES", shipped)
+    assert first_instances.shipped_with(entries) == entries
+    # The command: its file, and the shipped record only with --write.
+    assert first_instances.main(["--shape", "demo", "--layers", "4", "--prompt", "24", "--decode", "2",
+                                 "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "first-instances.json").read_text()) == entries
+    assert json.loads(shipped.read_text()) == [stale, entries[0]]

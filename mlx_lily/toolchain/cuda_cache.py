@@ -294,8 +294,10 @@ def _decode(value):
     return _dtype(value["dtype"]) if isinstance(value, dict) else value
 
 
-# Instances met at the real model shapes on an H200 (bench --cold-start),
-# shipped so that a first run compiles them in parallel from its start.
+# Instances a first prompt and reply meet at the real model shapes, shipped so
+# that a first run compiles them in parallel from its start. Recorded again
+# after kernel changes by bench.diagnostics.tuning.first_instances (on any
+# machine, checked against an NVIDIA machine's own record).
 SHIPPED_INSTANCES = Path(__file__).with_name("cuda_instances.json")
 
 
