@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import http.client
 import json
 import os
@@ -926,8 +927,6 @@ def prefill_calls(text: str) -> List[int]:
     of partial progress (``a/b`` with a < b; a prompt's last token goes with
     its first decode step), grouped where they come within
     PREFILL_CALL_GAP_S of each other."""
-    import datetime
-
     calls: List[int] = []
     last = None
     for m in _PROGRESS.finditer(text):
