@@ -124,12 +124,15 @@ def check_before_serving(argv) -> None:
     CheckpointError. The server loads its model in its generation thread
     while already answering, so a refusal there leaves a server answering
     every request with an error. Also, before its socket listens: a queue
-    for a burst of connections (``server_admission.install_backlog``)."""
+    for a burst of connections (``server_admission.install_backlog``), and
+    whether the command line sets the prefill batch
+    (``server_admission.read_command_line``)."""
     import argparse
 
     from . import server_admission
 
     server_admission.install_backlog()
+    server_admission.read_command_line(argv)
 
     if any(arg in ("-h", "--help") for arg in argv):
         return

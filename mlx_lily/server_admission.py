@@ -1,5 +1,6 @@
 """The server takes requests that arrive while it decodes after the current
-step, and accepts a burst of connections at once.
+step, prefills a burst of them in one call, and accepts a burst of
+connections at once.
 
 ``mlx_lm.server``'s generation thread takes new requests from its queue only
 between rounds of batch steps, and a round runs until half a second has
@@ -13,9 +14,8 @@ the H200, 16 requests sent together had their first tokens at 0.70 s (8),
 With a lily model loaded, a round also ends once a request is waiting,
 after at least one step: the server takes it at once, and its prefill runs
 in the batch generator's next call, joining the batch as it would have after
-a full round. Nothing else about the loop changes: what a step computes, the
-order of requests, the prefill batch size (``--prompt-concurrency``). A
-distributed server keeps stock's rounds (its ranks agree on each round's
+a full round. What a step computes and the order of requests do not change.
+A distributed server keeps stock's rounds (its ranks agree on each round's
 length through ``TimeBudget``'s own synchronisation, and only rank 0 reads
 the queue). ``MLX_LILY_EARLY_ADMISSION=0`` keeps stock's rounds everywhere.
 
@@ -31,8 +31,17 @@ request was taken waits for the next until then (at most ``BURST_MAX_S``,
 50 ms, from the burst's first request), so the burst's requests are inserted
 before its first prefill call. A lone request's first token comes at most
 ``BURST_GAP_S`` later, and streams decoding when a burst arrives wait as long
-once before their next step. How many rows a prefill call takes is still the
-server's ``--prompt-concurrency`` (8 by default).
+once before their next step.
+
+A burst's prompts in one prefill call. Stock's server prefills at most 8
+prompts a call unless ``--prompt-concurrency`` says otherwise, a bound on
+its prefill's memory, which grows with the rows of a call. Lily packs a
+call's prompts (layers/prompt_rows.py) into calls of at most
+``PACK_MAX_TOKENS`` tokens whatever the rows, so where it packs and the
+command line does not set ``--prompt-concurrency``, a prefill call takes up
+to ``PROMPT_ROWS`` (16) prompts: a burst of 16 short prompts is one call
+where two took about 0.3 s each on the H200 (efe1204). Given on the
+command line, the flag is kept as it is.
 
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
 
@@ -109,6 +118,58 @@ def _next_request(self: Any, timeout: Any = None):
     return request
 
 
+# Prompts a prefill call takes where lily packs them and the command line
+# does not set the server's prefill batch: the fused decode kernels' most
+# rows (kernels/moe/decode.MAX_BATCH), which the batch then decodes at.
+PROMPT_ROWS = 16
+PROMPT_FLAG = "--prompt-concurrency"
+# argparse takes a flag's unambiguous abbreviations; "--prompt-c" is also
+# "--prompt-cache-size"'s, so the shortest that names this flag is longer.
+_PROMPT_FLAG_SHORTEST = len("--prompt-co")
+# Whether the command line that started the server set PROMPT_FLAG; None
+# where no command line was read (a server built in code keeps its value).
+_command_line = {"prompt_rows_given": None}
+
+
+def read_command_line(argv) -> None:
+    """Note whether the server's command line sets ``--prompt-concurrency``
+    (``backend.check_before_serving`` passes it before the server starts)."""
+    def names_flag(arg: str) -> bool:
+        name = arg.split("=", 1)[0]
+        return len(name) >= _PROMPT_FLAG_SHORTEST and PROMPT_FLAG.startswith(name)
+
+    _command_line["prompt_rows_given"] = any(names_flag(str(a)) for a in argv)
+
+
+def prompt_rows(model: Any, asked: int) -> int:
+    """The prefill batch the server's ``BatchGenerator`` gets for ``model``
+    where its flag gave ``asked``: PROMPT_ROWS where the command line left
+    the flag unset and lily packs this model's prompts, else ``asked``."""
+    if _command_line["prompt_rows_given"] is not False or asked >= PROMPT_ROWS:
+        return asked
+    from .layers.prompt_rows import packs_prompts
+
+    if not packs_prompts(model):
+        return asked
+    notice_once("prompt-rows", f"a prefill call takes up to {PROMPT_ROWS} prompts, packed "
+                               f"({PROMPT_FLAG} not given; stock's default is {asked})")
+    return PROMPT_ROWS
+
+
+def _batch_generator(base: Any) -> Any:
+    """The server's ``BatchGenerator``, its prefill batch from ``prompt_rows``."""
+
+    class BatchGenerator(base):
+        def __init__(self, model: Any, *args: Any, **kwargs: Any):
+            if "prefill_batch_size" in kwargs:
+                kwargs["prefill_batch_size"] = prompt_rows(model, kwargs["prefill_batch_size"])
+            super().__init__(model, *args, **kwargs)
+
+    BatchGenerator.__qualname__ = BatchGenerator.__name__ = base.__name__
+    BatchGenerator.__module__ = base.__module__
+    return BatchGenerator
+
+
 def _iter(self: Any):
     """``TimeBudget.__iter__``: a round begins; no step has run yet."""
     self._lily_steps = 0
@@ -127,9 +188,9 @@ def _next(self: Any):
 
 
 def install() -> None:
-    """Wrap the server's ``TimeBudget`` iteration and its generator's
-    request read (idempotent; nothing where the environment turns it off
-    or mlx-lm's server lacks them)."""
+    """Wrap the server's ``TimeBudget`` iteration, its generator's request
+    read and its ``BatchGenerator``'s prefill batch (idempotent; nothing
+    where the environment turns it off or mlx-lm's server lacks them)."""
     if "_next" in _stock or not enabled():
         return
     try:
@@ -144,6 +205,9 @@ def install() -> None:
     _stock.set("__iter__", budget, "__iter__", _iter)
     _stock.set("_next", budget, "__next__", _next)
     _stock.set("_next_request", generator, "_next_request", _next_request)
+    batches = getattr(server, "BatchGenerator", None)
+    if isinstance(batches, type):
+        _stock.set("BatchGenerator", server, "BatchGenerator", _batch_generator(batches))
 
 
 # Connections the server's listening socket queues before it accepts them

@@ -353,9 +353,13 @@ def test_serving_with_lily_installs_the_backlog_before_the_server_starts(monkeyp
     from mlx_lily import backend
 
     monkeypatch.delenv(server_admission.ENV, raising=False)
+    monkeypatch.setitem(server_admission._command_line, "prompt_rows_given", None)
     try:
         backend.check_before_serving(["--model", str(demo_checkpoint)])
         assert ThreadingHTTPServer.request_queue_size == server_admission.LISTEN_BACKLOG
+        assert server_admission._command_line["prompt_rows_given"] is False
+        backend.check_before_serving(["--model", str(demo_checkpoint), "--prompt-concurrency", "2"])
+        assert server_admission._command_line["prompt_rows_given"] is True
     finally:
         server_admission.uninstall()
     assert ThreadingHTTPServer.request_queue_size == 5
@@ -370,7 +374,8 @@ def test_a_server_run_as_python_m_gets_the_patches(monkeypatch, run_as_main):
     from mlx_lily._patches import loaded_program_module, program_module
 
     main = run_as_main("mlx_lm.server", TimeBudget=type("TimeBudget", (server.TimeBudget,), {}),
-                       ResponseGenerator=type("ResponseGenerator", (server.ResponseGenerator,), {}))
+                       ResponseGenerator=type("ResponseGenerator", (server.ResponseGenerator,), {}),
+                       BatchGenerator=server.BatchGenerator)
     assert program_module("mlx_lm.server") is main and loaded_program_module("mlx_lm.server") is main
     assert program_module("mlx_lm.generate") is sys.modules["mlx_lm.generate"]
     monkeypatch.delenv(server_admission.ENV, raising=False)
@@ -379,6 +384,78 @@ def test_a_server_run_as_python_m_gets_the_patches(monkeypatch, run_as_main):
     try:
         assert main.TimeBudget.__dict__["__next__"] is server_admission._next
         assert server.TimeBudget.__dict__["__next__"] is held  # the copy the program never calls
+        assert main.BatchGenerator is not server.BatchGenerator
     finally:
         server_admission.uninstall()
     assert main.TimeBudget.__next__ is held  # stock's again
+    assert main.BatchGenerator is server.BatchGenerator
+
+
+@pytest.mark.parametrize("argv, given", [
+    (["--model", "m"], False),
+    (["--model", "m", "--prompt-concurrency", "4"], True),
+    (["--prompt-concurrency=4", "--model", "m"], True),
+    (["--prompt-co", "4"], True),  # an abbreviation argparse accepts
+    (["--prompt-cache-size", "3", "--prompt-cache-bytes", "1GB"], False),
+    ([], False),
+])
+def test_the_command_line_says_whether_it_sets_the_prefill_batch(argv, given, monkeypatch):
+    monkeypatch.setitem(server_admission._command_line, "prompt_rows_given", None)
+    server_admission.read_command_line(argv)
+    assert server_admission._command_line["prompt_rows_given"] is given
+
+
+@pytest.fixture
+def demo_models(demo_checkpoint):
+    import mlx_lily
+
+    lily, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
+    return lily, stock
+
+
+def test_a_lily_server_prefills_a_burst_of_16_prompts_in_one_call(admission, demo_models, monkeypatch,
+                                                                   fresh_notices, capsys):
+    """Command line without --prompt-concurrency: the server's BatchGenerator
+    takes 16 prompts a prefill call for lily's model (one notice), and its
+    first call prefills all 16 of a burst; stock's model keeps the 8 given."""
+    from mlx_lily.kernels.moe.decode import MAX_BATCH
+
+    assert server_admission.PROMPT_ROWS <= MAX_BATCH
+    lily, stock = demo_models
+    monkeypatch.setitem(server_admission._command_line, "prompt_rows_given", None)
+    server_admission.read_command_line(["--model", "m"])
+    gen = server.BatchGenerator(lily, completion_batch_size=32, prefill_batch_size=8)
+    try:
+        assert isinstance(gen, server_admission._stock["BatchGenerator"])
+        assert gen.prefill_batch_size == server_admission.PROMPT_ROWS
+        gen.insert([[3 + i, 5, 7 + i] for i in range(16)], max_tokens=[2] * 16)
+        prompts, _ = gen.next()
+        assert len(prompts) == 16
+    finally:
+        gen.close()
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "16 prompts" in said and "--prompt-concurrency not given" in said
+    assert server.BatchGenerator(stock, prefill_batch_size=8).prefill_batch_size == 8
+
+
+@pytest.mark.parametrize("setting", ["flag given", "no command line", "packing off", "larger asked"])
+def test_the_prefill_batch_is_the_servers_otherwise(setting, admission, demo_models, monkeypatch):
+    lily, _ = demo_models
+    asked = 24 if setting == "larger asked" else 8
+    monkeypatch.setitem(server_admission._command_line, "prompt_rows_given", None)
+    if setting != "no command line":
+        server_admission.read_command_line(["--prompt-concurrency", "8"] if setting == "flag given" else [])
+    if setting == "packing off":
+        monkeypatch.setenv("MLX_LILY_PACK_PROMPTS", "0")
+    assert server.BatchGenerator(lily, prefill_batch_size=asked).prefill_batch_size == asked
+
+
+def test_uninstall_gives_the_server_its_batch_generator_back(monkeypatch):
+    from mlx_lm.generate import BatchGenerator
+
+    monkeypatch.delenv(server_admission.ENV, raising=False)
+    server_admission.install()
+    assert server.BatchGenerator is not BatchGenerator
+    server_admission.uninstall()
+    assert server.BatchGenerator is BatchGenerator

@@ -166,6 +166,14 @@ def _packable(model: Any) -> bool:
                for layer in model.layers)
 
 
+def packs_prompts(model: Any) -> bool:
+    """Whether the prompts of a server batch share calls with ``model`` (the
+    model mlx-lm loaded): rows and packing on, and its text model packable."""
+    text = getattr(getattr(model, "language_model", None), "model", None)
+    return (text is not None and getattr(text, "pipeline_size", 1) == 1 and rows_enabled()
+            and packing_enabled() and _packable(text))
+
+
 def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.array]:
     """The text model's outputs [1, L_r, D] for rows ``ids`` (each [1, L_r])
     on their one-row caches: the layer flow of stock's model and decoder
