@@ -39,9 +39,9 @@ its prefill's memory, which grows with the rows of a call. Lily packs a
 call's prompts (layers/prompt_rows.py) into calls of at most
 ``PACK_MAX_TOKENS`` tokens whatever the rows, so where it packs and the
 command line does not set ``--prompt-concurrency``, a prefill call takes up
-to ``PROMPT_ROWS`` (16) prompts: a burst of 16 short prompts is one call
-where two took about 0.3 s each on the H200 (efe1204). Given on the
-command line, the flag is kept as it is.
+to ``PROMPT_ROWS`` (16) prompts, and no more than ``--decode-concurrency``:
+a burst of 16 short prompts is one call where two took about 0.3 s each on
+the H200 (efe1204). Given on the command line, the flag is kept as it is.
 
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
 
@@ -141,19 +141,22 @@ def read_command_line(argv) -> None:
     _command_line["prompt_rows_given"] = any(names_flag(str(a)) for a in argv)
 
 
-def prompt_rows(model: Any, asked: int) -> int:
+def prompt_rows(model: Any, asked: int, decoded: int = PROMPT_ROWS) -> int:
     """The prefill batch the server's ``BatchGenerator`` gets for ``model``
-    where its flag gave ``asked``: PROMPT_ROWS where the command line left
-    the flag unset and lily packs this model's prompts, else ``asked``."""
-    if _command_line["prompt_rows_given"] is not False or asked >= PROMPT_ROWS:
+    where its flag gave ``asked`` and ``--decode-concurrency`` ``decoded``:
+    up to PROMPT_ROWS, but not past the rows it decodes together, where the
+    command line left the flag unset and lily packs this model's prompts;
+    else ``asked``."""
+    rows = min(PROMPT_ROWS, decoded)
+    if _command_line["prompt_rows_given"] is not False or asked >= rows:
         return asked
     from .layers.prompt_rows import packs_prompts
 
     if not packs_prompts(model):
         return asked
-    notice_once("prompt-rows", f"a prefill call takes up to {PROMPT_ROWS} prompts, packed "
+    notice_once("prompt-rows", f"a prefill call takes up to {rows} prompts, packed "
                                f"({PROMPT_FLAG} not given; stock's default is {asked})")
-    return PROMPT_ROWS
+    return rows
 
 
 def _batch_generator(base: Any) -> Any:
@@ -162,7 +165,8 @@ def _batch_generator(base: Any) -> Any:
     class BatchGenerator(base):
         def __init__(self, model: Any, *args: Any, **kwargs: Any):
             if "prefill_batch_size" in kwargs:
-                kwargs["prefill_batch_size"] = prompt_rows(model, kwargs["prefill_batch_size"])
+                decoded = kwargs.get("completion_batch_size", PROMPT_ROWS)
+                kwargs["prefill_batch_size"] = prompt_rows(model, kwargs["prefill_batch_size"], decoded)
             super().__init__(model, *args, **kwargs)
 
     BatchGenerator.__qualname__ = BatchGenerator.__name__ = base.__name__

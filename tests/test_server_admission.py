@@ -451,6 +451,18 @@ def test_the_prefill_batch_is_the_servers_otherwise(setting, admission, demo_mod
     assert server.BatchGenerator(lily, prefill_batch_size=asked).prefill_batch_size == asked
 
 
+@pytest.mark.parametrize("decoded, rows", [(32, 16), (12, 12), (4, 8)])
+def test_the_prefill_batch_stays_within_the_decode_concurrency(decoded, rows, admission, demo_models,
+                                                              monkeypatch):
+    """--decode-concurrency below 16 bounds lily's prefill batch (never
+    below the 8 asked: stock's own batch then)."""
+    lily, _ = demo_models
+    monkeypatch.setitem(server_admission._command_line, "prompt_rows_given", None)
+    server_admission.read_command_line(["--decode-concurrency", str(decoded)])
+    gen = server.BatchGenerator(lily, completion_batch_size=decoded, prefill_batch_size=8)
+    assert gen.prefill_batch_size == rows and gen.completion_batch_size == max(decoded, rows)
+
+
 def test_uninstall_gives_the_server_its_batch_generator_back(monkeypatch):
     from mlx_lm.generate import BatchGenerator
 
