@@ -245,6 +245,37 @@ def test_the_launch_shapes_give_the_same_bits(setting, monkeypatch):
         assert np.array_equal(bits(got), np.load(DATA / f"moe_decode_{name}.npy")), (setting, name)
 
 
+# Hidden sizes past one step of a SIMD group's loads (1,024 values): gate/up's
+# loads run a step ahead across its steps and, with several hidden rows a SIMD
+# group, across its turns (the next row's first step during the last step of
+# the row before), and a lane past D at the last step of D = 1,088.
+@pytest.mark.parametrize("D, rows, settings", [
+    (2048, 5, [{}, {"GATE_UP_ROWS_PER_SG": 2}, {"GATE_UP_ROWS_PER_SG": 4, "GATE_UP_GROUP": 2},
+               # 128 hidden rows a threadgroup: the experts' 64 end at the fifth turn.
+               {"GATE_UP_SIMD_GROUPS": 16, "GATE_UP_ROWS_PER_SG": 8}]),
+    (1088, 3, [{}, {"GATE_UP_ROWS_PER_SG": 4},
+               {"ROUTED_MAX_ROWS": 4, "ROUTED_ROWS_PER_SG": 2},
+               {"ROUTED_MAX_ROWS": 4, "ROUTED_ROWS_PER_SG": 8, "GATE_UP_GROUP": 2}]),
+])
+def test_gate_up_loads_ahead_across_steps_and_rows_with_the_same_bits(D, rows, settings, monkeypatch):
+    from mlx_lily.kernels.moe import decode
+
+    emulator_or_skip()
+    args, _ = moe_decode_inputs(D, 16, 4, 64, 128, seed=D + rows, rows=rows)
+    results = []
+    for setting in settings:
+        with monkeypatch.context() as m:
+            m.setattr(decode, "ROUTED_MAX_ROWS", 0)  # the two launches unless the setting says
+            for name, value in setting.items():
+                m.setattr(decode, name, value)
+            got = moe_decode_kernel.emulate(*args)
+            mx.eval(got)
+            results.append(bits(got))
+    assert moe_decode_agree(got, moe_decode_reference(*args), *args) is None
+    for setting, result in zip(settings[1:], results[1:]):
+        assert np.array_equal(result, results[0]), setting
+
+
 def test_the_routed_launch_takes_cudas_rows_per_simd_group_by_batch(monkeypatch):
     # On CUDA the routed launch (a few rows) takes its hidden rows per SIMD
     # group by B (CUDA_ROUTED_ROWS_FOR_BATCH); the recorded bits either way.

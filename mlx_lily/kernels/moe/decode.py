@@ -70,7 +70,11 @@ GATE_UP_SIMD_GROUPS = 8
 # bench/results/2026-12-03-nvidia-h200-1428e8a), rows 1 / 2 / 4 / 8: B = 1
 # 34.3 / 35.9 / 40.1 / 42.5; B = 4 102.9 / 72.9 / 77.5 / 118.4. B = 2 and 3
 # were not timed. Elsewhere (Metal, not measured; the emulator)
-# ROUTED_ROWS_PER_SG at every B.
+# ROUTED_ROWS_PER_SG at every B. Those times predate the loads run ahead
+# across turns (a turn's first step loaded during the turn before's last):
+# until then each turn of a SIMD group waited out its own loads, so several
+# rows a SIMD group cost about as many times one row's latency. Not yet
+# timed with it (moe_decode_sweep --launch: "gate_up rows N", "routed rows N").
 GATE_UP_ROWS_PER_SG = 1
 ROUTED_ROWS_PER_SG = 1
 CUDA_ROUTED_ROWS_FOR_BATCH = ((4, 2), (1, 1))

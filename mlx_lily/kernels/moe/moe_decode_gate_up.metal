@@ -14,11 +14,12 @@
 // slot holding it) and at which slot each row picked it (the last slot
 // holding it: picks are distinct within a row).
 //
-// Each SIMD group takes one hidden row of gate and of up, and its lanes split
-// D as the decode GEMV splits K: per step a lane loads 16 bytes of each row
-// (its unit: 32 4-bit values, half a quantization group), so a SIMD group
-// reads 512 contiguous bytes of a row per load (D / 1024 steps, two at D =
-// 2048; each step's loads issued a step ahead). Each word is unpacked once a
+// Each SIMD group takes one hidden row of gate and of up a turn (ROWS turns),
+// and its lanes split D as the decode GEMV splits K: per step a lane loads 16
+// bytes of each row (its unit: 32 4-bit values, half a quantization group),
+// so a SIMD group reads 512 contiguous bytes of a row per load (D / 1024
+// steps, two at D = 2048; each step's loads issued a step ahead, the next
+// turn's first step during this turn's last). Each word is unpacked once a
 // pass (the bf16 pattern trick of gemv.metal: no integer-to-float
 // conversion) and applied to the pass's rows of the batch that use this
 // expert, each of which reads its 8 values of xn at a chunk in one 16-byte
@@ -110,151 +111,160 @@ const bool active = is_shared || (b0 < B && !earlier_row && first_in_row == j0 +
 const uint expert = active ? min(picked, uint(E - 1)) : 0u;
 const uint rows = is_shared ? uint(IS) : uint(I);
 const uint row_base = is_shared ? 0u : expert * uint(I);
-// This SIMD group's hidden rows: one a turn, ROWS turns, the threadgroup's
-// SIMD groups taking consecutive rows in each turn. Each row's sums are the
-// same whichever turn, SIMD group or threadgroup takes it.
-for (uint turn = 0; turn < uint(ROWS); ++turn) {
-  const uint r = block * ROWS_PER_TG + turn * SIMD_GROUPS + sg;  // this turn's hidden row
-  // Row b's 1 + slot for this expert (the shared expert: K + 1), 0 where row b
-  // does not use it; uniform across the SIMD group.
-  // A SIMD group past the expert's rows (or of an idle entry) has no member:
-  // it loads nothing and stores nothing, but runs the loops (no early return
-  // before the SIMD sums).
-  const bool live = active && r < rows;
-  // Lane b < B holds row b's 1 + slot for this expert (the shared expert: K + 1;
-  // 0 where row b does not use it). The members, in row order, are packed four
-  // bits a row into member_rows (16 rows at most: MAX_BATCH <= 16), and taken
-  // GROUP at a time: each pass keeps GROUP rows' accumulators in registers and
-  // reads the rows' weights again (from cache after the first pass), so the
-  // registers a lane needs follow GROUP, not MAX_BATCH.
-  const uint my_slot = (live && lane < B) ? (is_shared ? uint(K) + 1u : last_slot) : 0u;
-  uint member_rows_lo = 0u;
-  uint member_rows_hi = 0u;
-  uint members = 0u;
-  for (uint b = 0; b < uint(MAX_BATCH); ++b) {
-    const uint slot_of_b = simd_shuffle(my_slot, b % SIMD_WIDTH);
-    if (slot_of_b != 0u) {  // uniform
-      if (members < 8u) {
-        member_rows_lo |= b << (4u * members);
-      } else {
-        member_rows_hi |= b << (4u * (members - 8u));
-      }
-      members += 1u;
+// The members: lane b < B holds row b's 1 + slot for this expert (the shared
+// expert: K + 1; 0 where row b does not use it, and on an idle entry). They
+// are packed in row order four bits a row into member_rows (16 rows at most:
+// MAX_BATCH <= 16) and taken GROUP at a time: each pass keeps GROUP rows'
+// accumulators in registers and reads the expert's rows again (from cache
+// after the first pass), so the registers a lane needs follow GROUP, not
+// MAX_BATCH. An idle entry has no member: it loads and stores nothing.
+const uint my_slot = (active && lane < B) ? (is_shared ? uint(K) + 1u : last_slot) : 0u;
+uint member_rows_lo = 0u;
+uint member_rows_hi = 0u;
+uint members = 0u;
+for (uint b = 0; b < uint(MAX_BATCH); ++b) {
+  const uint slot_of_b = simd_shuffle(my_slot, b % SIMD_WIDTH);
+  if (slot_of_b != 0u) {  // uniform
+    if (members < 8u) {
+      member_rows_lo |= b << (4u * members);
+    } else {
+      member_rows_hi |= b << (4u * (members - 8u));
     }
+    members += 1u;
+  }
+}
+
+const device uint32_t* gw = is_shared ? sgate_w : gate_w;
+const device T* gs = is_shared ? sgate_s : gate_s;
+const device T* gb = is_shared ? sgate_b : gate_b;
+const device uint32_t* uw = is_shared ? sup_w : up_w;
+const device T* us = is_shared ? sup_s : up_s;
+const device T* ub = is_shared ? sup_b : up_b;
+const uint4 no_words = {0u, 0u, 0u, 0u};
+// This SIMD group's hidden rows: ROWS of them, one a turn, the threadgroup's
+// SIMD groups taking consecutive rows in each turn. Each row's sums are the
+// same whichever turn, SIMD group or threadgroup takes it. A turn past the
+// expert's rows does nothing (and every turn after it: r grows with the
+// turn); no early return before the SIMD sums of the turns that do.
+const uint r_first = block * ROWS_PER_TG + sg;
+
+for (uint first = 0; first < members; first += uint(GROUP)) {  // uniform
+  // This pass's rows: member first + g, for g < GROUP while there is one.
+  uint pass_row[GROUP];
+  bool in_pass[GROUP];
+  for (uint g = 0; g < uint(GROUP); ++g) {
+    const uint m = first + g;
+    in_pass[g] = m < members;
+    pass_row[g] = m < 8u ? (member_rows_lo >> (4u * m)) & 0xFu : (member_rows_hi >> (4u * (m - 8u))) & 0xFu;
   }
 
-  const device uint32_t* gw = is_shared ? sgate_w : gate_w;
-  const device T* gs = is_shared ? sgate_s : gate_s;
-  const device T* gb = is_shared ? sgate_b : gate_b;
-  const device uint32_t* uw = is_shared ? sup_w : up_w;
-  const device T* us = is_shared ? sup_s : up_s;
-  const device T* ub = is_shared ? sup_b : up_b;
-  const uint row = live ? row_base + r : 0u;
-  const uint4 no_words = {0u, 0u, 0u, 0u};
+  // -- this lane's weights, a step ahead: step s + 1's loads are issued before
+  // step s's multiplies, and a turn's first step's during the turn before's
+  // last, so that two steps' words stay in flight from the pass's first
+  // hidden row to its last (ROWS rows cost about ROWS times the loads of one,
+  // not ROWS times a row's whole latency). Scalars, not arrays indexed by the
+  // step: a loop nvcc leaves rolled would put those in local memory.
+  uint4 next_gate = no_words;
+  uint4 next_up = no_words;
+  float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
+  if (r_first < rows && lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
+    const uint row = row_base + r_first;
+    next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
+    next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
+    next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
+    next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
+  }
 
-  for (uint first = 0; first < members; first += uint(GROUP)) {  // uniform
-    // This pass's rows: member first + g, for g < GROUP while there is one.
-    uint pass_row[GROUP];
-    bool in_pass[GROUP];
-    for (uint g = 0; g < uint(GROUP); ++g) {
-      const uint m = first + g;
-      in_pass[g] = m < members;
-      pass_row[g] = m < 8u ? (member_rows_lo >> (4u * m)) & 0xFu : (member_rows_hi >> (4u * (m - 8u))) & 0xFu;
-    }
-
-    // -- this lane's weights: step s + 1's loads are issued before step s's
-    // multiplies, so that two steps' words are in flight (scalars, not arrays
-    // indexed by the step: a loop nvcc leaves rolled would put those in local
-    // memory).
-    uint4 next_gate = no_words;
-    uint4 next_up = no_words;
-    float next_s_gate = 0.0f, next_b_gate = 0.0f, next_s_up = 0.0f, next_b_up = 0.0f;
-    if (lane * VALUES < uint(D)) {  // D a multiple of 64: a unit is all in or all out
-      next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + lane * VALUES / 8);
-      next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + lane * VALUES / 8);
-      next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + lane * VALUES / 64]);
-      next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + lane * VALUES / 64]);
-      next_s_up = static_cast<float>(us[row * ROW_GROUPS + lane * VALUES / 64]);
-      next_b_up = static_cast<float>(ub[row * ROW_GROUPS + lane * VALUES / 64]);
-    }
-
-    float acc_gate[GROUP];
-    float acc_up[GROUP];
-    float x_sum[GROUP];
-    for (uint g = 0; g < uint(GROUP); ++g) {
-      acc_gate[g] = 0.0f;
-      acc_up[g] = 0.0f;
-    }
-    for (uint s = 0; s < STEPS; ++s) {
-      const uint k0 = s * SPAN + lane * VALUES;
-      const bool present = k0 < uint(D);
-      const uint4 words_gate = next_gate;
-      const uint4 words_up = next_up;
-      const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
-      const uint k_next = k0 + SPAN;
-      if (s + 1 < STEPS && k_next < uint(D)) {
-        next_gate = *reinterpret_cast<const device uint4*>(gw + row * ROW_WORDS + k_next / 8);
-        next_up = *reinterpret_cast<const device uint4*>(uw + row * ROW_WORDS + k_next / 8);
-        next_s_gate = static_cast<float>(gs[row * ROW_GROUPS + k_next / 64]);
-        next_b_gate = static_cast<float>(gb[row * ROW_GROUPS + k_next / 64]);
-        next_s_up = static_cast<float>(us[row * ROW_GROUPS + k_next / 64]);
-        next_b_up = static_cast<float>(ub[row * ROW_GROUPS + k_next / 64]);
-      }
+  for (uint turn = 0; turn < uint(ROWS); ++turn) {
+    const uint r = r_first + turn * SIMD_GROUPS;  // this turn's hidden row
+    if (r < rows) {  // uniform
+      const uint row = row_base + r;
+      // Whether the next turn has a row (then its first step loads during this
+      // turn's last).
+      const bool next_turn = turn + 1u < uint(ROWS) && r + SIMD_GROUPS < rows;
+      float acc_gate[GROUP];
+      float acc_up[GROUP];
+      float x_sum[GROUP];
       for (uint g = 0; g < uint(GROUP); ++g) {
-        x_sum[g] = 0.0f;
+        acc_gate[g] = 0.0f;
+        acc_up[g] = 0.0f;
       }
-      for (uint c = 0; c < 4; ++c) {
-        // Chunk c (word c): values m and m + 4 of its eight under the bf16
-        // pattern 0x4300 are the bf16 numbers 128 + q (exact after - 128).
-        const uint wg = c == 0 ? words_gate.x : (c == 1 ? words_gate.y : (c == 2 ? words_gate.z : words_gate.w));
-        const uint wu = c == 0 ? words_up.x : (c == 1 ? words_up.y : (c == 2 ? words_up.z : words_up.w));
-        const uint4 pairs_gate = {(wg & 0x000F000Fu) | 0x43004300u, ((wg >> 4) & 0x000F000Fu) | 0x43004300u,
-                                  ((wg >> 8) & 0x000F000Fu) | 0x43004300u, ((wg >> 12) & 0x000F000Fu) | 0x43004300u};
-        const uint4 pairs_up = {(wu & 0x000F000Fu) | 0x43004300u, ((wu >> 4) & 0x000F000Fu) | 0x43004300u,
-                                ((wu >> 8) & 0x000F000Fu) | 0x43004300u, ((wu >> 12) & 0x000F000Fu) | 0x43004300u};
-        float q_gate[8];
-        float q_up[8];
-        for (uint m = 0; m < 4; ++m) {
-          q_gate[m] = lily_tile_unpack(pairs_gate, 2 * m) - 128.0f;
-          q_gate[m + 4] = lily_tile_unpack(pairs_gate, 2 * m + 1) - 128.0f;
-          q_up[m] = lily_tile_unpack(pairs_up, 2 * m) - 128.0f;
-          q_up[m + 4] = lily_tile_unpack(pairs_up, 2 * m + 1) - 128.0f;
+      for (uint s = 0; s < STEPS; ++s) {
+        const uint k0 = s * SPAN + lane * VALUES;
+        const bool present = k0 < uint(D);
+        const uint4 words_gate = next_gate;
+        const uint4 words_up = next_up;
+        const float s_gate = next_s_gate, b_gate = next_b_gate, s_up = next_s_up, b_up = next_b_up;
+        // The next step's loads: this row's, or the next turn's row's first.
+        const bool ahead = s + 1 < STEPS;
+        const uint k_next = ahead ? k0 + SPAN : lane * VALUES;
+        const uint row_next = ahead ? row : row + SIMD_GROUPS;
+        if ((ahead || next_turn) && k_next < uint(D)) {
+          next_gate = *reinterpret_cast<const device uint4*>(gw + row_next * ROW_WORDS + k_next / 8);
+          next_up = *reinterpret_cast<const device uint4*>(uw + row_next * ROW_WORDS + k_next / 8);
+          next_s_gate = static_cast<float>(gs[row_next * ROW_GROUPS + k_next / 64]);
+          next_b_gate = static_cast<float>(gb[row_next * ROW_GROUPS + k_next / 64]);
+          next_s_up = static_cast<float>(us[row_next * ROW_GROUPS + k_next / 64]);
+          next_b_up = static_cast<float>(ub[row_next * ROW_GROUPS + k_next / 64]);
         }
         for (uint g = 0; g < uint(GROUP); ++g) {
-          if (in_pass[g]) {  // uniform
-            float xs[8];
-            LILY_X_CHUNK(xs, pass_row[g], k0 + 8 * c, present);
-            float dot_gate = 0.0f;
-            float dot_up = 0.0f;
-            for (uint i = 0; i < 8; ++i) {
-              const float x = xs[i];
-              x_sum[g] += x;
-              dot_gate = fma(q_gate[i], x, dot_gate);
-              dot_up = fma(q_up[i], x, dot_up);
+          x_sum[g] = 0.0f;
+        }
+        for (uint c = 0; c < 4; ++c) {
+          // Chunk c (word c): values m and m + 4 of its eight under the bf16
+          // pattern 0x4300 are the bf16 numbers 128 + q (exact after - 128).
+          const uint wg = c == 0 ? words_gate.x : (c == 1 ? words_gate.y : (c == 2 ? words_gate.z : words_gate.w));
+          const uint wu = c == 0 ? words_up.x : (c == 1 ? words_up.y : (c == 2 ? words_up.z : words_up.w));
+          const uint4 pairs_gate = {(wg & 0x000F000Fu) | 0x43004300u, ((wg >> 4) & 0x000F000Fu) | 0x43004300u,
+                                    ((wg >> 8) & 0x000F000Fu) | 0x43004300u, ((wg >> 12) & 0x000F000Fu) | 0x43004300u};
+          const uint4 pairs_up = {(wu & 0x000F000Fu) | 0x43004300u, ((wu >> 4) & 0x000F000Fu) | 0x43004300u,
+                                  ((wu >> 8) & 0x000F000Fu) | 0x43004300u, ((wu >> 12) & 0x000F000Fu) | 0x43004300u};
+          float q_gate[8];
+          float q_up[8];
+          for (uint m = 0; m < 4; ++m) {
+            q_gate[m] = lily_tile_unpack(pairs_gate, 2 * m) - 128.0f;
+            q_gate[m + 4] = lily_tile_unpack(pairs_gate, 2 * m + 1) - 128.0f;
+            q_up[m] = lily_tile_unpack(pairs_up, 2 * m) - 128.0f;
+            q_up[m + 4] = lily_tile_unpack(pairs_up, 2 * m + 1) - 128.0f;
+          }
+          for (uint g = 0; g < uint(GROUP); ++g) {
+            if (in_pass[g]) {  // uniform
+              float xs[8];
+              LILY_X_CHUNK(xs, pass_row[g], k0 + 8 * c, present);
+              float dot_gate = 0.0f;
+              float dot_up = 0.0f;
+              for (uint i = 0; i < 8; ++i) {
+                const float x = xs[i];
+                x_sum[g] += x;
+                dot_gate = fma(q_gate[i], x, dot_gate);
+                dot_up = fma(q_up[i], x, dot_up);
+              }
+              acc_gate[g] = fma(s_gate, dot_gate, acc_gate[g]);
+              acc_up[g] = fma(s_up, dot_up, acc_up[g]);
             }
-            acc_gate[g] = fma(s_gate, dot_gate, acc_gate[g]);
-            acc_up[g] = fma(s_up, dot_up, acc_up[g]);
           }
         }
+        for (uint g = 0; g < uint(GROUP); ++g) {
+          acc_gate[g] = fma(b_gate, x_sum[g], acc_gate[g]);
+          acc_up[g] = fma(b_up, x_sum[g], acc_up[g]);
+        }
       }
-      for (uint g = 0; g < uint(GROUP); ++g) {
-        acc_gate[g] = fma(b_gate, x_sum[g], acc_gate[g]);
-        acc_up[g] = fma(b_up, x_sum[g], acc_up[g]);
-      }
-    }
 
-    // -- finish each row of the pass: gate and up, then SwiGLU --------------------------
-    for (uint g = 0; g < uint(GROUP); ++g) {
-      if (in_pass[g]) {  // uniform
-        float gate = simd_sum(acc_gate[g]);
-        float up = simd_sum(acc_up[g]);
-        const uint slot = simd_shuffle(my_slot, pass_row[g]);
-        if (lane == 0) {
-          gate = static_cast<float>(static_cast<T>(gate));
-          up = static_cast<float>(static_cast<T>(up));
-          const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
-          const float silu = static_cast<float>(static_cast<T>(gate * sig));
-          act[(pass_row[g] * (uint(K) + 1u) + slot - 1u) * uint(IMAX) + r] = static_cast<T>(silu * up);
+      // -- finish each row of the pass: gate and up, then SwiGLU ------------------------
+      for (uint g = 0; g < uint(GROUP); ++g) {
+        if (in_pass[g]) {  // uniform
+          float gate = simd_sum(acc_gate[g]);
+          float up = simd_sum(acc_up[g]);
+          const uint slot = simd_shuffle(my_slot, pass_row[g]);
+          if (lane == 0) {
+            gate = static_cast<float>(static_cast<T>(gate));
+            up = static_cast<float>(static_cast<T>(up));
+            const float sig = static_cast<float>(static_cast<T>(1.0f / (1.0f + metal::exp(-gate))));
+            const float silu = static_cast<float>(static_cast<T>(gate * sig));
+            act[(pass_row[g] * (uint(K) + 1u) + slot - 1u) * uint(IMAX) + r] = static_cast<T>(silu * up);
+          }
         }
       }
     }
