@@ -401,6 +401,32 @@ def test_the_attention_bodies_are_in_the_portable_subset():
     assert lint.lint_paths(bodies) == []
 
 
+@pytest.mark.parametrize("prefetch", [2, 4])
+def test_decode_gives_the_same_bits_whatever_passes_it_fetches_ahead(prefetch, monkeypatch):
+    # DECODE_PREFETCH moves loads earlier, not a score or an update: the
+    # single pass, the split (bounded by a length inside the capacity) and
+    # the batched rows give the bits they give at 1.
+    emulator_or_skip()
+    rng = np.random.default_rng(prefetch)
+
+    def arr(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(mx.bfloat16)
+
+    q, k, v = arr(1, 8, 1, 128), arr(1, 2, 77, 128), arr(1, 2, 77, 128)
+    qs, ks, vs = arr(1, 16, 1, 256), arr(1, 2, 1024, 256), arr(1, 2, 1024, 256)
+    qb, kb, vb = arr(3, 16, 1, 256), arr(3, 2, 1024, 256), arr(3, 2, 1024, 256)
+    calls = [
+        lambda: A.run_decode("emulator", q, k, v, 128 ** -0.5, None),
+        lambda: A.run_decode("emulator", qs, ks, vs, 0.0625, None, length=mx.array([300], mx.int32)),
+        lambda: A.run_decode("emulator", qb, kb, vb, 0.0625, None, length=mx.array([300], mx.int32),
+                             start=mx.array([0, 7, 200], mx.int32)),
+    ]
+    want = [call() for call in calls]
+    monkeypatch.setattr(A, "DECODE_PREFETCH", prefetch)
+    for i, call in enumerate(calls):
+        assert mx.array_equal(call(), want[i]).item(), i
+
+
 def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_path):
     # ptxas must keep everything in registers (no stack frame: queries,
     # accumulators and row words are register arrays indexed by unrolled
@@ -435,6 +461,16 @@ def test_the_attention_kernels_compile_with_nvcc_and_fit_their_threadgroups(tmp_
         units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
     units.append(A.attention_combine_kernel.cuda_translation_unit(
         mx.zeros((16, 3, 256)), mx.zeros((16, 3)), mx.float16))
+    # The model's shape with four passes of keys and values fetched ahead.
+    q, k = mx.zeros((1, 16, 1, 256), mx.bfloat16), mx.zeros((1, 2, 64, 256), mx.bfloat16)
+    held, A.DECODE_PREFETCH = A.DECODE_PREFETCH, 4
+    try:
+        for split in (False, True):
+            launch = A._launch_decode(q, k, k, 0.1, None, split=split)
+            threads["attention_decode_" + cuda_cache.template_suffix(launch.template)] = launch.threadgroup[0]
+            units.append(A.attention_decode_kernel.cuda_translation_unit(q, k, k, 0.1, None, split=split))
+    finally:
+        A.DECODE_PREFETCH = held
     assert_units_fit(units, threads, tmp_path / "attention", include, which)
 
 

@@ -466,3 +466,27 @@ def test_first_instances_records_what_a_prompt_and_reply_launch(tmp_path, monkey
                                  "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "first-instances.json").read_text()) == entries
     assert json.loads(shipped.read_text()) == [stale, entries[0]]
+
+
+def test_the_attention_split_sweep_times_the_prefetch_choices_with_the_same_bits(tmp_path):
+    """``attention_split --prefetch``: lily's chosen form with more passes of
+    keys and values in flight, checked against the reference and, bit for
+    bit, against the chosen form (here in the emulator: times meaningless)."""
+    import json
+
+    from bench.diagnostics.decode import attention_split
+    from mlx_lily.kernels.attention import sdpa
+
+    emulator_or_skip()
+    held = sdpa.DECODE_PREFETCH
+    assert attention_split.main(["--out", str(tmp_path), "--backend", "emulator", "--lengths", "256",
+                                 "--prefetch", "2,4"]) == 0
+    assert sdpa.DECODE_PREFETCH == held
+    record = json.loads((tmp_path / "attention-split.json").read_text())
+    (row,) = record["rows"]
+    assert record["settings"]["DECODE_PREFETCH"] == held
+    for name in ("chosen", "prefetch_2", "prefetch_4"):
+        assert row[f"{name}_agrees"] is True and row[f"{name}_ms"] > 0, name
+    assert "prefetch_4 ms" in (tmp_path / "attention-split.md").read_text()
+    with pytest.raises(SystemExit):
+        attention_split.main(["--out", str(tmp_path), "--backend", "emulator", "--prefetch", "0"])

@@ -7,9 +7,11 @@ lily's split kernel at several key blocks, and lily's own choice at that
 context ("chosen": SPLIT_FROM and decode_key_block), and checks each kernel result
 against the reference. SPLIT_FROM should be the smallest context from which
 the split is faster than the single pass, and decode_key_block should pick
-the fastest block per context.
+the fastest block per context. "prefetch N": lily's choice with N passes of
+key and value rows in flight per SIMD group (``DECODE_PREFETCH``; the same
+bits, checked here against the chosen form's).
 
-    python3 -m bench.diagnostics.decode.attention_split --out DIR [--lengths 256,...,128K]
+    python3 -m bench.diagnostics.decode.attention_split --out DIR [--lengths 256,...,128K] [--prefetch 2,4]
 
 Writes DIR/attention-split.json and DIR/attention-split.md (the table).
 """
@@ -48,8 +50,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for attention-split.json/.md")
     parser.add_argument("--lengths", default=LENGTHS)
+    parser.add_argument("--prefetch", default="2,4",
+                        help="DECODE_PREFETCH values to time besides the default, comma-separated (default 2,4)")
+    parser.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # tests: 'emulator'
     args = parser.parse_args(argv)
-    backend = gpu_backend()
+    try:
+        prefetches = [int(n) for n in args.prefetch.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--prefetch {args.prefetch}: comma-separated whole numbers")
+    if any(n < 1 for n in prefetches):
+        parser.error(f"--prefetch {args.prefetch}: each at least 1")
+    backend = args.backend or gpu_backend()
     if backend is None:
         raise SystemExit("needs a GPU (Metal or CUDA)")
     rows = []
@@ -59,20 +70,34 @@ def main(argv=None) -> int:
         row = {"context": ctx, "stock_ms": time_call(A.attention_reference, call, {})["ms"]}
         variants = {"chosen": {}, "single": dict(split_from=NEVER)}
         variants.update({f"split_{b}": dict(split_from=1, key_block=b) for b in KEY_BLOCKS})
+        variants.update({f"prefetch_{n}": dict(prefetch=n) for n in prefetches})
+        chosen = None
         for name, options in variants.items():
             def fn(*a, options=options):
-                return A.run_decode(backend, *a, **options)
+                options = dict(options)
+                prefetch = options.pop("prefetch", A.DECODE_PREFETCH)
+                held, A.DECODE_PREFETCH = A.DECODE_PREFETCH, prefetch
+                try:
+                    return A.run_decode(backend, *a, **options)
+                finally:
+                    A.DECODE_PREFETCH = held
             row[f"{name}_ms"] = time_call(fn, call, {})["ms"]
-            row[f"{name}_agrees"] = A.attention_agree(fn(*call), want) is None
+            got = fn(*call)
+            row[f"{name}_agrees"] = A.attention_agree(got, want) is None
+            if name == "chosen":
+                chosen = got
+            elif name.startswith("prefetch_"):
+                row[f"{name}_agrees"] = row[f"{name}_agrees"] and mx.array_equal(got, chosen).item()
         log(f"context {length_label(ctx)}: " + ", ".join(
             f"{k} {v:.4f}" for k, v in row.items() if k.endswith("_ms")))
         rows.append(row)
     doc = {"tool": "mlx-lily attention split sweep", "finished": now_iso(), "machine": machine_info(),
            "software": software_info(), "settings": {"SPLIT_FROM": A.SPLIT_FROM, "KEY_BLOCK": A.KEY_BLOCK,
            "MIN_KEY_BLOCK": A.MIN_KEY_BLOCK, "SPLIT_THREADGROUPS": A.SPLIT_THREADGROUPS,
+           "DECODE_PREFETCH": A.DECODE_PREFETCH,
            "shape": "16 q / 2 kv heads, dim 256, bf16, strided KV view"}, "rows": rows}
     write_report(args.out, "attention-split.json", json.dumps(doc, indent=1), echo=False)
-    names = ["stock", "chosen", "single"] + [f"split_{b}" for b in KEY_BLOCKS]
+    names = ["stock", "chosen", "single"] + [f"split_{b}" for b in KEY_BLOCKS] + [f"prefetch_{n}" for n in prefetches]
     lines = ["| context | " + " | ".join(f"{n} ms" for n in names) + " |",
              "|---" * (len(names) + 1) + "|"]
     for row in rows:

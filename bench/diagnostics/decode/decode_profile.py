@@ -2,6 +2,7 @@
 
     python3 -m bench.diagnostics.decode.decode_profile [--engines lily,stock] [--context 4096] [--out DIR]
     python3 -m bench.diagnostics.decode.decode_profile --batch 1,4,8,16 [--context 256] [--out DIR]
+        [--set MODULE.NAME=VALUE ...]
 
 One model, one prompt of CONTEXT tokens per engine, then STEPS decode steps
 recorded with PyTorch's profiler (CUPTI: it sees every kernel the process
@@ -178,7 +179,24 @@ def main(argv=None) -> int:
     p.add_argument("--batch", help="comma-separated stream counts: profile the server's batched step instead")
     p.add_argument("--conditioned", action="store_true", help="the conditioned random checkpoint (realistic routing)")
     p.add_argument("--out", help="also write DIR/decode_profile.txt (DIR/decode_profile_batch.txt with --batch)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="profile with a module constant set (e.g. "
+                        "mlx_lily.kernels.attention.sdpa.DECODE_PREFETCH=4); repeatable, named in the report")
     args = p.parse_args(argv)
+    from bench.common import apply_settings, parse_setting, restore_settings
+
+    try:
+        settings = [parse_setting(text, "--set") for text in args.set]
+    except ValueError as exc:
+        p.error(str(exc))
+    originals = apply_settings(settings)
+    try:
+        return _profile(args, settings)
+    finally:
+        restore_settings(originals)
+
+
+def _profile(args, settings) -> int:
     try:
         import torch
 
@@ -195,7 +213,8 @@ def main(argv=None) -> int:
                                       "conditioned": args.conditioned})
     batches = [int(b) for b in args.batch.split(",")] if args.batch else [None]
     lines = [f"Decode kernels per token at {args.context} tokens of context ({args.shape}"
-             f"{', conditioned' if args.conditioned else ''}), {args.steps} recorded steps", ""]
+             f"{', conditioned' if args.conditioned else ''}), {args.steps} recorded steps"
+             + "".join(f"; {module}.{name} = {value!r}" for module, name, value in settings), ""]
     print("\n".join(lines), flush=True)
     for engine in args.engines.split(","):
         for rows in batches:

@@ -37,7 +37,8 @@
 //           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT;
 //           BATCHED: the largest), BOUNDED (bool: the length input bounds the
 //           keys), BATCHED (bool), ROW_ENDS (bool), SPLIT_FROM_KEYS, MIN_BLOCK,
-//           SPLIT_TGS (BATCHED: a row's block size, above).
+//           SPLIT_TGS (BATCHED: a row's block size, above), PREFETCH (passes
+//           fetched ahead, at least 1).
 // Inputs:   queries [B * Hq, D] T (contiguous), keys, values [B, Hkv, S, D] T
 //           (strided), scale [1] float (the softmax scale), length [1] or [B]
 //           int32 (with BOUNDED: the keys end at row length of the view; left
@@ -106,14 +107,13 @@ const bool rows_aligned = k_dim_stride == 1 && v_dim_stride == 1 && k_row_stride
 // Query heads of this row: [first_head, first_head + G) of the B * Hq.
 const int first_head = (batch_row * kv_heads + kv_head) * G;
 
-// Queries pre-scaled into the log2 domain: softmax(s) = exp2(s * log2(e) - m).
+// Queries scaled into the log2 domain as they are used (softmax(s) =
+// exp2(s * log2(e) - m)): kept as loaded, four words a head, not eight fp32
+// values, so that the registers go to keys and values in flight instead.
 const float q_scale = scale[0] * M_LOG2E_F;
-float q[G][CHUNK];
+uint4 q_words[G];
 for (int g = 0; g < G; ++g) {
-  const uint4 w = lily_tile_load16(&queries[(first_head + g) * D + col]);
-  for (int e = 0; e < CHUNK; ++e) {
-    q[g][e] = lily_tile_unpack_as<T>(w, e) * q_scale;
-  }
+  q_words[g] = lily_tile_load16(&queries[(first_head + g) * D + col]);
 }
 
 float run_max[G];
@@ -128,23 +128,37 @@ for (int g = 0; g < G; ++g) {
 }
 
 // Every lane of a SIMD group runs the same passes (the shuffles need all 32);
-// lanes past k_end load nothing and skip the update. Iteration i fetches
-// pass i's rows and scores pass i - 1's, fetched by the iteration before, so
-// a SIMD group always has a pass's loads in flight while it computes.
+// lanes past k_end load nothing and skip the update. A pass's rows are
+// fetched PREFETCH passes before it is scored (the launcher's choice: more
+// passes in flight hide more of the memory's latency, for registers), so a
+// SIMD group always has that many passes' loads in flight while it
+// computes. The order of a row's scores and updates is the same whatever
+// PREFETCH is, and so are the bits.
 const int first = k_begin + sg * ROWS_PER_PASS;
 const int step = NSG * ROWS_PER_PASS;
-uint4 next_kw = nothing;
-uint4 next_vw = nothing;
-for (int base = first - step; base < k_end; base += step) {
+uint4 ahead_kw[PREFETCH];
+uint4 ahead_vw[PREFETCH];
+for (int a = 0; a < PREFETCH; ++a) {
+  ahead_kw[a] = nothing;
+  ahead_vw[a] = nothing;
+}
+// The first PREFETCH iterations only fetch.
+for (int base = first - PREFETCH * step; base < k_end; base += step) {
   const int row = base + sub;
   const bool live = base >= first && row < k_end;
-  const uint4 kw = next_kw;
-  const uint4 vw = next_vw;
-  const int fetch = row + step;
+  const uint4 kw = ahead_kw[0];
+  const uint4 vw = ahead_vw[0];
+  // The ring moves down a pass (constant indices: the words stay in
+  // registers), and the pass PREFETCH ahead takes its last place.
+  for (int a = 0; a + 1 < PREFETCH; ++a) {
+    ahead_kw[a] = ahead_kw[a + 1];
+    ahead_vw[a] = ahead_vw[a + 1];
+  }
+  const int fetch = row + PREFETCH * step;
   const device T* k_row = k_head + int64_t(fetch) * k_row_stride;
   const device T* v_row = v_head + int64_t(fetch) * v_row_stride;
-  next_kw = nothing;
-  next_vw = nothing;
+  uint4 next_kw = nothing;
+  uint4 next_vw = nothing;
   if (fetch < k_end && rows_aligned) {
     next_kw = lily_tile_load16(k_row);
     next_vw = lily_tile_load16(v_row);
@@ -158,8 +172,10 @@ for (int base = first - step; base < k_end; base += step) {
     next_vw.z = lily_tile_pack2_as<T>(static_cast<float>(v_row[4 * v_dim_stride]), static_cast<float>(v_row[5 * v_dim_stride]));
     next_vw.w = lily_tile_pack2_as<T>(static_cast<float>(v_row[6 * v_dim_stride]), static_cast<float>(v_row[7 * v_dim_stride]));
   }
+  ahead_kw[PREFETCH - 1] = next_kw;
+  ahead_vw[PREFETCH - 1] = next_vw;
   if (base < first) {
-    continue;  // the first iteration only fetches
+    continue;
   }
   float k[CHUNK];
   for (int e = 0; e < CHUNK; ++e) {
@@ -169,7 +185,7 @@ for (int base = first - step; base < k_end; base += step) {
   for (int g = 0; g < G; ++g) {
     float dot = 0.0f;
     for (int e = 0; e < CHUNK; ++e) {
-      dot = fma(q[g][e], k[e], dot);
+      dot = fma(lily_tile_unpack_as<T>(q_words[g], e) * q_scale, k[e], dot);
     }
     for (int offset = LANES_PER_ROW / 2; offset > 0; offset /= 2) {
       dot += simd_shuffle_xor(dot, ushort(offset));

@@ -84,6 +84,15 @@ DECODE_HEAD_DIMS = (32, 64, 128, 256)
 # for the one-block and the split launch (so a row's bits never depend on
 # which one the capacity picked), and each row's blocks from its own span.
 BATCH_SIMD_GROUPS = SINGLE_PASS_SIMD_GROUPS
+# Passes of key and value rows a SIMD group fetches ahead of the one it
+# scores (PREFETCH in attention_decode.metal): each is 16 bytes of K and of V
+# a lane. A split block's SIMD group scores its keys one pass after another
+# (16 passes at 64 keys and 4 SIMD groups), and with one pass ahead each
+# waits out most of a load's latency; more passes keep more loads in flight.
+# The same bits at every value (the scores and updates keep their order).
+# Not yet timed on a GPU, so 1 (the form measured so far) everywhere;
+# attention_split times the choices (--prefetch).
+DECODE_PREFETCH = 1
 
 
 def batch_row_form() -> RowForm:
@@ -204,6 +213,7 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
             ("SPLIT_FROM_KEYS", row_form.split_from if batched else 0),
             ("MIN_BLOCK", row_form.min_block if batched else 0),
             ("SPLIT_TGS", row_form.split_threadgroups if batched else 0),
+            ("PREFETCH", int(DECODE_PREFETCH)),
         ],
         absent=(() if length is not None else ("length",)) + (() if batched else ("start",)),
     )
