@@ -84,14 +84,10 @@ DECODE_HEAD_DIMS = (32, 64, 128, 256)
 # for the one-block and the split launch (so a row's bits never depend on
 # which one the capacity picked), and each row's blocks from its own span.
 BATCH_SIMD_GROUPS = SINGLE_PASS_SIMD_GROUPS
-# Passes of key and value rows a SIMD group fetches ahead of the one it
-# scores (PREFETCH in attention_decode.metal): each is 16 bytes of K and of V
-# a lane. A split block's SIMD group scores its keys one pass after another
-# (16 passes at 64 keys and 4 SIMD groups), and with one pass ahead each
-# waits out most of a load's latency; more passes keep more loads in flight.
-# The same bits at every value (the scores and updates keep their order).
-# Not yet timed on a GPU, so 1 (the form measured so far) everywhere;
-# attention_split times the choices (--prefetch).
+# Passes of K and V rows a SIMD group fetches ahead of the one it scores
+# (PREFETCH in attention_decode.metal; 16 passes a SIMD group at 64 keys and
+# 4 SIMD groups, each waiting out most of a load at 1). The same bits at every
+# value. 1, the form measured so far, until attention_split --prefetch times it.
 DECODE_PREFETCH = 1
 
 
