@@ -40,8 +40,9 @@ call's prompts (layers/prompt_rows.py) into calls of at most
 ``PACK_MAX_TOKENS`` tokens whatever the rows, so where it packs and the
 command line does not set ``--prompt-concurrency``, a prefill call takes up
 to ``PROMPT_ROWS`` (16) prompts, and no more than ``--decode-concurrency``:
-a burst of 16 short prompts is one call where two took about 0.3 s each on
-the H200 (efe1204). Given on the command line, the flag is kept as it is.
+a burst of 16 short prompts is one call, where 8 a call leave two (each
+about 0.3 s on the H200 at efe1204). Given on the command line, the flag is
+kept as it is.
 
 Installed by the lily backend when ``mlx_lm.server`` loads a lily model.
 
