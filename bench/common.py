@@ -76,6 +76,21 @@ def restore_settings(originals: Dict[Tuple[str, str], Any]) -> None:
         setattr(importlib.import_module(module), name, value)
 
 
+def run_with_settings(parser: Any, texts: List[str], run: Any) -> Any:
+    """``run(settings)`` with each ``--set`` MODULE.NAME=VALUE of ``texts``
+    applied (a malformed one is ``parser``'s error), every constant put
+    back afterwards."""
+    try:
+        settings = [parse_setting(text, "--set") for text in texts]
+    except ValueError as exc:
+        parser.error(str(exc))
+    originals = apply_settings(settings)
+    try:
+        return run(settings)
+    finally:
+        restore_settings(originals)
+
+
 def parse_lengths(text: str) -> List[int]:
     """'256,1K,4K' -> [256, 1024, 4096], sorted, duplicates dropped."""
     return sorted({parse_length(part) for part in text.split(",") if part.strip()})

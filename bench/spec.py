@@ -53,7 +53,7 @@ from typing import Any, Dict, List
 
 import mlx.core as mx
 
-from bench.common import apply_settings, length_label, parse_length, parse_setting, prompt_ids, restore_settings
+from bench.common import length_label, parse_length, prompt_ids, run_with_settings
 
 DRAFTS = ("mtp", "oracle", "adversarial")
 ACCEPTANCE = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)
@@ -258,15 +258,7 @@ def main(argv: List[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    try:
-        settings = [parse_setting(text, "--set") for text in args.set]
-    except ValueError as exc:
-        parser.error(str(exc))
-    originals = apply_settings(settings)
-    try:
-        return _run(args, argv, settings)
-    finally:
-        restore_settings(originals)
+    return run_with_settings(parser, args.set, lambda settings: _run(args, argv, settings))
 
 
 def _run(args, argv, settings) -> int:

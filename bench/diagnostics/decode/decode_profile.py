@@ -183,17 +183,9 @@ def main(argv=None) -> int:
                    help="profile with a module constant set (e.g. "
                         "mlx_lily.kernels.attention.sdpa.DECODE_PREFETCH=4); repeatable, named in the report")
     args = p.parse_args(argv)
-    from bench.common import apply_settings, parse_setting, restore_settings
+    from bench.common import run_with_settings
 
-    try:
-        settings = [parse_setting(text, "--set") for text in args.set]
-    except ValueError as exc:
-        p.error(str(exc))
-    originals = apply_settings(settings)
-    try:
-        return _profile(args, settings)
-    finally:
-        restore_settings(originals)
+    return run_with_settings(p, args.set, lambda settings: _profile(args, settings))
 
 
 def _profile(args, settings) -> int:
