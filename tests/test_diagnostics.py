@@ -490,3 +490,26 @@ def test_the_attention_split_sweep_times_the_prefetch_choices_with_the_same_bits
     assert "prefetch_4 ms" in (tmp_path / "attention-split.md").read_text()
     with pytest.raises(SystemExit):
         attention_split.main(["--out", str(tmp_path), "--backend", "emulator", "--prefetch", "0"])
+
+
+def test_decode_profile_takes_set_constants_and_puts_them_back(monkeypatch):
+    """``decode_profile --set MODULE.NAME=VALUE``: a malformed setting is the
+    parser's error; a good one holds for the run (the profile itself stood in
+    for here) and is put back after."""
+    from bench.diagnostics.decode import decode_profile
+    from mlx_lily.kernels.attention import sdpa
+
+    with pytest.raises(SystemExit):
+        decode_profile.main(["--set", "mlx_lily.kernels.attention.sdpa.DECODE_PREFETCH"])
+    with pytest.raises(SystemExit):
+        decode_profile.main(["--set", "mlx_lily.kernels.attention.sdpa.NO_SUCH_NAME=1"])
+    held, seen = sdpa.DECODE_PREFETCH, []
+
+    def profile(args, settings):
+        seen.append((sdpa.DECODE_PREFETCH, settings))
+        return 2
+
+    monkeypatch.setattr(decode_profile, "_profile", profile)
+    assert decode_profile.main(["--set", "mlx_lily.kernels.attention.sdpa.DECODE_PREFETCH=4"]) == 2
+    assert seen == [(4, [("mlx_lily.kernels.attention.sdpa", "DECODE_PREFETCH", 4)])]
+    assert sdpa.DECODE_PREFETCH == held
