@@ -257,10 +257,12 @@ def test_compiles_for_cuda_without_local_memory(tmp_path, monkeypatch):
         if name.startswith("route_"):
             assert [int(n) for n in shared] == [4 * ROUTE_NORM_SG], name
         elif name.startswith("routed_"):
-            # Every row's picks, the norm's partial sums and inverse rms.
-            assert sorted(int(n) for n in shared) == sorted([4 * decode.MAX_BATCH * 8 if "2048" in name else
+            # Every row's picks, the norm's partial sums and inverse rms, and
+            # the one row's normed x (D values, two bytes each).
+            D = 2048 if "2048" in name else 192
+            assert sorted(int(n) for n in shared) == sorted([4 * decode.MAX_BATCH * 8 if D == 2048 else
                                                              4 * decode.MAX_BATCH * 3, 4 * ROUTE_NORM_SG,
-                                                             4 * decode.MAX_BATCH]), (name, shared)
+                                                             4 * decode.MAX_BATCH, 2 * D]), (name, shared)
         elif name.startswith("down_combine_"):
             # The slots' terms at the threadgroup's elements (T: two bytes).
             slots = 9 if name.startswith("down_combine_2048") else 4
@@ -292,3 +294,48 @@ def test_the_launches_take_the_gemv_outputs_as_they_are():
     terms = mx.zeros(down.output_shapes[0], dtype=down.output_dtypes[0])
     assert terms.shape == (1, k + 1, 128)
     assert _launch_combine(h, terms).inputs[0] is h
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_the_routed_launch_keeps_as_many_threadgroups_resident_as_gate_up_alone(rows, tmp_path):
+    """At the real shape, route and gate/up as one launch take no more of an
+    SM (sm_90a, 256-thread threadgroups, 64K registers) than gate/up alone:
+    its rows' normed x is read from threadgroup memory, as gate/up reads xn,
+    not rebuilt from h and the norm weight in its loop (which took the
+    routed build to 94 registers a thread, two threadgroups an SM against
+    gate/up's four, and its 576 threadgroups at one row into three waves)."""
+    import shutil
+    import subprocess
+
+    from mlx_lily.kernels.moe import decode
+    from test_toolchain import _mlx_cuda_include
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc is not on PATH")
+    include, which = _mlx_cuda_include(tmp_path)
+    D, E, k, I, IS, dt = 2048, 256, 8, 512, 512, mx.bfloat16
+    glu, shared = quantized_moe(D, I, IS, 2, seed=0, dtype=dt)
+    glu = SimpleNamespace(**{n: SimpleNamespace(
+        weight=mx.zeros((E, *getattr(glu, n).weight.shape[1:]), mx.uint32),
+        scales=mx.zeros((E, *getattr(glu, n).scales.shape[1:]), dt),
+        biases=mx.zeros((E, *getattr(glu, n).biases.shape[1:]), dt)) for n in ("gate_proj", "up_proj", "down_proj")})
+    units = {
+        "gate_up": decode.moe_decode_gate_up_kernel.cuda_translation_unit(
+            mx.zeros((rows, D), dt), mx.zeros((rows, k), mx.uint32), glu, shared),
+        "routed": decode.moe_decode_route_gate_up_kernel.cuda_translation_unit(
+            mx.zeros((rows, 1, D), dt), mx.zeros((rows, 1, E), dt), mx.zeros((D,), dt), 1e-6, k, True, glu, shared),
+    }
+    assert decode.routes_in_gate_up(1, D, 2) and not decode.routes_in_gate_up(1, 4 * D, 4)
+    resident = {}
+    for name, unit in units.items():
+        source = tmp_path / f"{name}.cu"
+        source.write_text(unit)
+        run = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", f"-I{include}", "-Xptxas", "-v",
+                              str(source), "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True)
+        assert run.returncode == 0, f"nvcc with {which}:\n{run.stderr[-3000:]}"
+        assert "0 bytes stack frame" in run.stderr, run.stderr
+        registers = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
+        per_warp = -(-registers * 32 // 256) * 256  # allocated a warp at a time, in units of 256
+        resident[name] = 65536 // (per_warp * decode.GATE_UP_SIMD_GROUPS)
+    assert resident["routed"] >= resident["gate_up"] >= 4, resident

@@ -115,11 +115,15 @@ GATE_UP_GROUP = 1
 # up to 4 rows a k = 1 round took 8.04 device ms and a k = 3 round 13.24;
 # with the two launches from 2 rows, 6.23 and 10.68 (the routed launch 76 us
 # at B = 4 against 35 for the two; bench/results/2026-12-04-nvidia-h200-26444a1).
-# A faster prologue (its top-k before the loads) is the open lever; fewer
-# threadgroups redoing it did not help at one row (ROUTED_ROWS_PER_SG). The
-# routed build is tested at 1 to 4 rows (the sweep's "routed rows N" choices
-# raise this to 4).
+# Those times predate the routed build's x in threadgroup memory (94
+# registers a thread before, 56 now: four threadgroups an SM, not two); not
+# yet timed with it. The routed build is tested at 1 to 4 rows (the sweep's
+# "routed rows N" choices raise this to 4).
 ROUTED_MAX_ROWS = 1
+# The routed launch keeps its rows' normed x in threadgroup memory (T values,
+# D a row): at most this many bytes, within the 32 KB a Metal threadgroup
+# may hold beside its other arrays. Larger calls take the two launches.
+ROUTED_XN_BYTES = 16 * 1024
 # Calls of at most this many rows take down and the combine as one launch,
 # row by row (moe_decode_down_combine.metal): one stream's decode step, one
 # launch fewer per layer. Each row then reads its own picks' down weights, so
@@ -322,11 +326,14 @@ def routed_rows_per_sg(batch: int, backend: Optional[str]) -> int:
     return ROUTED_ROWS_PER_SG
 
 
-def routes_in_gate_up(rows: int) -> bool:
-    """Whether a call of ``rows`` rows takes route and gate/up as one launch
-    (``moe_decode_route_gate_up_kernel``): a few rows, and gate/up's SIMD
+def routes_in_gate_up(rows: int, hidden: int = 0, itemsize: int = 2) -> bool:
+    """Whether a call of ``rows`` rows of ``hidden`` values (``itemsize``
+    bytes each) takes route and gate/up as one launch
+    (``moe_decode_route_gate_up_kernel``): a few rows, whose normed x fits
+    the threadgroup memory it is given (ROUTED_XN_BYTES), and gate/up's SIMD
     groups those of route's norm (its sums in route's order)."""
-    return rows <= ROUTED_MAX_ROWS and GATE_UP_SIMD_GROUPS == ROUTE_NORM_SG
+    return (rows <= ROUTED_MAX_ROWS and rows * hidden * itemsize <= ROUTED_XN_BYTES
+            and GATE_UP_SIMD_GROUPS == ROUTE_NORM_SG)
 
 
 def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp,
@@ -347,7 +354,7 @@ def _launch_route_gate_up(h, router_logits, norm_weight, eps, top_k, norm_topk_p
         template=[("T", h.dtype), ("E", E), ("K", k), ("VALS", math.ceil(E / SIMD_WIDTH)),
                   ("NORMALIZE", bool(norm_topk_prob)), ("D", D), ("I", I), ("IS", IS), ("IMAX", IMAX),
                   ("MAX_BATCH", MAX_BATCH), ("GROUP", GATE_UP_GROUP), ("NSG", GATE_UP_SIMD_GROUPS),
-                  ("ROWS", rows_per_sg)],
+                  ("ROWS", rows_per_sg), ("XN_ROWS", B)],
         finish=tuple,
     )
 
@@ -497,7 +504,7 @@ def run_moe_decode(
     if routed is not None:
         xn, inds, scores = routed
         act = moe_decode_gate_up_kernel.run_on(backend, xn, inds, switch_mlp, shared_expert)
-    elif routes_in_gate_up(h.shape[0]):
+    elif routes_in_gate_up(h.shape[0], h.shape[-1], h.dtype.size):
         act, inds, scores = moe_decode_route_gate_up_kernel.run_on(
             backend, h, router_logits, norm_weight, eps, top_k, norm_topk_prob, switch_mlp, shared_expert)
     else:

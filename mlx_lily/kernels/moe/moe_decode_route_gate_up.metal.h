@@ -3,9 +3,9 @@
 // takes every row's top-k of its router logits and its RMSNorm's inverse
 // rms, exactly as moe_decode_route.metal does (the same top-k routine; the
 // norm's sum of squares split over the same 8 x 32 threads in the same
-// order: NSG must be NORM_SG), keeps them in threadgroup memory, and reads
-// x = bf16(w * bf16(h * inv_rms)) where launch 2 reads xn: the same bits,
-// one launch fewer. Threadgroup (0, 0) writes the picks and weights that
+// order: NSG must be NORM_SG), keeps them in threadgroup memory with every
+// row's x = bf16(w * bf16(h * inv_rms)), as launch 1 writes xn, and reads x
+// there where launch 2 reads xn: the same bits, one launch fewer. Threadgroup (0, 0) writes the picks and weights that
 // launch 3 reads. Why: on a GPU whose host launches kernels slower than
 // they run (the H200 through MLX), a launch per layer costs more than the
 // threadgroups' repeated top-k and norms.
@@ -55,16 +55,29 @@
     }                                                                                    \
     threadgroup_barrier(mem_flags::mem_threadgroup);                                     \
   }                                                                                      \
+  /* Each row's x, a word (eight values) a thread at a time, as launch 1 rounds it. */  \
+  for (uint lily_rb = 0; lily_rb < min(B, uint(XN_ROWS)); ++lily_rb) {                   \
+    const float lily_inv = lily_inv_rms[lily_rb];                                        \
+    for (uint lily_w = sg * SIMD_WIDTH + lane; lily_w < uint(D) / 8u; lily_w += uint(NSG) * SIMD_WIDTH) { \
+      const uint4 lily_hw = lily_tile_load16(h + lily_rb * uint(D) + 8u * lily_w);       \
+      const uint4 lily_ww = lily_tile_load16(norm_weight + 8u * lily_w);                 \
+      float lily_x[8];                                                                   \
+      for (uint lily_i = 0; lily_i < 8; ++lily_i) {                                      \
+        const float lily_normed = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_hw, lily_i) * lily_inv)); \
+        lily_x[lily_i] = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_ww, lily_i) * lily_normed)); \
+      }                                                                                  \
+      const uint4 lily_words = {lily_tile_pack2_as<T>(lily_x[0], lily_x[1]), lily_tile_pack2_as<T>(lily_x[2], lily_x[3]), \
+                                lily_tile_pack2_as<T>(lily_x[4], lily_x[5]), lily_tile_pack2_as<T>(lily_x[6], lily_x[7])}; \
+      lily_xn[lily_rb * (uint(D) / 8u) + lily_w] = lily_words;                           \
+    }                                                                                    \
+  }                                                                                      \
   threadgroup_barrier(mem_flags::mem_threadgroup);
-// XS[0..8) = row ROW's normed x at K0 .. K0 + 7, as launch 1 writes xn
-// (zeros where not PRESENT).
+// XS[0..8) = row ROW's normed x at K0 .. K0 + 7 (K0 a multiple of 8), from
+// the prologue's words (zeros where not PRESENT).
 #define LILY_X_CHUNK(XS, ROW, K0, PRESENT)                                               \
   {                                                                                      \
-    const uint4 lily_hw = (PRESENT) ? lily_tile_load16(h + (ROW) * uint(D) + (K0)) : no_words; \
-    const uint4 lily_ww = (PRESENT) ? lily_tile_load16(norm_weight + (K0)) : no_words;   \
-    const float lily_inv = lily_inv_rms[(ROW)];                                          \
+    const uint4 lily_xw = (PRESENT) ? lily_xn[(ROW) * (uint(D) / 8u) + (K0) / 8u] : no_words; \
     for (uint lily_i = 0; lily_i < 8; ++lily_i) {                                        \
-      const float lily_normed = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_hw, lily_i) * lily_inv)); \
-      XS[lily_i] = static_cast<float>(static_cast<T>(lily_tile_unpack_as<T>(lily_ww, lily_i) * lily_normed)); \
+      XS[lily_i] = lily_tile_unpack_as<T>(lily_xw, lily_i);                              \
     }                                                                                    \
   }
