@@ -513,3 +513,27 @@ def test_decode_profile_takes_set_constants_and_puts_them_back(monkeypatch):
     assert decode_profile.main(["--set", "mlx_lily.kernels.attention.sdpa.DECODE_PREFETCH=4"]) == 2
     assert seen == [(4, [("mlx_lily.kernels.attention.sdpa", "DECODE_PREFETCH", 4)])]
     assert sdpa.DECODE_PREFETCH == held
+
+
+def test_launch_occupancy_counts_threadgroups_an_sm_holds_and_says_what_it_needs(capsys, monkeypatch):
+    """Registers go a warp at a time in units of 256, a threadgroup's shared
+    memory takes 1 KB more: the figures CUDA's occupancy calculator gives an
+    sm_90 SM (65,536 registers, 2,048 threads, 228 KB, 32 threadgroups)."""
+    import shutil
+
+    from bench.diagnostics.tuning import launch_occupancy as occ
+
+    assert occ.resident_per_sm(94, 256, 4704) == (2, "registers")  # the routed launch before 5ff7572
+    assert occ.resident_per_sm(56, 256, 4704) == (4, "registers")  # and after: gate/up alone's 64 too
+    assert occ.resident_per_sm(64, 256, 0) == (4, "registers")
+    assert occ.resident_per_sm(72, 256, 43776) == (3, "registers")
+    assert occ.resident_per_sm(69, 256, 43776) == (3, "registers")  # 69 x 32 rounds up to 2,304 a warp
+    assert occ.resident_per_sm(16, 1024, 0) == (2, "threads")
+    assert occ.resident_per_sm(32, 64, 100000) == (2, "shared memory")
+    assert occ.resident_per_sm(16, 32, 0) == (32, "threadgroups")
+    for bad in (["--batch", "0"], ["--batch", "17"], ["--batch", "one"]):
+        with pytest.raises(SystemExit):
+            occ.main(bad)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert occ.main(["--batch", "1"]) == 2
+    assert "needs nvcc" in capsys.readouterr().out

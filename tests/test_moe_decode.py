@@ -307,6 +307,7 @@ def test_the_routed_launch_keeps_as_many_threadgroups_resident_as_gate_up_alone(
     import shutil
     import subprocess
 
+    from bench.diagnostics.tuning.launch_occupancy import resident_per_sm
     from mlx_lily.kernels.moe import decode
     from test_toolchain import _mlx_cuda_include
 
@@ -336,6 +337,7 @@ def test_the_routed_launch_keeps_as_many_threadgroups_resident_as_gate_up_alone(
         assert run.returncode == 0, f"nvcc with {which}:\n{run.stderr[-3000:]}"
         assert "0 bytes stack frame" in run.stderr, run.stderr
         registers = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
-        per_warp = -(-registers * 32 // 256) * 256  # allocated a warp at a time, in units of 256
-        resident[name] = 65536 // (per_warp * decode.GATE_UP_SIMD_GROUPS)
+        shared_bytes = re.search(r"(\d+) bytes smem", run.stderr)
+        resident[name] = resident_per_sm(registers, decode.GATE_UP_SIMD_GROUPS * 32,
+                                         int(shared_bytes.group(1)) if shared_bytes else 0)[0]
     assert resident["routed"] >= resident["gate_up"] >= 4, resident
