@@ -132,6 +132,39 @@ def test_agree_judges_against_the_cpu_s_rounding_not_another_device_s():
     assert "out" in gated_delta_decode_agree((out * 1.1, conv, state), cuda_ops, *args)
 
 
+def test_a_flat_z_gives_a_flat_out_with_the_same_bits():
+    # The decode step passes z as the GEMV gives it, [B, 1, Hv * Dv], and
+    # takes out so (no view node either side): the same bits as by heads, on
+    # the kernel (one step of two rows, one a padding step; and the P
+    # positions of a speculative round) and on the reference.
+    from mlx_lily.kernels.gated_delta.decode import gated_delta_decode_steps_kernel, gated_delta_decode_steps_reference
+    from mlx_lily.kernels.gated_delta.testing import gated_delta_decode_steps_inputs
+
+    emulator_or_skip()
+    args, kwargs = gated_delta_decode_inputs(2, 4, 32, 64, seed=21, B=2, mask=[True, False])
+    B, _, Hv, Dv = args[1].shape
+    flat = (args[0], args[1].reshape(B, 1, Hv * Dv)) + tuple(args[2:])
+    assert gated_delta_decode_supports(*flat, **kwargs) is None
+    for run in (gated_delta_decode_kernel.emulate, gated_delta_decode_reference):
+        heads, flat_out = run(*args, **kwargs), run(*flat, **kwargs)
+        mx.eval(heads, flat_out)
+        assert heads[0].shape == (B, 1, Hv, Dv) and flat_out[0].shape == (B, 1, Hv * Dv)
+        assert mx.array_equal(heads[0].reshape(B, 1, -1), flat_out[0]).item()
+        for h, f in zip(heads[1:], flat_out[1:]):
+            assert mx.array_equal(h, f).item()
+    steps, _ = gated_delta_decode_steps_inputs(Hk=2, Hv=4, Dk=32, Dv=32, P=3, seed=22)
+    P = steps[1].shape[0]
+    flat_steps = (steps[0], steps[1].reshape(P, 1, -1)) + tuple(steps[2:])
+    for run in (gated_delta_decode_steps_kernel.emulate, gated_delta_decode_steps_reference):
+        heads, flat_out = run(*steps), run(*flat_steps)
+        mx.eval(heads, flat_out)
+        assert flat_out[0].shape == (P, 1, 4 * 32)
+        assert all(mx.array_equal(h.reshape(f.shape), f).item() for h, f in zip(heads, flat_out))
+    # A flat z whose width is not A_log's heads of one width is refused by name.
+    odd = (args[0], args[1].reshape(B, 1, Hv * Dv)[..., :-1]) + tuple(args[2:])
+    assert "A_log" in gated_delta_decode_supports(*odd, **kwargs)
+
+
 def test_supports_takes_one_bf16_token_only():
     args, _ = gated_delta_decode_inputs(2, 4, 32, 32, seed=6)
     assert gated_delta_decode_supports(*args) is None

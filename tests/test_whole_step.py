@@ -237,3 +237,59 @@ def test_compiled_the_whole_step_leaves_arrays_held_elsewhere_as_they_were(compi
     for (kept, copy), c in zip(held, _kv(cache)):
         assert mx.array_equal(kept, copy).item()  # written out of place: someone held it
         assert not mx.array_equal(c.keys, kept).item()  # the cache's own rows did change
+
+
+def test_the_whole_step_puts_no_view_between_a_deltanet_layer_s_kernels(emulator_backend):
+    """The graph MLX compiles for a decode token, kernels as on CUDA (each
+    launch one node here): a Gated DeltaNet layer is its six launches alone
+    (z and y stay flat, [B, 1, Hv * Dv]), and an attention layer moves no
+    element to transpose (one position: [B, 1, H, D] read as [B, H, 1, D]).
+    Every view is host work at every token: built by the compiled step's
+    replay and evaluated by MLX."""
+    from collections import Counter
+
+    from bench.counts import trace
+    from bench.diagnostics.decode.host_cost import stubbed_kernels
+    from mlx_lily.models.qwen3_5_moe import Model
+    from mlx_lily.random_checkpoints import SHAPES, build_model
+    from mlx_lily.toolchain import kernel
+
+    def views(layers: int) -> Counter:
+        model, _ = build_model(dict(SHAPES["demo"], num_hidden_layers=layers), seed=0, model_class=Model)
+        mx.eval(model.parameters())
+        text = model.language_model.model
+        launches = []
+        with stubbed_kernels():
+            def build(self, backend, absent=()):
+                def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **kw):
+                    launches.append(self.name)  # one Depends node a launch, as one kernel node
+                    return mx.depends([mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)], list(inputs))
+                return launch
+            held, kernel.Kernel._build = kernel.Kernel._build, build
+            try:
+                cache = make_prompt_cache(model)
+                mx.eval(model(mx.array([list(range(1, 9))]), cache=cache), [c.state for c in cache])
+                for i in text._cuts():
+                    T.reserve_rows(cache[i], cache[text.fa_idx].offset + 1)
+                args = [mx.array([[1]], dtype=mx.int32)]
+                for layer, c in zip(text.layers, cache):
+                    args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
+                args.append(mx.array([cache[text.fa_idx].offset], dtype=mx.int32))
+                mx.eval(args)
+                launches.clear()
+                nodes = trace(text._whole_fn(), *args)
+            finally:
+                kernel.Kernel._build = held
+        counted = Counter(n["name"] for n in nodes)
+        assert counted["Depends"] == len(launches)
+        return counted
+
+    # The demo stack puts attention at every fourth layer: four more layers
+    # are three DeltaNet layers and one attention layer.
+    more = views(8) - views(4)
+    assert more["Depends"] == 3 * 6 + 8, more  # their launches
+    assert more["Transpose"] == 0, more
+    # All of them the attention layer's: q into heads and its gate split off,
+    # k and v into heads, the queries as the kernel's rows, its output as q's
+    # shape and as the projection's row. (The DeltaNet layers add none.)
+    assert more["Reshape"] + more["Split"] == 7, more

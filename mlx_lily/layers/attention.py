@@ -40,7 +40,10 @@ def attention_heads(attn: Any, q: mx.array, k: mx.array, v: mx.array, offset: An
     B, L, _ = q.shape
     queries, gate = mx.split(q.reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
     keys = k.reshape(B, L, attn.num_key_value_heads, -1)
-    values = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    if L == 1:  # [B, 1, H, D] -> [B, H, 1, D] moves no element: one view node, not two
+        values = v.reshape(B, attn.num_key_value_heads, 1, -1)
+    else:
+        values = v.reshape(B, L, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
     queries, keys = K.qk_norm_rope(
         queries, keys, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, attn.rope, offset
     )

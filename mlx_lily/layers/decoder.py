@@ -435,18 +435,20 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _linear_in(self, x: mx.array):
         """Norm + the DeltaNet's four input projections in one GEMV -> qkv,
-        z [B, 1, Hv, Dv], b, a."""
+        z [B, 1, Hv * Dv] (flat: ``gated_delta_decode`` takes it so and
+        gives y so, with no view node on either side), b, a."""
         la, norm = self.linear_attn, self.input_layernorm
-        qkv, z, b, a = K.decode_matvec(
+        return K.decode_matvec(
             x, (_triple(la.in_proj_qkv), _triple(la.in_proj_z), _triple(la.in_proj_b), _triple(la.in_proj_a)),
             norm.weight, norm.eps,
         )
-        return qkv, z.reshape(x.shape[0], 1, la.num_v_heads, la.head_v_dim), b, a
 
     def _linear_out(self, y: mx.array, x: mx.array) -> mx.array:
         """The DeltaNet's output projection + residual, then the MoE chain."""
         la = self.linear_attn
-        return self._moe_step(_projected_onto(y.reshape(x.shape[0], 1, -1), la.out_proj, x, la.sharding_group))
+        if y.ndim != 3:
+            y = y.reshape(x.shape[0], 1, -1)
+        return self._moe_step(_projected_onto(y, la.out_proj, x, la.sharding_group))
 
     def _sharded_moe_step(self, h: mx.array, logits: mx.array, shared_logit: mx.array) -> mx.array:
         """The MoE chain of a rank's slice (sharded.py): ``moe_decode``
@@ -488,7 +490,9 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""
-        out = out.transpose(0, 2, 1, 3).reshape(x.shape[0], 1, -1)
+        # [B, H, 1, D] as [B, 1, H * D]: with one position the transpose moves no element.
+        out = out.reshape(x.shape[0], 1, -1) if out.shape[2] == 1 else out.transpose(0, 2, 1, 3).reshape(
+            x.shape[0], 1, -1)
         return self._moe_step(_projected_onto(out, self.self_attn.o_proj, x, group_of(self.self_attn), gate))
 
     def _moe_step(self, h: mx.array) -> mx.array:

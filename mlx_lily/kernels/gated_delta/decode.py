@@ -58,15 +58,27 @@ MAX_BATCH = 16
 MAX_ELEMENTS = 2**31
 
 
+def _heads(z, A_log) -> tuple:
+    """(B, T, Hv, Dv) of z, given as [B, T, Hv, Dv] or flat as [B, T, Hv *
+    Dv] (Hv: A_log's size). A flat z gives a flat out: the body indexes both
+    as rows of Hv * Dv values, so the decode step's graph needs no reshape
+    on either side (two view nodes a DeltaNet layer a token)."""
+    if z.ndim == 3:
+        Hv = int(A_log.size)
+        return z.shape[0], z.shape[1], Hv, (z.shape[2] // Hv if Hv else 0)
+    return tuple(z.shape)
+
+
 def gated_delta_decode_reference(
     qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None,
     padding_shifts_conv=False,
 ):
-    """qkv [B, T, C], z [B, T, Hv, Dv], a, b [B, T, Hv], conv_state [B, K-1, C]
-    (the previous call's last K-1 conv input rows; None: zeros, a sequence's
-    start), conv_weight [C, K, 1], state [B, Hv, Dv, Dk] fp32 or None, mask
-    [B, 1] bool or None (False: a padding step; with T = 1) -> (out [B, T,
-    Hv, Dv], next conv state [B, K-1, C], next state).
+    """qkv [B, T, C], z [B, T, Hv, Dv] (or flat, [B, T, Hv * Dv]), a, b [B,
+    T, Hv], conv_state [B, K-1, C] (the previous call's last K-1 conv input
+    rows; None: zeros, a sequence's start), conv_weight [C, K, 1], state [B,
+    Hv, Dv, Dk] fp32 or None, mask [B, 1] bool or None (False: a padding
+    step; with T = 1) -> (out [B, T, Hv, Dv] (flat where z is), next conv
+    state [B, K-1, C], next state).
 
     Stock's layer's sequence of ops, reference for reference: a padding
     step's qkv enters the convolution as zeros, its out is computed as for
@@ -76,7 +88,9 @@ def gated_delta_decode_reference(
     ``padding_shifts_conv`` the zero row is shifted in, as stock does for a
     cache without lengths (the server's decode steps).
     """
-    B, T, Hv, Dv = z.shape
+    B, T, Hv, Dv = _heads(z, A_log)
+    flat = z.ndim == 3
+    z = z.reshape(B, T, Hv, Dv)
     key_dim = (qkv.shape[-1] - Hv * Dv) // 2
     Dk = key_dim // num_k_heads
     if conv_state is None:
@@ -96,7 +110,7 @@ def gated_delta_decode_reference(
     q, k = l2norm_qk_reference(q, k, Dk**-0.5)
     out, state = gated_delta_reference(q, k, v, a, b, A_log, dt_bias, state, mask)
     out = gated_rms_norm_reference(out, z, norm_weight, eps)
-    return out, next_conv, state
+    return (out.reshape(B, T, Hv * Dv) if flat else out), next_conv, state
 
 
 def gated_delta_decode_supports(
@@ -104,9 +118,11 @@ def gated_delta_decode_supports(
     padding_shifts_conv=False,
 ) -> Optional[str]:
     """None when the kernel takes this call, else why not."""
-    if z.ndim != 4 or qkv.ndim != 3:
-        return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)} (kernel: [B, 1, C], [B, 1, Hv, Dv])"
-    B, T, Hv, Dv = z.shape
+    if z.ndim not in (3, 4) or qkv.ndim != 3:
+        return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)} (kernel: [B, 1, C], [B, 1, Hv, Dv] or [B, 1, Hv * Dv])"
+    B, T, Hv, Dv = _heads(z, A_log)
+    if z.ndim == 3 and Hv * Dv != z.shape[-1]:
+        return f"z {tuple(z.shape)}: not {Hv} heads (A_log's size) of equal width"
     if T != 1 or tuple(qkv.shape[:2]) != (B, 1):
         return f"qkv {tuple(qkv.shape)}, z {tuple(z.shape)}: T={T} (kernel: one token per row)"
     if not 1 <= B <= MAX_BATCH:
@@ -157,7 +173,7 @@ def _launch(
     qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads, mask=None,
     padding_shifts_conv=False,
 ) -> Launch:
-    B, _, Hv, Dv = z.shape
+    B, _, Hv, Dv = _heads(z, A_log)
     Hk = int(num_k_heads)
     C = qkv.shape[-1]
     Dk = (C - Hv * Dv) // (2 * Hk)
@@ -180,7 +196,7 @@ def _launch(
         ],
         grid=(nsg * SIMD_WIDTH * Hv, B, 1),
         threadgroup=(nsg * SIMD_WIDTH, 1, 1),
-        output_shapes=[(B, 1, Hv, Dv), (B, K - 1, C), (B, Hv, Dv, Dk)],
+        output_shapes=[(B, 1, *z.shape[2:]), (B, K - 1, C), (B, Hv, Dv, Dk)],
         output_dtypes=[qkv.dtype, conv_state.dtype, mx.float32],
         template=[
             ("InT", qkv.dtype),
@@ -298,7 +314,8 @@ def gated_delta_decode_steps_reference(
     qkv, z, a, b, conv_state, conv_weight, A_log, dt_bias, state, norm_weight, eps, num_k_heads,
 ):
     """qkv [P, 1, C] etc.: P consecutive positions of one stream, conv_state
-    [1, K-1, C], state [1, Hv, Dv, Dk] or None -> (out [P, 1, Hv, Dv], the
+    [1, K-1, C], state [1, Hv, Dv, Dk] or None -> (out [P, 1, Hv, Dv] (flat
+    where z is), the
     conv state after each position [P, K-1, C], the state after each [P, Hv,
     Dv, Dk]): ``gated_delta_decode`` once per position, in order."""
     outs, convs, states = [], [], []
@@ -339,13 +356,12 @@ def _launch_steps(
     inputs = list(one.inputs)
     inputs[:4] = [qkv, z, a, b]
     inputs[-1] = mx.ones((P,), mx.bool_)  # no padding step among a stream's positions
-    _, _, Hv, Dv = z.shape
     C, K = qkv.shape[-1], conv_weight.shape[1]
     return Launch(
         inputs=inputs,
         grid=(one.grid[0], 1, 1),
         threadgroup=one.threadgroup,
-        output_shapes=[(P, 1, Hv, Dv), (P, K - 1, C), (P, *one.output_shapes[2][1:])],
+        output_shapes=[(P, 1, *z.shape[2:]), (P, K - 1, C), (P, *one.output_shapes[2][1:])],
         output_dtypes=one.output_dtypes,
         template=[(name, P if name == "STEPS" else value) for name, value in one.template],
         finish=lambda outputs: tuple(outputs),
