@@ -111,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--decode", type=int, default=16, help="tokens decoded (default 16, as bench --cold-start)")
     p.add_argument("--against", help="an NVIDIA GPU's cuda-instances.json: keep only instances it holds")
     p.add_argument("--write", action="store_true", help="replace the shipped record (its current entries kept)")
-    p.add_argument("--out", default=".", help="folder for first-instances.json (default: here)")
+    p.add_argument("--out", default="bench/out", help="folder for first-instances.json (default: bench/out)")
     args = p.parse_args(argv)
 
     import mlx_lily.kernels  # noqa: F401 - registers every kernel
