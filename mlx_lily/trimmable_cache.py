@@ -82,6 +82,23 @@ class TrimmableArraysCache(ArraysCache):
             # kept, so nothing before its end can be restored.
             self._past.clear()
 
+    def push_stacked(self, convs: Any, states: Any) -> None:
+        """``push_steps`` for the states after each of P tokens given stacked,
+        [P, ...] each (lily's verification pass gives them so): the cache
+        holds the last position's, and a position's state before the last is
+        sliced out only if ``trim`` goes back to it. (A pass's slices were a
+        graph node each, 2P a layer a round, where 2 are read.)"""
+        P = convs.shape[0]
+        if self.lengths is not None or self.left_padding is not None:
+            self.push_steps([(convs[p:p + 1], states[p:p + 1]) for p in range(P)])
+            return
+        rest = tuple(self.cache[2:])
+        self._past.append(tuple(self.cache))
+        self._past.extend(_StepState(convs, states, p, rest) for p in range(P - 1))
+        self.cache = [convs[P - 1:], states[P - 1:], *rest]
+        del self._past[: -self.depth]
+        self._before = None
+
     def push_steps(self, states: List[tuple]) -> None:
         """Take the states after each of several tokens, in order (lily's
         verification pass, ``layers/verify_step.py``, computes them): each
@@ -138,6 +155,19 @@ class TrimmableArraysCache(ArraysCache):
     def extend(self, other):
         super().extend(other)
         self._past, self._before = [], None
+
+
+class _StepState:
+    """A cache's arrays after position ``p`` of a verification pass, read
+    from its stacked outputs when iterated (``trim`` going back to it)."""
+
+    __slots__ = ("convs", "states", "p", "rest")
+
+    def __init__(self, convs: Any, states: Any, p: int, rest: tuple):
+        self.convs, self.states, self.p, self.rest = convs, states, p, rest
+
+    def __iter__(self):
+        return iter((self.convs[self.p:self.p + 1], self.states[self.p:self.p + 1], *self.rest))
 
 
 # The cache types lily's Gated DeltaNet reads and writes itself.

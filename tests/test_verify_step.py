@@ -144,6 +144,31 @@ def test_push_steps_keeps_each_state_before_its_token(emulated):
         assert all(mx.array_equal(a, b).item() for a, b in zip(pushed.cache, stepped.cache))
 
 
+def test_push_stacked_keeps_what_push_steps_keeps(emulated):
+    # The verification pass hands a layer its states after each position
+    # stacked, [P, ...]: the cache holds the last one, and going back gives
+    # the state push_steps would have given (sliced out only then), whatever
+    # the depth cuts off.
+    from mlx_lily.trimmable_cache import TrimmableArraysCache
+
+    convs = mx.arange(5, dtype=mx.float32).reshape(5, 1) * 3
+    states = mx.arange(5, dtype=mx.float32).reshape(5, 1) + 10
+    for depth in (2, 5, 7):
+        for n in range(1, min(depth, 6) + 1):
+            stacked, pushed = TrimmableArraysCache(2, depth=depth), TrimmableArraysCache(2, depth=depth)
+            for c in (stacked, pushed):
+                c[0], c[1] = mx.array([[-1.0]]), mx.array([[-2.0]])
+                c.advance(1)
+            stacked.push_stacked(convs, states)
+            pushed.push_steps([(convs[p:p + 1], states[p:p + 1]) for p in range(5)])
+            assert stacked.cache[0].shape == (1, 1)
+            assert stacked.trimmable_tokens() == pushed.trimmable_tokens() == min(depth, 6)
+            assert stacked.trim(n) == pushed.trim(n) == n
+            # (Going back past the first write gives the empty state: None.)
+            assert all(a is b is None or mx.array_equal(a, b).item()
+                       for a, b in zip(stacked.cache, pushed.cache)), (depth, n)
+
+
 def test_the_head_takes_a_round_s_positions_on_the_decode_kernels(emulated, monkeypatch):
     # The MTP head's calls after its prompt run its layer's rows on the decode
     # kernels (verify_step.head_rows): each position attends up to itself,

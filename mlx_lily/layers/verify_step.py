@@ -15,7 +15,7 @@ invariance": a row's result is the same bits alone or in a batch of 1..16):
   kernel's body takes the P positions in order (``gated_delta_decode_steps``;
   where that kernel is off, the one-row kernel runs once per position), and
   the state after each position is kept: the rollback of a rejected draft
-  puts one of them back (``TrimmableArraysCache.push_steps``);
+  puts one of them back (``TrimmableArraysCache.push_stacked``: sliced out only then);
 * attention: the P keys and values are written into the stream's KV cache,
   then position i attends to the cache up to itself as the one-row decode
   kernel reads it, over the very view a decode step alone would read: the
@@ -146,12 +146,12 @@ def verify(text_model: Any, tokens: mx.array, cache: List[Any], form: Optional[s
     at = 0
     for layer, c in zip(layers, cache):
         if layer.is_linear:
-            convs, states = outputs[at:at + P], outputs[at + P:at + 2 * P]
-            at += 2 * P
-            if hasattr(c, "push_steps"):
-                c.push_steps(list(zip(convs, states)))
+            convs, states = outputs[at], outputs[at + 1]  # [P, ...]: the states after each position
+            at += 2
+            if hasattr(c, "push_stacked"):
+                c.push_stacked(convs, states)
             else:
-                c[0], c[1] = convs[-1], states[-1]
+                c[0], c[1] = convs[P - 1:], states[P - 1:]
                 c.advance(P)
         else:
             c.keys, c.values = outputs[at], outputs[at + 1]
@@ -226,9 +226,9 @@ def write_rows(buffer: mx.array, rows: mx.array, position: mx.array, at: Optiona
 
 def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
     """(tokens [P, 1], each layer's two states or KV buffers, the stream's
-    offset [1]) -> (per DeltaNet layer: P conv states, then P recurrent
-    states, each after its position; per attention layer: the KV buffers with
-    the P rows written; the final norm's output [P, 1, D])."""
+    offset [1]) -> (per DeltaNet layer: the conv states and the recurrent
+    states after each position, stacked [P, ...]; per attention layer: the
+    KV buffers with the P rows written; the final norm's output [P, 1, D])."""
     layers = text_model.layers
 
     def step(tokens, *rest):
@@ -239,7 +239,7 @@ def verify_fn(text_model: Any, P: int, spans: tuple, form: str) -> Callable:
         for i, layer in enumerate(layers):
             if layer.is_linear:
                 h, convs, states = _linear_rows(layer, h, rest[2 * i], rest[2 * i + 1])
-                outputs += convs + states
+                outputs += [convs, states]
             else:
                 h, keys, values = _attention_rows(layer, h, rest[2 * i], rest[2 * i + 1], position, spans, form,
                                                   rows)
@@ -262,7 +262,7 @@ def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array)
     rest = (la.norm.weight, la.norm.eps, la.num_k_heads)
     if P > 1 and _steps_on(qkv, z, a, b, conv_state, *weights, state, *rest):
         y, convs, states = K.gated_delta_decode_steps(qkv, z, a, b, conv_state, *weights, state, *rest)
-        return layer._linear_out(y, x), [convs[p:p + 1] for p in range(P)], [states[p:p + 1] for p in range(P)]
+        return layer._linear_out(y, x), convs, states
     ys, convs, states = [], [], []
     for p in range(P):
         y, conv_state, state = K.gated_delta_decode(
@@ -270,7 +270,8 @@ def _linear_rows(layer: Any, x: mx.array, conv_state: mx.array, state: mx.array)
         ys.append(y)
         convs.append(conv_state)
         states.append(state)
-    return layer._linear_out(mx.concatenate(ys, axis=0), x), convs, states
+    return (layer._linear_out(mx.concatenate(ys, axis=0), x), mx.concatenate(convs, axis=0),
+            mx.concatenate(states, axis=0))
 
 
 def _rows_on() -> bool:
