@@ -490,9 +490,9 @@ class LilyDecoderLayer(DecoderLayer):
 
     def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
         """Gated output projection + residual, then the MoE chain."""
-        # [B, H, 1, D] as [B, 1, H * D]: with one position the transpose moves no element.
-        out = out.reshape(x.shape[0], 1, -1) if out.shape[2] == 1 else out.transpose(0, 2, 1, 3).reshape(
-            x.shape[0], 1, -1)
+        if out.shape[2] != 1:  # with one position [B, H, 1, D] is already [B, 1, H, D]'s order
+            out = out.transpose(0, 2, 1, 3)
+        out = out.reshape(x.shape[0], 1, -1)
         return self._moe_step(_projected_onto(out, self.self_attn.o_proj, x, group_of(self.self_attn), gate))
 
     def _moe_step(self, h: mx.array) -> mx.array:

@@ -5,8 +5,9 @@
 // norm's sum of squares split over the same 8 x 32 threads in the same
 // order: NSG must be NORM_SG), keeps them in threadgroup memory with every
 // row's x = bf16(w * bf16(h * inv_rms)), as launch 1 writes xn, and reads x
-// there where launch 2 reads xn: the same bits, one launch fewer. Threadgroup (0, 0) writes the picks and weights that
-// launch 3 reads. Why: on a GPU whose host launches kernels slower than
+// there where launch 2 reads xn: the same bits, one launch fewer.
+// Threadgroup (0, 0) writes the picks and weights that launch 3 reads.
+// Why: on a GPU whose host launches kernels slower than
 // they run (the H200 through MLX), a launch per layer costs more than the
 // threadgroups' repeated top-k and norms.
 //
