@@ -116,8 +116,11 @@ GATE_UP_GROUP = 1
 # with the two launches from 2 rows, 6.23 and 10.68 (the routed launch 76 us
 # at B = 4 against 35 for the two; bench/results/2026-12-04-nvidia-h200-26444a1).
 # Those times predate the routed build's x in threadgroup memory (94
-# registers a thread before, 56 now: four threadgroups an SM, not two); not
-# yet timed with it. The routed build is tested at 1 to 4 rows (the sweep's
+# registers a thread before, 56 now: four threadgroups an SM, not two): 28.0
+# us at B = 1 and 39.4 at B = 2 with it, where the two launches take about 16
+# and 22 (bench/results/2026-12-05-nvidia-h200-78c2dda). At k = 1 verification
+# (B = 2) the one launch and the two gave the same speedups within the host's
+# spread there, so 2 rows keep the two. The routed build is tested at 1 to 4 rows (the sweep's
 # "routed rows N" choices raise this to 4).
 ROUTED_MAX_ROWS = 1
 # The routed launch keeps its rows' normed x in threadgroup memory (T values,
