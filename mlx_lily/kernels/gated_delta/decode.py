@@ -315,9 +315,9 @@ def gated_delta_decode_steps_reference(
 ):
     """qkv [P, 1, C] etc.: P consecutive positions of one stream, conv_state
     [1, K-1, C], state [1, Hv, Dv, Dk] or None -> (out [P, 1, Hv, Dv] (flat
-    where z is), the
-    conv state after each position [P, K-1, C], the state after each [P, Hv,
-    Dv, Dk]): ``gated_delta_decode`` once per position, in order."""
+    where z is), the conv state after each position [P, K-1, C], the state
+    after each [P, Hv, Dv, Dk]): ``gated_delta_decode`` once per position, in
+    order."""
     outs, convs, states = [], [], []
     for p in range(qkv.shape[0]):
         out, conv_state, state = gated_delta_decode_reference(
