@@ -305,16 +305,12 @@ def test_the_routed_launch_keeps_as_many_threadgroups_resident_as_gate_up_alone(
     routed build to 94 registers a thread, two threadgroups an SM against
     gate/up's four, and its 576 threadgroups at one row into three waves)."""
     import shutil
-    import subprocess
 
-    from bench.diagnostics.tuning.launch_occupancy import resident_per_sm
+    from bench.diagnostics.tuning.launch_occupancy import nvcc_resources, resident_per_sm
     from mlx_lily.kernels.moe import decode
-    from test_toolchain import _mlx_cuda_include
 
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
+    if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
-    include, which = _mlx_cuda_include(tmp_path)
     D, E, k, I, IS, dt = 2048, 256, 8, 512, 512, mx.bfloat16
     glu, shared = quantized_moe(D, I, IS, 2, seed=0, dtype=dt)
     glu = SimpleNamespace(**{n: SimpleNamespace(
@@ -330,14 +326,7 @@ def test_the_routed_launch_keeps_as_many_threadgroups_resident_as_gate_up_alone(
     assert decode.routes_in_gate_up(1, D, 2) and not decode.routes_in_gate_up(1, 4 * D, 4)
     resident = {}
     for name, unit in units.items():
-        source = tmp_path / f"{name}.cu"
-        source.write_text(unit)
-        run = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-cubin", f"-I{include}", "-Xptxas", "-v",
-                              str(source), "-o", str(tmp_path / f"{name}.cubin")], capture_output=True, text=True)
-        assert run.returncode == 0, f"nvcc with {which}:\n{run.stderr[-3000:]}"
-        assert "0 bytes stack frame" in run.stderr, run.stderr
-        registers = int(re.search(r"Used (\d+) registers", run.stderr).group(1))
-        shared_bytes = re.search(r"(\d+) bytes smem", run.stderr)
-        resident[name] = resident_per_sm(registers, decode.GATE_UP_SIMD_GROUPS * 32,
-                                         int(shared_bytes.group(1)) if shared_bytes else 0)[0]
+        used = nvcc_resources(unit, tmp_path, name)  # nvcc sm_90a, as lily's CUDA cache compiles
+        assert used["stack"] == 0 and used["registers"] > 0, (name, used)
+        resident[name] = resident_per_sm(used["registers"], decode.GATE_UP_SIMD_GROUPS * 32, used["shared"])[0]
     assert resident["routed"] >= resident["gate_up"] >= 4, resident
