@@ -7,6 +7,8 @@ and says so."""
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import pytest
 
@@ -537,3 +539,35 @@ def test_launch_occupancy_counts_threadgroups_an_sm_holds_and_says_what_it_needs
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert occ.main(["--batch", "1"]) == 2
     assert "needs nvcc" in capsys.readouterr().out
+
+
+def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, monkeypatch):
+    import json
+
+    from bench.diagnostics.serving import wave_profile
+
+    monkeypatch.delenv("MLX_LILY_PACE_PREFILL", raising=False)
+    seen = []
+    real_wave = wave_profile.wave
+
+    def wave(model, ids):
+        seen.append(os.environ.get("MLX_LILY_PACE_PREFILL"))
+        return real_wave(model, ids)
+
+    monkeypatch.setattr(wave_profile, "wave", wave)
+    assert wave_profile.main(["--shape", "demo", "--prompts", "3", "--tokens", "12", "--rounds", "1",
+                              "--arm", "pace off:MLX_LILY_PACE_PREFILL=0", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "wave_profile.json").read_text())
+    arms = {a["name"]: a for a in record["arms"]}
+    assert list(arms) == ["default", "pace off"] and arms["pace off"]["settings"] == {"MLX_LILY_PACE_PREFILL": "0"}
+    assert record["lengths"] == [12, 9, 11]
+    for arm in arms.values():
+        assert len(arm["first_tokens_s"]) == 1 and arm["median_s"] > 0
+        # The host's profile finds the server's prefill of the rows together.
+        assert any("prompt_rows" in line for line in arm["host_cumulative"])
+    # Warm, timed, host-profiled: each arm's runs under its own settings, none after.
+    assert seen == [None, "0", None, "0", None, "0"]
+    assert "MLX_LILY_PACE_PREFILL" not in os.environ
+    with pytest.raises(ValueError, match="NAME:VAR=VALUE"):
+        wave_profile.parse_arm("no colon")
+    assert wave_profile.parse_arm("off:A=1, B=2") == ("off", {"A": "1", "B": "2"})
