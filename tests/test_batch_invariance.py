@@ -75,7 +75,7 @@ def count_attended_rows(monkeypatch) -> list:
 
     def attend_rows(self, *args):
         done = real_rows(self, *args)
-        attended.append(len(done))
+        attended.append(len(done[0]))
         return done
 
     monkeypatch.setattr(LilyAttention, "_attend_rows", attend_rows)
@@ -142,33 +142,63 @@ def test_prompts_prefilled_packed_keep_each_row_s_bits(lily, monkeypatch):
     assert not packed  # a request alone has nothing to share its call with
 
 
+def count_whole_writes(monkeypatch) -> list:
+    """(cache kind, taken whole) for each batch cache a prompt chunk's rows
+    were written back into (prompt_rows.batched_entries: the batched call's
+    arrays as they are, not the rows joined again)."""
+    from mlx_lily.layers import prompt_rows
+
+    writes = []
+    real = prompt_rows.batched_entries
+
+    def spy(rows):
+        whole = real(rows)
+        kind = next(type(r).__name__ for r in rows if r is not None)
+        writes.append((kind, whole is not None))
+        return whole
+
+    monkeypatch.setattr(prompt_rows, "batched_entries", spy)
+    return writes
+
+
+@pytest.mark.parametrize("lengths", [(9, 33, 4, 12, 70), (9, 33, 14, 12, 70)])
 def test_prompts_packed_on_the_references_attend_as_one_batch_and_keep_each_row_s_bits(demo_checkpoint,
-                                                                                       monkeypatch):
+                                                                                       monkeypatch, lengths):
     # Where attention runs its reference for one row and for many (MLX's
     # sdpa: on CUDA from 64 queries, and everywhere without kernels), fresh
     # rows packed together attend as one right-padded causal batch. Each
     # row's log-probabilities stay those of its prompt alone, bit for bit.
+    # Where every row attends in that batch, the batch's KV caches take its
+    # keys and values whole.
     from mlx_lily.toolchain.registry import BACKEND_ENV
 
     monkeypatch.setenv(BACKEND_ENV, "reference")
     model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
-    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((9, 33, 4, 12, 70))]
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     attended = count_attended_rows(monkeypatch)
+    writes = count_whole_writes(monkeypatch)
     steps = 3
     together = generate(model, {0: list(range(len(prompts)))}, {i: steps for i in range(len(prompts))}, prompts)
     attention_layers = sum(1 for layer in model.layers if not layer.is_linear)
-    assert attended == [4] * attention_layers, attended  # the 4 rows of 8 tokens and more
+    packed = sum(1 for n in lengths if n - 1 >= 8)  # the generator holds each prompt's last token back
+    assert attended == [packed] * attention_layers, attended  # the rows of 8 tokens and more
+    whole = packed == len(lengths)
+    assert [w for k, w in writes if k == "BatchKVCache"] == [whole] * attention_layers, writes
     for i in range(len(prompts)):
         assert_same(together[i], alone(model, i, steps, prompts), f"row {i}")
 
 
+@pytest.mark.parametrize("short", [True, False])
 def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_bits(tmp_path_factory,
-                                                                                     emulator_backend, monkeypatch):
+                                                                                     emulator_backend, monkeypatch,
+                                                                                     short):
     # Prompts of CHUNKED_FROM tokens and more arriving together: their
     # DeltaNet recurrences run as one right-padded batch on the chunked
     # passes (gated_delta_rows), each row read to its own length. Each row's
     # log-probabilities stay those of its prompt alone, bit for bit; a
-    # shorter row (the sequential scan alone) runs on its own.
+    # shorter row (the sequential scan alone) runs on its own. Where every
+    # row runs in that batch, the batch's DeltaNet caches take its states
+    # whole.
     from mlx_lily import kernels as K
     from mlx_lily.kernels.gated_delta.recurrence import CHUNKED_FROM
     from mlx_lily.random_checkpoints import make_checkpoint
@@ -176,7 +206,9 @@ def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_
     path = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "dk64",
                            shape={"linear_key_head_dim": 64, "linear_value_head_dim": 64})
     model, _ = mlx_lily.load(str(path), backend="lily")
-    lengths = (CHUNKED_FROM + 6, 2 * CHUNKED_FROM + 1, 20, CHUNKED_FROM + 1, 3 * CHUNKED_FROM)
+    lengths = (CHUNKED_FROM + 6, 2 * CHUNKED_FROM + 1, 20 if short else CHUNKED_FROM + 9, CHUNKED_FROM + 1,
+               3 * CHUNKED_FROM)
+    writes = count_whole_writes(monkeypatch)
     prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate(lengths)]
     batches = []
     op = K.gated_delta_rows
@@ -194,6 +226,7 @@ def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_
     want = tuple(sorted((n - 1 for n in lengths if n - 1 >= CHUNKED_FROM), reverse=True))
     assert batches == [(len(want), want)] * linear, batches
     assert op.last_path == "kernel", op.last_reason
+    assert [w for k, w in writes if k == "ArraysCache"] == [not short] * linear, writes
     batches.clear()
     for i in range(len(prompts)):
         assert_same(together[i], alone(model, i, steps, prompts), f"row {i}")

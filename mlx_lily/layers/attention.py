@@ -9,7 +9,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import kernels as K
-from .prompt_rows import right_padded, split_rows
+from .prompt_rows import BatchedRows, packed_from_padded, padded_rows, split_rows
 from .stock_gate import runs_stock
 
 Mask = Union[None, str, mx.array]
@@ -56,6 +56,18 @@ def _fresh(cache: Any) -> bool:
         type(cache) is KVCache or cache.offset.size == 1)
 
 
+def _hold(cache: Any, keys: mx.array, values: mx.array) -> None:
+    """An empty one-row cache given ``keys`` and ``values`` [1, H, n, D] as
+    its history, as its own update would leave it (the same values, the
+    same counters) but without copying them into a buffer of its own."""
+    cache.keys, cache.values = keys, values
+    if type(cache) is BatchKVCache:
+        cache._idx = keys.shape[2]
+        cache.offset = cache.offset + keys.shape[2]
+    else:
+        cache.offset = keys.shape[2]
+
+
 def _attention_path(q: mx.array, k: mx.array, v: mx.array, scale: float) -> str:
     """Which of the attention op's paths a causal prompt call takes: lily's
     prefill kernel (one row a call) or its reference, MLX's sdpa (on CUDA
@@ -84,52 +96,65 @@ class LilyAttention(Qwen3NextAttention):
         if any(runs_stock(self, "full attention", r, m, c, KVCache) for r, m, c in zip(rows, masks, caches)):
             return mx.concatenate([self(r, m, c) for r, m, c in zip(rows, masks, caches)], axis=1)
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        parts = list(zip(*(split_rows(t, lengths) for t in (q, k, v))))
-        done: dict = {}
         # Fresh rows (no history) run as one right-padded causal batch where
         # each would alone take the path the batch takes (``_attend_rows``).
         fresh = [r for r, c in enumerate(caches) if _fresh(c) and lengths[r] > 1]
-        if len(fresh) > 1:
-            done = self._attend_rows([parts[r] for r in fresh], [lengths[r] for r in fresh],
-                                     [caches[r] for r in fresh], fresh)
+        took, out, gate = self._attend_rows(q, k, v, lengths, fresh, [caches[r] for r in fresh]) \
+            if len(fresh) > 1 else ([], None, None)
+        if len(took) == len(lengths):  # every row: back to packed order in one gather each
+            return self._output(packed_from_padded(out, lengths, took), packed_from_padded(gate, lengths, took))
+        parts = list(zip(*(split_rows(t, lengths) for t in (q, k, v))))
         outs, gates = [], []
         for r, ((q_, k_, v_), mask, cache) in enumerate(zip(parts, masks, caches)):
-            out, gate = done[r] if r in done else self._attend(q_, k_, v_, mask, cache)
-            outs.append(out)
-            gates.append(gate)
+            if r in took:
+                slot = took.index(r)
+                o, g = out[slot:slot + 1, : lengths[r]], gate[slot:slot + 1, : lengths[r]]
+            else:
+                o, g = self._attend(q_, k_, v_, mask, cache)
+            outs.append(o)
+            gates.append(g)
         return self._output(mx.concatenate(outs, axis=1), mx.concatenate(gates, axis=1))
 
-    def _attend_rows(self, parts: list, lengths: List[int], caches: list, ids: List[int]) -> dict:
-        """``_attend`` of fresh rows (each [1, L_r] q, k, v on an empty
-        one-row cache) as one batch, right-padded to the longest: causal, so
-        a row's queries see only its own keys. {row id: (out, gate)} for the
-        rows whose attention alone takes the path the batch takes (then each
-        query gets the bits it gets alone: ``_attention_path``); the others
-        are left to run alone."""
+    def _attend_rows(self, q: mx.array, k: mx.array, v: mx.array, lengths: List[int], rows: List[int],
+                     caches: list) -> tuple:
+        """``_attend`` of fresh rows ``rows`` of the packed call (q, k, v [1,
+        sum(lengths), *]; ``caches``: their empty one-row caches) as one
+        batch, right-padded to the longest: causal, so a row's queries see
+        only its own keys. (the rows taken, their outputs [R', longest, Hq *
+        D], their output gates [R', longest, Hq * D]): the rows whose
+        attention alone takes the path the batch takes (then each query gets
+        the bits it gets alone: ``_attention_path``), each cache holding its
+        row's keys and values; no rows where fewer than two take it (the
+        others are left to run alone)."""
+        q, k, v = (padded_rows(t, lengths, rows) for t in (q, k, v))
+        lengths = [lengths[r] for r in rows]
         steps = max(lengths)
-        q, k, v = (right_padded([p[i] for p in parts], lengths) for i in range(3))
-        offsets = mx.concatenate([c.offset if isinstance(c.offset, mx.array) else mx.array([c.offset])
-                                  for c in caches])
-        queries, keys, values, gate = attention_heads(self, q, k, v, offsets)
+        # Fresh caches: every row at position 0.
+        queries, keys, values, gate = attention_heads(self, q, k, v, mx.zeros((len(rows),), mx.int32))
         path = _attention_path(queries, keys, values, self.scale)
-        took = [r for r, (p, n) in enumerate(zip(parts, lengths))
-                if _attention_path(queries[r : r + 1, :, :n], keys[r : r + 1, :, :n], values[r : r + 1, :, :n],
+        took = [i for i, n in enumerate(lengths)
+                if _attention_path(queries[i : i + 1, :, :n], keys[i : i + 1, :, :n], values[i : i + 1, :, :n],
                                    self.scale) == path]
         if len(took) < 2:
-            return {}
-        if len(took) < len(lengths):
+            return [], None, None
+        if len(took) < len(rows):
             keep = mx.array(took)
             queries, keys, values, gate = (t[keep] for t in (queries, keys, values, gate))
         out = K.attention(queries, keys, values, self.scale, "causal")
         B = out.shape[0]
         out = out.transpose(0, 2, 1, 3).reshape(B, steps, -1)
         gate = gate.reshape(B, steps, -1)
-        done = {}
-        for i, r in enumerate(took):
-            n = lengths[r]
-            caches[r].update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
-            done[ids[r]] = (out[i : i + 1, :n], gate[i : i + 1, :n])
-        return done
+        # Each cache its row's keys and values (as its own update would hold
+        # them); the batch's cache takes them back whole, zeros after each
+        # row's end as its chunk holds them (prompt_rows.batched_entries).
+        taken = [lengths[i] for i in took]
+        ends = mx.arange(steps)[None, None, :, None] < mx.array(taken)[:, None, None, None]
+        zero = mx.zeros((), keys.dtype)
+        rows_kv = BatchedRows([mx.where(ends, keys, zero), mx.where(ends, values, zero)])
+        for slot, i in enumerate(took):
+            _hold(caches[i], keys[slot : slot + 1, :, : lengths[i]], values[slot : slot + 1, :, : lengths[i]])
+            rows_kv.tag(caches[i], slot)
+        return [rows[i] for i in took], out, gate
 
     def _lily(self, x: mx.array, mask: Mask, cache: Optional[KVCache]) -> mx.array:
         """mask: None, 'causal', or an array broadcasting to [B, Hq, L, S]

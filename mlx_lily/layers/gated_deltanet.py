@@ -13,7 +13,7 @@ from ..kernels.gated_delta.chunked import CHUNK, piece_end
 from ..kernels.gated_delta.recurrence import CHUNKED_FROM
 from ..kernels.gated_delta.rows import takes_rows
 from ..toolchain.tracing import contiguous
-from .prompt_rows import right_padded, split_rows
+from .prompt_rows import BatchedRows, packed_from_padded, padded_rows, split_rows
 from .sharded import all_sum
 from .stock_gate import runs_stock
 
@@ -111,30 +111,39 @@ class LilyGatedDeltaNet(GatedDeltaNet):
                 or not all(_plain_prompt(c, n) for c, n in zip(caches, lengths)):
             return mx.concatenate([self(x, m, c) for x, m, c in zip(rows, masks, caches)], axis=1)
         qkv, z, a, b = self._project(inputs)
-        parts = list(zip(*(split_rows(t, lengths) for t in (qkv, a, b))))
         outs: list = [None] * len(lengths)
         # Rows that alone take the chunked passes run them together, right-
         # padded (gated_delta_rows); the others one at a time.
         together = [r for r, (n, m) in enumerate(zip(lengths, masks)) if m is None and n >= CHUNKED_FROM]
         for group in _row_batches(together, lengths):
-            done = self._recur_rows([parts[r] for r in group], [lengths[r] for r in group], [caches[r] for r in group])
-            if done is not None:
-                for r, out in zip(group, done):
-                    outs[r] = out
+            done = self._recur_rows(qkv, a, b, lengths, group, [caches[r] for r in group])
+            if done is None:
+                continue
+            if len(group) == len(lengths):  # every row: back to packed order in one gather
+                return all_sum(self._output(packed_from_padded(done, lengths, group), z), self.sharding_group)
+            for slot, r in enumerate(group):
+                outs[r] = done[slot:slot + 1, : lengths[r]]
+        parts = list(zip(*(split_rows(t, lengths) for t in (qkv, a, b))))
         for r, (q_, a_, b_) in enumerate(parts):
             if outs[r] is None:
                 outs[r] = self._recur(q_, a_, b_, masks[r], caches[r])
         return all_sum(self._output(mx.concatenate(outs, axis=1), z), self.sharding_group)
 
-    def _recur_rows(self, parts: list, lengths: List[int], caches: list) -> Optional[List[mx.array]]:
-        """``_recur`` of several rows (each [1, L_r] qkv, a, b on its one-row
-        cache) as one right-padded batch: each row's outputs [1, L_r, Hv,
-        Dv] and caches as the row alone gets them; None (nothing done) where
+    def _recur_rows(self, qkv: mx.array, a: mx.array, b: mx.array, lengths: List[int], group: List[int],
+                    caches: list) -> Optional[mx.array]:
+        """``_recur`` of rows ``group`` of the packed call (qkv, a, b [1,
+        sum(lengths), *]; ``caches``: the group's one-row caches) as one
+        right-padded batch: the outputs [R, longest, Hv, Dv], row ``slot``
+        of them group[slot]'s (as the row alone gets them up to its length),
+        and each cache as the row alone leaves it; None (nothing done) where
         the rows' op would not give those bits."""
         n_keep = self.conv_kernel_size - 1
-        qkv, a, b = (right_padded([p[i] for p in parts], lengths) for i in range(3))
-        conv_state = mx.concatenate([c[0] if c[0] is not None else mx.zeros((1, n_keep, self.conv_dim), qkv.dtype)
-                                     for c in caches])
+        qkv, a, b = (padded_rows(t, lengths, group) for t in (qkv, a, b))
+        lengths = [lengths[r] for r in group]
+        R = len(group)
+        conv_state = mx.zeros((R, n_keep, self.conv_dim), qkv.dtype) if all(c[0] is None for c in caches) \
+            else mx.concatenate([c[0] if c[0] is not None else mx.zeros((1, n_keep, self.conv_dim), qkv.dtype)
+                                 for c in caches])
         held = [c[1] for c in caches]
         state = None if all(s is None for s in held) else mx.concatenate(
             [s if s is not None else mx.zeros((1, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
@@ -157,9 +166,11 @@ class LilyGatedDeltaNet(GatedDeltaNet):
                 cut = piece_end(n)
                 c.lily_piece_state = (cut, qkv[r : r + 1, cut - n_keep : cut] * mx.array(1, qkv.dtype),
                                       piece[0][r : r + 1])
-            c[0], c[1] = conv_next[r : r + 1], state[r : r + 1]
             c.advance(n)
-        return [out[r : r + 1, :n] for r, n in enumerate(lengths)]
+        # Each cache its row of the batch's states; the batch's caches take
+        # them back whole (prompt_rows.batched_entries).
+        BatchedRows([conv_next, state]).hand_out(caches)
+        return out
 
     def _project(self, inputs: mx.array):
         """The token-wise input projections: qkv [B, S, conv_dim], z [B, S,

@@ -45,6 +45,7 @@ from itertools import accumulate
 from typing import Any, List, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
@@ -207,13 +208,102 @@ def split_rows(x: mx.array, lengths: List[int]) -> List[mx.array]:
     return mx.split(x, list(accumulate(lengths[:-1])), axis=1)
 
 
-def right_padded(rows: List[mx.array], lengths: List[int]) -> mx.array:
-    """Rows [1, L_r, ...] -> one batch [R, max L_r, ...], each row followed
-    by zeros."""
-    steps = max(lengths)
-    return mx.concatenate([x if n == steps else mx.concatenate([x, mx.zeros((1, steps - n, *x.shape[2:]), x.dtype)],
-                                                               axis=1)
-                           for x, n in zip(rows, lengths)])
+# Each row layout's index arrays (``_layout``), shared by a call's layers; a
+# few kept, for the calls of one wave of prompts.
+_LAYOUTS: dict = {}
+_LAYOUTS_KEPT = 32
+
+
+def _layout(lengths: List[int], rows: List[int]) -> tuple:
+    """(longest, pad_index, keep, unpad_index) for rows ``rows`` (in that
+    order) of a packed call whose row r holds ``lengths[r]`` tokens:
+    ``pad_index`` [R * longest] the packed position each padded slot reads
+    (any, where ``keep`` is False), ``keep`` [R * longest] where a slot holds
+    a token (None: everywhere), ``unpad_index`` [sum of the rows' lengths]
+    the padded slot of each of the rows' tokens, in packed order."""
+    key = (tuple(lengths), tuple(rows))
+    found = _LAYOUTS.get(key)
+    if found is None:
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        longest = max(lengths[r] for r in rows)
+        t = np.arange(longest)
+        pad = np.concatenate([starts[r] + np.minimum(t, max(lengths[r] - 1, 0)) for r in rows])
+        keep = np.concatenate([t < lengths[r] for r in rows])
+        slot = {r: i for i, r in enumerate(rows)}
+        unpad = np.concatenate([slot[r] * longest + np.arange(lengths[r]) for r in sorted(rows)])
+        if len(_LAYOUTS) >= _LAYOUTS_KEPT:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[key] = (longest, mx.array(pad, dtype=mx.int32),
+                                 None if keep.all() else mx.array(keep), mx.array(unpad, dtype=mx.int32))
+    return found
+
+
+def padded_rows(packed: mx.array, lengths: List[int], rows: List[int]) -> mx.array:
+    """Rows ``rows`` of a packed call [1, sum(lengths), ...] as one batch
+    [len(rows), longest, ...], in that order, each row followed by zeros:
+    one gather (and one select where rows differ in length), not a copy per
+    row."""
+    longest, pad, keep, _ = _layout(lengths, rows)
+    flat = mx.take(packed[0], pad, axis=0)
+    if keep is not None:
+        flat = mx.where(keep.reshape(-1, *([1] * (flat.ndim - 1))), flat, mx.zeros((), flat.dtype))
+    return flat.reshape(len(rows), longest, *packed.shape[2:])
+
+
+def packed_from_padded(padded: mx.array, lengths: List[int], rows: List[int]) -> mx.array:
+    """``padded_rows``' inverse: a batch [len(rows), longest, ...] of rows
+    ``rows`` -> their tokens packed [1, sum of their lengths, ...], in
+    packed (row) order; one gather."""
+    _, _, _, unpad = _layout(lengths, rows)
+    R, T = padded.shape[:2]
+    return mx.take(padded.reshape(R * T, *padded.shape[2:]), unpad, axis=0)[None]
+
+
+class BatchedRows:
+    """Cache entries that one batched call computed for several one-row
+    caches at once: ``arrays`` [R, ...], one per entry (an ``ArraysCache``'s
+    entries in order; a KV cache's keys and values), row cache ``slot``
+    holding its part of each (``tag``). It lets the batch's caches take the
+    arrays whole (``batched_entries``) instead of joining the rows' parts
+    again, one copy per row."""
+
+    def __init__(self, arrays: List[mx.array]):
+        self.arrays = arrays
+
+    def hand_out(self, caches: list) -> None:
+        """Each ``ArraysCache`` of ``caches`` its slot's row of every array."""
+        for slot, c in enumerate(caches):
+            for e, a in enumerate(self.arrays):
+                c[e] = a[slot:slot + 1]
+            self.tag(c, slot)
+
+    def tag(self, cache: Any, slot: int) -> None:
+        """Mark ``cache`` as holding slot ``slot`` (its entries as they are now)."""
+        cache.lily_batched_rows = (self, slot, _entries(cache, len(self.arrays)))
+
+
+def _entries(cache: Any, n: int) -> list:
+    if type(cache) is ArraysCache:
+        return [cache[e] for e in range(n)]
+    return [cache.keys, cache.values][:n]
+
+
+def batched_entries(rows: list) -> Optional[List[mx.array]]:
+    """The entries [B, ...] of one-row caches ``rows`` (batch order) where
+    each still holds, untouched, its slot of one ``BatchedRows``: the arrays
+    themselves (rows in slot order) or one gather; None otherwise."""
+    tags = [getattr(r, "lily_batched_rows", None) if r is not None else None for r in rows]
+    if not tags or any(t is None for t in tags):
+        return None
+    holder = tags[0][0]
+    n = len(holder.arrays)
+    if any(t[0] is not holder or any(a is not b for a, b in zip(_entries(r, n), t[2])) for r, t in zip(rows, tags)):
+        return None
+    slots = [t[1] for t in tags]
+    if slots == list(range(holder.arrays[0].shape[0])):
+        return list(holder.arrays)
+    picked = mx.array(slots, dtype=mx.int32)
+    return [mx.take(a, picked, axis=0) for a in holder.arrays]
 
 
 def _row_cache(c: Any, b: int, padding: int) -> Any:
@@ -240,6 +330,13 @@ def _write_keys(c: BatchKVCache, rows: list, start: int, length: int, real: list
     write grows it, zeros written), then place each row's new keys and
     values (at ``start`` in the batch, ``start`` less its left padding in
     the row's own cache)."""
+    whole = batched_entries(rows)
+    if whole is not None and whole[0].shape[2] == length and all(
+            start == paddings[b] and row._idx == real[b] for b, row in enumerate(rows)):
+        # Every row began this chunk empty and holds its slot of one batched
+        # attention's keys (zeros after each row's end): the chunk as it is.
+        c.update_and_fetch(*whole)
+        return
     B = len(rows)
     sample = next(r for r in rows if r is not None)
     _, H, _, Dk = sample.keys.shape
@@ -262,6 +359,10 @@ def _write_states(c: ArraysCache, rows: list) -> None:
     kept = [getattr(r, "lily_piece_state", None) if r is not None else None for r in rows]
     if any(k is not None for k in kept):
         c.lily_piece_states = kept
+    whole = batched_entries(rows)
+    if whole is not None and len(whole) == len(c.cache):
+        c.cache = whole
+        return
     for e in range(len(c.cache)):
         like = sample.cache[e]
         if like is None:
