@@ -160,7 +160,11 @@ class LilyGatedDeltaNet(GatedDeltaNet):
         out, state, *piece = K.gated_delta_rows(*args, capture=capture)
         # Each row's convolution rows end at its own length (as alone: the
         # last K-1 rows of [state; its tokens]).
-        conv_next = next_conv_state(mx.concatenate([conv_state, qkv], axis=1), n_keep, mx.array(lengths))
+        if min(lengths) >= n_keep:  # every row's last K-1 rows are its own tokens: no copy of the batch
+            ends = (mx.array(lengths)[:, None] - n_keep + mx.arange(n_keep))[..., None]
+            conv_next = mx.take_along_axis(qkv, ends, axis=1)
+        else:
+            conv_next = next_conv_state(mx.concatenate([conv_state, qkv], axis=1), n_keep, mx.array(lengths))
         for r, (c, n) in enumerate(zip(caches, lengths)):
             if wants_piece_state(c, n):
                 cut = piece_end(n)
