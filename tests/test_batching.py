@@ -113,6 +113,36 @@ def test_which_rows_share_a_packed_prefill_call(monkeypatch):
     assert not pr.packing_enabled()
 
 
+def test_packed_rows_move_to_a_padded_batch_and_back_by_gathers():
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_lily.layers import prompt_rows as pr
+
+    lengths = [3, 5, 2, 4]
+    packed = mx.arange(1, 1 + sum(lengths) * 2, dtype=mx.float32).reshape(1, -1, 2).astype(mx.bfloat16)
+    rows = pr.split_rows(packed, lengths)
+    for group in ([1, 3, 0], [0, 1, 2, 3]):  # a subset, longest first; every row in order
+        padded = pr.padded_rows(packed, lengths, group)
+        assert padded.shape == (len(group), max(lengths[r] for r in group), 2)
+        for slot, r in enumerate(group):  # each row's tokens, then zeros
+            n = lengths[r]
+            assert mx.array_equal(padded[slot, :n], rows[r][0]).item()
+            assert not mx.any(padded[slot, n:]).item()
+        back = pr.packed_from_padded(padded, lengths, group)
+        assert mx.array_equal(back, mx.concatenate([rows[r] for r in sorted(group)], axis=1)).item()
+    # The batch's cache takes a batched call's arrays whole where its rows
+    # hold their slots untouched, in slot order or gathered; not otherwise.
+    states = [mx.arange(12, dtype=mx.float32).reshape(3, 2, 2), mx.arange(3, dtype=mx.float32)[:, None] * 10]
+    caches = [ArraysCache(2) for _ in range(3)]
+    pr.BatchedRows(states).hand_out(caches)
+    assert pr.batched_entries(caches)[0] is states[0]
+    swapped = pr.batched_entries([caches[2], caches[0], caches[1]])
+    assert mx.array_equal(swapped[1], mx.array([[20.0], [0.0], [10.0]])).item()
+    assert pr.batched_entries([caches[0], None, caches[2]]) is None
+    caches[1][1] = mx.zeros((1, 1))  # a row whose state moved on since
+    assert pr.batched_entries(caches) is None
+
+
 def test_continuous_batching_a_request_joins_the_decode_batch(models, reference_backend, recorded):
     # The server's pattern: one request decodes, a second arrives and decodes
     # with it; each gets the tokens it gets alone.
