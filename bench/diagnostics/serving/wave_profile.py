@@ -119,7 +119,7 @@ def host_profile(run: Any) -> Tuple[List[str], List[str]]:
 
 def device_profile(run: Any) -> Tuple[Any, Dict[str, List[float]]]:
     """(wall seconds, {kernel: [µs of each call]}) of ``run()`` under
-    CUPTI; ({}, None) where PyTorch has no CUDA here."""
+    CUPTI; (None, {}) where PyTorch has no CUDA here."""
     from bench.gpu_time import kernel_times, why_unavailable
 
     if why_unavailable() is not None:
