@@ -60,7 +60,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -308,6 +308,19 @@ def sse_chunks(lines: Iterable[Union[bytes, str]]) -> Iterator[Dict[str, Any]]:
 SLOW_CONNECT_S = 0.5
 
 
+def text_decode_tps(tokens: int, first: Optional[float], last: Optional[float]) -> Optional[float]:
+    """Decode tok/s as a streaming client sees it: the tokens after the
+    first over the time from the first piece of text to the last. The
+    server's streams and the generate check's runs are both timed this way
+    (the same detokenizer, so the same tokens carry text on both sides).
+    mlx-lm's own ``generation_tps`` counts every token, the first included,
+    over the time after the first: at 32 tokens it reads 32/31 = 3.2% above
+    this figure for the same run."""
+    if tokens < 2 or first is None or last is None or last <= first:
+        return None
+    return (tokens - 1) / (last - first)
+
+
 def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[str, Any]:
     """One streaming text completion, greedy; its timings and text."""
     body = {
@@ -341,14 +354,13 @@ def stream(port: int, prompt: str, max_tokens: int, timeout_s: float) -> Dict[st
     done = time.perf_counter()
     conn.close()
     tokens = int(usage.get("completion_tokens", 0))
-    decode_s = (last - first) if first is not None and last is not None else 0.0
     return {
         "text": "".join(text),
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": tokens,
         "ttft_s": (first - sent) if first is not None else None,
         "connect_s": connected - sent,
-        "decode_tps": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+        "decode_tps": text_decode_tps(tokens, first, last),
         "sent": sent,
         "done": done,
     }
@@ -440,9 +452,10 @@ def decode_pairs(port: int, check: "GenerateCheck", prompt: str, args, deadline:
         except Exception as exc:  # recorded; the other figures stand
             pairs.append({"error": str(exc)[:300]})
             break
-        s_tps, g_tps = served.get("decode_tps"), generated.get("generation_tps")
+        s_tps, g_tps = served.get("decode_tps"), generated.get("decode_tps")
         pairs.append({"server_decode_tps": s_tps, "generate_decode_tps": g_tps,
-                      "ratio": s_tps / g_tps if s_tps and g_tps else None})
+                      "ratio": s_tps / g_tps if s_tps and g_tps else None,
+                      "generate_generation_tps": generated.get("generation_tps")})
         log(f"decode pair {i + 1}: server {s_tps} tok/s, generate {g_tps} tok/s")
     return pairs
 
@@ -465,6 +478,21 @@ def check_greedy(result: Dict[str, Any], alone: Dict[str, Any]) -> None:
 # --------------------------------------------------------- generate check
 
 
+def generation_figures(responses: Iterable[Any], clock: Callable[[], float] = time.perf_counter) -> Dict[str, Any]:
+    """A ``stream_generate`` run's figures: mlx-lm's own (prompt tok/s,
+    ``generation_tps``) and ``decode_tps``, timed as the server's client
+    times a stream (``text_decode_tps``: the first and the last response
+    that carries text)."""
+    last = first_text = last_text = None
+    for last in responses:
+        if last.text:
+            last_text = clock()
+            first_text = last_text if first_text is None else first_text
+    return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
+            "generation_tps": last.generation_tps,
+            "decode_tps": text_decode_tps(last.generation_tokens, first_text, last_text)}
+
+
 def generate_worker(spec_path: str, out_path: str) -> int:
     """One engine's prefill through mlx_lm.stream_generate (what
     mlx_lm.generate runs) in this fresh process: a warmup run, then, once the
@@ -477,11 +505,7 @@ def generate_worker(spec_path: str, out_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
 
     def run(prompt: str) -> Dict[str, Any]:
-        last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens=spec["max_tokens"]):
-            pass
-        return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
-                "generation_tps": last.generation_tps}
+        return generation_figures(stream_generate(model, tokenizer, prompt, max_tokens=spec["max_tokens"]))
 
     model, tokenizer = mlx_lily.load(spec["model"], backend=spec.get("engine", "lily"))
     warmup = run(spec["prompt"])
@@ -853,10 +877,10 @@ def decode_ratio(report: Dict[str, Any], engine: str) -> Optional[Dict[str, Any]
                 "ratios": [p["ratio"] for p in pairs]}
     one = report["engines"].get(engine, {}).get("waves", {}).get("1")
     gen = (report.get("generate_check") or {}).get(engine, {}).get("measured")
-    if not one or not gen or not one.get("decode_tps_median") or not gen.get("generation_tps"):
+    if not one or not gen or not one.get("decode_tps_median") or not gen.get("decode_tps"):
         return None
-    return {"server_decode_tps": one["decode_tps_median"], "generate_decode_tps": gen["generation_tps"],
-            "ratio": one["decode_tps_median"] / gen["generation_tps"]}
+    return {"server_decode_tps": one["decode_tps_median"], "generate_decode_tps": gen["decode_tps"],
+            "ratio": one["decode_tps_median"] / gen["decode_tps"]}
 
 
 def batch_scaling(report: Dict[str, Any]) -> Dict[str, Any]:

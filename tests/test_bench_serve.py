@@ -61,6 +61,9 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     for e in ("lily", "mlx"):
         pairs = report["engines"][e]["decode_pairs"]
         assert len(pairs) == 3 and all(p["server_decode_tps"] > 0 and p["generate_decode_tps"] > 0 for p in pairs)
+        # Both sides timed from the first piece of text to the last; mlx-lm's
+        # own figure for the generate side kept beside it.
+        assert all(p["generate_generation_tps"] > 0 for p in pairs)
         assert decode[e]["pairs"] == 3 and decode[e]["ratios"] == [p["ratio"] for p in pairs]
     scaling = report["batch_scaling"]
     assert all(scaling[e]["3"]["per_stream_vs_one"] > 0 for e in ("lily", "mlx"))
@@ -302,3 +305,25 @@ def test_each_stream_records_when_its_connection_was_accepted():
     assert ("lily, 16 streams: 2 connections took 0.5 s or more to be accepted (the slowest 1.02 s: the "
             "server's listening queue overflowed, and those requests arrived late).") in text
     assert "lily, 8 streams: " not in text
+
+
+def test_generate_is_timed_as_the_servers_client_times_a_stream():
+    from types import SimpleNamespace
+
+    # 32 tokens 10 ms apart, each with text: 31 intervals for 31 tokens after
+    # the first, where mlx-lm's generation_tps counts 32 over them.
+    ticks = iter(0.010 * i for i in range(32))
+    responses = [SimpleNamespace(text="a", prompt_tokens=8, prompt_tps=1.0, generation_tokens=n + 1,
+                                 generation_tps=(n + 1) / (0.010 * n) if n else 0.0) for n in range(32)]
+    figures = serve.generation_figures(responses, clock=lambda: next(ticks))
+    assert figures["decode_tps"] == pytest.approx(100.0)
+    assert figures["generation_tps"] == pytest.approx(32 / 0.31)
+    # A token without text (part of a character) moves neither end; one at
+    # either end moves that end to the token with text, as on the client.
+    ticks = iter([0.0, 0.2])
+    responses = [SimpleNamespace(text=t, prompt_tokens=8, prompt_tps=1.0, generation_tokens=n + 1,
+                                 generation_tps=1.0) for n, t in enumerate(["", "a", "", "b", ""])]
+    assert serve.generation_figures(responses, clock=lambda: next(ticks))["decode_tps"] == pytest.approx(4 / 0.2)
+    # Too little to time: one token, or one piece of text.
+    assert serve.text_decode_tps(1, 0.0, 1.0) is None
+    assert serve.text_decode_tps(5, 0.3, 0.3) is None and serve.text_decode_tps(5, None, None) is None
