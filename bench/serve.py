@@ -26,9 +26,10 @@ the server starts, and its measured run waits until the server has stopped
 One stream's decode under the server against ``mlx_lm.generate``'s is taken
 in pairs (``--decode-pairs``): the first prompt served alone, then the same
 prompt decoded by the generate check's process (warmed up beside the
-server), one after the other, a few times. Each pair's ratio compares two
-runs seconds apart, so a host whose speed drifts by minutes (the H200's)
-moves both; the report gives each pair and their median.
+server), one after the other, a few times, each run ``--decode-pair-tokens``
+long. Each pair's ratio compares two runs seconds apart, so a host whose
+speed drifts by minutes (the H200's) moves both; the report gives each pair
+and their median.
 
 ``--multi-turn`` runs instead an agent-style conversation over a growing
 history through the server's prompt cache and batch generator, in this
@@ -116,6 +117,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode-pairs", type=int, default=3,
                    help="one-stream decode under the server and under mlx_lm.generate, alternated this many "
                         "times on the first prompt (needs the generate check beside the server; 0: off; default 3)")
+    p.add_argument("--decode-pair-tokens", type=int, default=128,
+                   help="tokens each run of a decode pair generates (default 128: a run of --max-tokens 32 "
+                        "spans about 0.2 s on the H200, where one late step moves its rate by several percent)")
     p.add_argument("--count-rows", type=int, default=8,
                    help="the generate check also counts kernels and bytes of one decode step of this many "
                         "streams on the server's caches (bench/batch_counts.py; 0: off; default 8)")
@@ -134,6 +138,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if args.decode_pairs < 0:
         p.error(f"--decode-pairs {args.decode_pairs}: 0 or more")
+    if args.decode_pair_tokens < 2:
+        p.error(f"--decode-pair-tokens {args.decode_pair_tokens}: 2 or more (a rate needs two tokens)")
     if not args.concurrency or min(args.concurrency) < 1:
         p.error("--concurrency: positive stream counts, e.g. 1,4,16")
     if any(e not in ENGINES for e in args.engines):
@@ -447,7 +453,7 @@ def decode_pairs(port: int, check: "GenerateCheck", prompt: str, args, deadline:
         if time.perf_counter() > deadline:
             break
         try:
-            served = stream(port, prompt, args.max_tokens, args.request_timeout_s)
+            served = stream(port, prompt, args.decode_pair_tokens, args.request_timeout_s)
             generated = check.decode_run(i, args.request_timeout_s)
         except Exception as exc:  # recorded; the other figures stand
             pairs.append({"error": str(exc)[:300]})
@@ -455,7 +461,9 @@ def decode_pairs(port: int, check: "GenerateCheck", prompt: str, args, deadline:
         s_tps, g_tps = served.get("decode_tps"), generated.get("decode_tps")
         pairs.append({"server_decode_tps": s_tps, "generate_decode_tps": g_tps,
                       "ratio": s_tps / g_tps if s_tps and g_tps else None,
-                      "generate_generation_tps": generated.get("generation_tps")})
+                      "generate_generation_tps": generated.get("generation_tps"),
+                      "server_tokens": served.get("completion_tokens"),
+                      "generate_tokens": generated.get("generation_tokens")})
         log(f"decode pair {i + 1}: server {s_tps} tok/s, generate {g_tps} tok/s")
     return pairs
 
@@ -489,7 +497,7 @@ def generation_figures(responses: Iterable[Any], clock: Callable[[], float] = ti
             last_text = clock()
             first_text = last_text if first_text is None else first_text
     return {"prompt_tokens": last.prompt_tokens, "prompt_tps": last.prompt_tps,
-            "generation_tps": last.generation_tps,
+            "generation_tokens": last.generation_tokens, "generation_tps": last.generation_tps,
             "decode_tps": text_decode_tps(last.generation_tokens, first_text, last_text)}
 
 
@@ -504,13 +512,15 @@ def generate_worker(spec_path: str, out_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
 
-    def run(prompt: str) -> Dict[str, Any]:
-        return generation_figures(stream_generate(model, tokenizer, prompt, max_tokens=spec["max_tokens"]))
+    def run(prompt: str, max_tokens: int = spec["max_tokens"]) -> Dict[str, Any]:
+        return generation_figures(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+
+    decode_tokens = spec.get("decode_tokens") or spec["max_tokens"]
 
     model, tokenizer = mlx_lily.load(spec["model"], backend=spec.get("engine", "lily"))
     warmup = run(spec["prompt"])
     if spec.get("decode_prompt"):
-        run(spec["decode_prompt"])  # that prompt's length warmed up too
+        run(spec["decode_prompt"], decode_tokens)  # that prompt's length warmed up too
     Path(spec["ready"]).write_text(json.dumps(warmup))
     go, parent = Path(spec["go"]), os.getppid()
     answered = set()
@@ -520,7 +530,7 @@ def generate_worker(spec_path: str, out_path: str) -> int:
         for ask in sorted(Path(spec["go"]).parent.glob(f"{Path(spec['go']).stem}.pair-*")):
             if ask.suffix != ".json" and ask.name not in answered:
                 answered.add(ask.name)
-                result = run(spec["decode_prompt"])
+                result = run(spec["decode_prompt"], decode_tokens)
                 tmp = ask.with_name(ask.name + ".tmp")
                 tmp.write_text(json.dumps(result))
                 os.replace(tmp, ask.with_name(ask.name + ".json"))
@@ -567,7 +577,7 @@ class GenerateCheck:
     the server has stopped, so that no timing shares the GPU."""
 
     def __init__(self, model: str, prompt: str, max_tokens: int, out: Path, engine: str, count_rows: int = 0,
-                 decode_prompt: str = ""):
+                 decode_prompt: str = "", decode_tokens: int = 0):
         self.engine = engine
         self.spec = out / f"generate-{engine}-spec.json"
         self.ready, self.go = out / f"generate-{engine}.ready", out / f"generate-{engine}.go"
@@ -576,7 +586,7 @@ class GenerateCheck:
             f.unlink(missing_ok=True)
         self.spec.write_text(json.dumps({
             "model": model, "prompt": prompt, "max_tokens": max_tokens, "engine": engine,
-            "decode_prompt": decode_prompt,
+            "decode_prompt": decode_prompt, "decode_tokens": decode_tokens,
             # Counting traces lily's batched step; stock's layer code cannot be exported.
             "ready": str(self.ready), "go": str(self.go), "count_rows": count_rows if engine == "lily" else 0,
         }))
@@ -766,6 +776,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "concurrency": args.concurrency,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
+        "decode_pair_tokens": args.decode_pair_tokens if args.decode_pairs else None,
         "prefill_tokens": args.prefill_tokens or args.prompt_tokens,
         "budget_s": args.budget_s,
         "sampling": "greedy (temperature 0)",
@@ -782,7 +793,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if beside:
             log(f"prefill check: mlx_lm stream_generate with {engine}, warming up beside the server")
             check = GenerateCheck(model, args.prefill_prompt, args.max_tokens, out, engine, args.count_rows,
-                                  decode_prompt=prompts[0] if args.decode_pairs else "")
+                                  decode_prompt=prompts[0] if args.decode_pairs else "",
+                                  decode_tokens=args.decode_pair_tokens)
         try:
             report["engines"][engine] = run_engine(engine, model, prompts, args, out, deadline, check)
         except Exception as exc:  # recorded; the other engine still runs
@@ -1013,7 +1025,9 @@ def markdown(report: Dict[str, Any]) -> str:
                if p.get("server_first_ttft_s") is not None else ".")
         )
     for name, d in (report.get("decode_vs_generate") or {}).items():
-        how = (f"median of {d['pairs']} pairs run one after the other, ratios "
+        tokens = report["settings"].get("decode_pair_tokens")
+        how = (f"median of {d['pairs']} pairs run one after the other"
+               + (f", {tokens} tokens a run" if tokens else "") + ", ratios "
                + ", ".join(f"{r:.2f}" for r in d["ratios"]) if d.get("pairs")
                else "the one-stream wave against generate's run after the server stopped")
         lines.append(f"Decode, one stream, {name}: server {d['server_decode_tps']:.1f} tok/s vs mlx_lm generate "

@@ -20,7 +20,7 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "no-hf-cache"))
     code = serve.main([
         "--model", str(demo_checkpoint), "--concurrency", "1,3", "--prompt-tokens", "24",
-        "--max-tokens", "6", "--out", str(tmp_path), "--budget-s", "300",
+        "--max-tokens", "6", "--decode-pair-tokens", "9", "--out", str(tmp_path), "--budget-s", "300",
     ])
     assert code == 0
     (json_file,) = tmp_path.glob("serve-*.json")
@@ -64,6 +64,8 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
         # Both sides timed from the first piece of text to the last; mlx-lm's
         # own figure for the generate side kept beside it.
         assert all(p["generate_generation_tps"] > 0 for p in pairs)
+        # ... each run --decode-pair-tokens long on both sides.
+        assert all(p["server_tokens"] == 9 and p["generate_tokens"] == 9 for p in pairs)
         assert decode[e]["pairs"] == 3 and decode[e]["ratios"] == [p["ratio"] for p in pairs]
     scaling = report["batch_scaling"]
     assert all(scaling[e]["3"]["per_stream_vs_one"] > 0 for e in ("lily", "mlx"))
