@@ -105,6 +105,23 @@ def test_launch_cost_times_chains_of_launches(tmp_path):
     assert "| MLX add, op by op |" in table and "N = 16" in table
 
 
+def test_launch_cost_s_lily_gemv_row_chains_the_model_s_decode_gemv(emulator_backend):
+    """The --lily-gemv row's op: the model's decode GEMV (here on the
+    emulator), W x, its output the next launch's x."""
+    from bench.diagnostics.decode import launch_cost
+
+    D = launch_cost.GEMV_WIDTH
+    gemv = launch_cost.lily_gemv()
+    x = (mx.random.normal((1, 1, D), key=mx.random.key(3))).astype(mx.bfloat16)
+    y = gemv(x)
+    w = mx.random.normal((D, D), key=mx.random.key(0)).astype(mx.bfloat16) * 0.02
+    wq = mx.dequantize(*mx.quantize(w, group_size=64, bits=4), group_size=64, bits=4)
+    want = x.astype(mx.float32) @ wq.astype(mx.float32).T
+    assert y.shape == x.shape and y.dtype == mx.bfloat16
+    assert mx.allclose(y.astype(mx.float32), want, atol=2e-2, rtol=2e-2).item()
+    assert launch_cost.chain(gemv, 2)(x).shape == x.shape
+
+
 def test_decode_split_times_each_part_and_puts_the_model_back():
     """The split's parts are timed inside the build, the launch and wait
     after it; the segmented path ran (its parts took time), and every

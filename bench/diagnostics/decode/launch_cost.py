@@ -1,6 +1,7 @@
 """What one kernel launch costs a step through MLX, on this machine.
 
-    python3 -m bench.diagnostics.decode.launch_cost [--launches 16,64,256] [--source-kb 0,16,32] [--input-mb 0,512] [--out DIR]
+    python3 -m bench.diagnostics.decode.launch_cost [--launches 16,64,256] [--source-kb 0,16,32] [--input-mb 0,512]
+        [--inputs 0,8,16] [--lily-gemv] [--out DIR]
 
 A decode step of lily launches ~290 kernels (bench/README.md), each a tiny
 one at batch 1. Where the host's cost per launch (building the node, MLX's
@@ -21,7 +22,15 @@ launches of a kernel that adds 1 to 32 floats, for several N:
   launches' input sizes in elements (``array::data_size``, not bytes) and
   commits its graph of queued kernels every ``MLX_MAX_MB_PER_BUFFER`` x 2^20
   of them (1000 on the H200) as well as every ``MLX_MAX_OPS_PER_BUFFER``
-  kernels (100), so this row shows what those commits cost per launch.
+  kernels (100), so this row shows what those commits cost per launch;
+* with ``--inputs``, the smallest custom kernel also given that many small
+  arrays whose strides its source names (MLX passes each one's pointer and
+  strides as kernel parameters and tracks it in its graph), as lily's
+  launches are (a one-projection GEMV has 9 inputs, the MoE launches more);
+* with ``--lily-gemv``, lily's own decode GEMV (K = N = 2048, 4-bit, one
+  row of x, its output the next launch's x), as a decode step launches it:
+  its cost per launch against the rows above says how much of a decode
+  step's launch time is the launch itself and how much its inputs.
 
 Each step is evaluated on its own (wall time to the result) and, as
 ``mlx_lm.generate`` runs decode, pipelined (the next step is built and
@@ -36,7 +45,7 @@ import argparse
 import os
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -48,21 +57,27 @@ WIDTH = 32  # floats per launch: a kernel with nothing to do but be launched
 GRAPH_SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
 
 
-def custom_add(source_kb: float, input_mb: float = 0) -> Callable[[mx.array], mx.array]:
+def custom_add(source_kb: float, input_mb: float = 0, inputs: int = 0) -> Callable[[mx.array], mx.array]:
     """x + 1 through a custom kernel whose source is padded to source_kb,
-    given also an unread array of input_mb MB when that is positive."""
+    given also an unread array of input_mb MB when that is positive, and
+    ``inputs`` small arrays whose strides the source names (read only by a
+    thread past the grid: none)."""
     backend = gpu_backend()
     index = "threadIdx.x" if backend == "cuda" else "thread_position_in_grid.x"
-    body = f"unsigned int i = {index};\nout[i] = inp[i] + 1.0f;\n"
+    small = [f"in{j}" for j in range(inputs)]
+    unread = " + ".join(f"{n}[{n}_strides[0]]" for n in small) or "0.0f"
+    body = (f"unsigned int i = {index};\nfloat extra = 0.0f;\n"
+            f"if (i >= 1000000u) {{ extra = {unread}; }}\nout[i] = inp[i] + 1.0f + extra;\n")
     padding = int(source_kb * 1024) - len(body)
     if padding > 0:  # comment lines, as a long kernel's text would be
         line = "// " + "x" * 76 + "\n"
         body = line * (padding // len(line)) + body
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    names = ["inp", "unread"] if input_mb > 0 else ["inp"]
+    names = (["inp", "unread"] if input_mb > 0 else ["inp"]) + small
     kernel = make(name=f"launch_cost_{int(source_kb * 10)}_{len(names)}", input_names=names,
                   output_names=["out"], source=body)
     extra = [mx.zeros((int(input_mb * 2**20),), mx.uint8)] if input_mb > 0 else []
+    extra += [mx.zeros((64,), mx.float32) for _ in small]
     mx.eval(extra)
 
     def add(x: mx.array) -> mx.array:
@@ -70,6 +85,27 @@ def custom_add(source_kb: float, input_mb: float = 0) -> Callable[[mx.array], mx
                       output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
 
     return add
+
+
+GEMV_WIDTH = 2048  # the --lily-gemv row's K and N
+
+
+def lily_gemv() -> Callable[[mx.array], mx.array]:
+    """x [1, 1, GEMV_WIDTH] bf16 -> W x through lily's decode GEMV (4-bit
+    weights of group 64), as a decode step calls it: each launch's output is
+    the next one's x, with no other op between them."""
+    from mlx_lily import kernels as K
+
+    D = GEMV_WIDTH
+    w = mx.random.normal((D, D), key=mx.random.key(0)).astype(mx.bfloat16) * 0.02
+    weights = (tuple(mx.quantize(w, group_size=64, bits=4)),)
+    mx.eval(weights)
+
+    def gemv(x: mx.array) -> mx.array:
+        (y,) = K.decode_matvec(x, weights)
+        return y
+
+    return gemv
 
 
 def chain(op: Callable[[mx.array], mx.array], n: int) -> Callable[[mx.array], mx.array]:
@@ -81,9 +117,10 @@ def chain(op: Callable[[mx.array], mx.array], n: int) -> Callable[[mx.array], mx
     return step
 
 
-def time_steps(step: Callable[[mx.array], mx.array], steps: int) -> Dict[str, float]:
-    """Median ms of a step evaluated alone, and ms per step pipelined."""
-    x = mx.zeros((WIDTH,), mx.float32)
+def time_steps(step: Callable[[mx.array], mx.array], steps: int, x: Optional[mx.array] = None) -> Dict[str, float]:
+    """Median ms of a step evaluated alone, and ms per step pipelined, from
+    ``x`` (default WIDTH zeros)."""
+    x = mx.zeros((WIDTH,), mx.float32) if x is None else x
     mx.eval(step(x))  # builds (compiles) whatever the step needs
     alone: List[float] = []
     for _ in range(steps):
@@ -109,6 +146,11 @@ def main(argv=None) -> int:
     p.add_argument("--source-kb", default="0,16,32", help="custom kernels' source sizes, KB (default 0,16,32)")
     p.add_argument("--input-mb", default="0",
                    help="also launch the smallest kernel given an unread array of each of these MB (default 0: none)")
+    p.add_argument("--inputs", default="0",
+                   help="also launch the smallest kernel given each of these counts of small inputs whose strides "
+                        "it names (default 0: none)")
+    p.add_argument("--lily-gemv", action="store_true",
+                   help="also chain lily's decode GEMV (2048 x 2048, 4-bit, one row), as a decode step launches it")
     p.add_argument("--steps", type=int, default=30, help="steps per measurement (default 30)")
     p.add_argument("--out", help="also write DIR/launch_cost.txt")
     args = p.parse_args(argv)
@@ -118,6 +160,7 @@ def main(argv=None) -> int:
     gpu = gpu_backend() is not None
 
     rows: Dict[str, Callable[[int], Callable]] = {"MLX add, op by op": lambda n: chain(lambda x: x + 1, n)}
+    starts: Dict[str, mx.array] = {}  # a row's own first x, where not WIDTH floats
     if gpu:
         sizes = sorted(float(k) for k in args.source_kb.split(","))
         for kb in sizes:
@@ -129,6 +172,16 @@ def main(argv=None) -> int:
             if mb > 0:
                 op = custom_add(sizes[0], mb)
                 rows[f"custom kernel, {sizes[0]:g} KB source, given {mb:g} MB"] = lambda n, op=op: chain(op, n)
+        for count in sorted(int(c) for c in args.inputs.split(",")):
+            if count > 0:
+                op = custom_add(sizes[0], inputs=count)
+                rows[f"custom kernel, {sizes[0]:g} KB source, given {count} small inputs"] = \
+                    lambda n, op=op: chain(op, n)
+        if args.lily_gemv:
+            op = lily_gemv()
+            name = f"lily's decode GEMV, {GEMV_WIDTH} x {GEMV_WIDTH}, 4-bit, one row"
+            rows[name] = lambda n, op=op: chain(op, n)
+            starts[name] = mx.zeros((1, 1, GEMV_WIDTH), mx.bfloat16)
 
     settings = ", ".join(f"{k}={os.environ[k]}" for k in GRAPH_SETTINGS if k in os.environ) or "MLX's defaults"
     lines = [f"Steps of N chained launches (x + 1 on {WIDTH} floats), {mx.default_device()}, "
@@ -137,7 +190,7 @@ def main(argv=None) -> int:
              + " | µs per launch, alone / pipelined |",
              "|---|" + "---:|" * (len(counts) + 1)]
     for name, make in rows.items():
-        figures = [time_steps(make(n), args.steps) for n in counts]
+        figures = [time_steps(make(n), args.steps, starts.get(name)) for n in counts]
         span = counts[-1] - counts[0]
         slope = [1e3 * (figures[-1][k] - figures[0][k]) / span for k in ("alone_ms", "pipelined_ms")]
         cells = [f"{f['alone_ms']:.2f} / {f['pipelined_ms']:.2f}" for f in figures]
