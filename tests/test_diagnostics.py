@@ -561,14 +561,19 @@ def test_launch_occupancy_counts_threadgroups_an_sm_holds_and_says_what_it_needs
 def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, monkeypatch):
     import json
 
+    from mlx.utils import tree_flatten
+
     from bench.diagnostics.serving import wave_profile
 
     monkeypatch.delenv("MLX_LILY_PACE_PREFILL", raising=False)
     seen = []
     real_wave = wave_profile.wave
 
+    model_params = []
+
     def wave(model, ids):
         seen.append(os.environ.get("MLX_LILY_PACE_PREFILL"))
+        model_params[:] = [model.parameters()]
         return real_wave(model, ids)
 
     monkeypatch.setattr(wave_profile, "wave", wave)
@@ -580,6 +585,8 @@ def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, mon
     assert record["lengths"] == [12, 9, 11]
     for arm in arms.values():
         assert len(arm["first_tokens_s"]) == 1 and arm["median_s"] > 0
+        # The round's peak holds at least the model's weights.
+        assert arm["peak_gb"] * 2**30 >= sum(v.nbytes for _, v in tree_flatten(model_params[0]))
         # The host's profile finds the server's prefill of the rows together.
         assert any("prompt_rows" in line for line in arm["host_cumulative"])
     # Warm, timed, host-profiled: each arm's runs under its own settings, none after.

@@ -13,7 +13,9 @@ first token. Per arm (environment settings applied for its runs, e.g.
 ``pace off:MLX_LILY_PACE_PREFILL=0``; the first arm is the defaults unless
 given), the arms alternating after one warm run each:
 
-* the seconds to the last first token (median of ``--rounds``);
+* the seconds to the last first token (median of ``--rounds``) and the
+  rounds' peak memory (MLX's allocator, weights included: what a setting
+  that queues more work, such as prefill pacing off, costs in memory);
 * the device time of one more round's kernels (CUPTI through PyTorch, where
   it has CUDA), by kernel, beside its wall time: how much of the wave the
   host, not the GPU, sets;
@@ -174,10 +176,17 @@ def main(argv=None) -> int:
         with _Environment(settings):
             wave(model, ids)
     seconds: Dict[str, List[float]] = {name: [] for name, _ in arms}
+    # Each timed round's peak memory (MLX's allocator, the weights included):
+    # a setting that saves time by queueing more (prefill pacing off) shows
+    # what it costs here.
+    peaks: Dict[str, List[float]] = {name: [] for name, _ in arms}
     for _ in range(args.rounds):
         for name, settings in arms:
             with _Environment(settings):
+                mx.synchronize()
+                mx.reset_peak_memory()
                 seconds[name].append(wave(model, ids))
+                peaks[name].append(mx.get_peak_memory() / 2**30)
 
     lines = [f"{args.prompts} prompts of {min(lengths)} to {max(lengths)} tokens ({args.shape}"
              f"{', conditioned' if args.conditioned else ''}) inserted together into mlx-lm's BatchGenerator "
@@ -191,7 +200,8 @@ def main(argv=None) -> int:
         median = statistics.median(seconds[name])
         lines.append(f"## {name}" + (f" ({', '.join(f'{k}={v}' for k, v in settings.items())})" if settings else ""))
         lines.append("")
-        lines.append(f"First tokens after {median:.3f} s (median; rounds {', '.join(f'{s:.3f}' for s in seconds[name])}).")
+        lines.append(f"First tokens after {median:.3f} s (median; rounds {', '.join(f'{s:.3f}' for s in seconds[name])}); "
+                     f"peak memory {max(peaks[name]):.2f} GiB.")
         if busy is not None:
             lines.append(f"Profiled round: {wall:.3f} s of wall time, {busy:.1f} ms of kernels "
                          f"({sum(len(t) for t in kernels.values())} launches).")
@@ -202,6 +212,7 @@ def main(argv=None) -> int:
         lines.append("")
         record["arms"].append({
             "name": name, "settings": settings, "first_tokens_s": seconds[name], "median_s": median,
+            "peak_gb": round(max(peaks[name]), 3),
             "profiled_wall_s": wall, "kernel_ms": busy,
             "launches": sum(len(t) for t in kernels.values()) if kernels else None,
             "kernels_ms": {k: round(sum(t) / 1e3, 3) for k, t in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:40]},
