@@ -275,10 +275,21 @@ class Server:
     def host_split(self) -> Dict[str, Any]:
         """{B: {part: median ms}} of the server's decode steps so far, as its
         watcher last wrote them (bench.serve_split), or {}."""
+        return self._split().get("ms_by_batch", {})
+
+    def prefills_between(self, begin: float, end: float) -> List[Dict[str, Any]]:
+        """The server's prompt-processing calls that began between the wall
+        clock times ``begin`` and ``end`` (bench.serve_split: rows, tokens,
+        ms, of them ms waiting in eval and launching in async_eval)."""
+        return [{k: v for k, v in p.items() if k != "at"} for p in self._split().get("prefills", [])
+                if begin <= p.get("at", 0.0) <= end]
+
+    def _split(self) -> Dict[str, Any]:
+        """The split file once the watcher has written it again (once a second)."""
         time.sleep(1.2)
         try:
-            return json.loads(self.split_file.read_text())["ms_by_batch"]
-        except (OSError, ValueError, KeyError):
+            return json.loads(self.split_file.read_text())
+        except (OSError, ValueError):
             return {}
 
     def stop(self) -> None:
@@ -725,8 +736,10 @@ def run_engine(
             if time.perf_counter() > deadline:
                 result["skipped"].append(f"{n} streams (time budget)")
                 continue
-            at = server.log_size()
+            at, began = server.log_size(), time.time()
             w = wave(server.port, prompts[:n], args.max_tokens, args.request_timeout_s)
+            # Where the wave's prefill time went inside the server: its calls.
+            w["prefill_split"] = server.prefills_between(began, time.time())
             # Kernels built inside the timed wave: its figures are then not
             # the server's steady state (the report says so).
             w["first_uses_in_wave"] = server.built_since(at)
@@ -1069,6 +1082,11 @@ def markdown(report: Dict[str, Any]) -> str:
             if len(w.get("prefill_calls") or []) > 1:
                 lines.append(f"{name}, {n} streams: prompts prefilled in {len(w['prefill_calls'])} calls of "
                              f"{', '.join(str(r) for r in w['prefill_calls'])} rows.")
+            if w.get("prefill_split"):
+                lines.append(f"{name}, {n} streams: prefill calls inside the server (rows, tokens: ms, of them "
+                             "waiting in eval / launching): " + "; ".join(
+                                 f"{c['rows']}, {c['tokens']}: {c['ms']:.1f} ({c['wait_ms']:.1f} / {c['launch_ms']:.1f})"
+                                 for c in w["prefill_split"]) + ".")
             if (w.get("connect_max_s") or 0.0) >= SLOW_CONNECT_S:
                 slow = sum(1 for st in w.get("streams", []) if (st.get("connect_s") or 0.0) >= SLOW_CONNECT_S)
                 lines.append(f"{name}, {n} streams: {slow} connection{'s' if slow != 1 else ''} took "

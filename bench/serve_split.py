@@ -20,7 +20,13 @@ batch size B:
 
 The parts of one token sum to ``token``: one decode step as the server runs
 it. Medians over the last ``KEEP`` steps of each B, written as JSON by
-``write`` (the process's watcher calls it once a second). It wraps mlx-lm's
+``write`` (the process's watcher calls it once a second).
+
+Each prompt-processing call of the generator (``PromptProcessingBatch.prompt``:
+one batch of prompts prefilled together) is recorded too, the last
+``KEEP_PREFILLS`` of them: when it began (wall clock, for the bench to find a
+wave's), its rows and tokens, its seconds, and how much of them MLX's
+``eval`` (waiting for the GPU) and ``async_eval`` took. It wraps mlx-lm's
 methods and MLX's two eval functions for the process, which only a bench
 server runs; the wrappers add well under a microsecond a call.
 """
@@ -33,12 +39,14 @@ import statistics
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, List
 
 PARTS = ("build", "launch", "wait", "rest", "generator", "server")
 KEEP = 2000
+KEEP_PREFILLS = 256
 
 _samples: Dict[int, Dict[str, deque]] = defaultdict(lambda: {p: deque(maxlen=KEEP) for p in (*PARTS, "token")})
+_prefills: deque = deque(maxlen=KEEP_PREFILLS)
 _lock = threading.Lock()
 _local = threading.local()
 
@@ -49,7 +57,14 @@ def _timed_eval(name: str, base: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any):
         step = getattr(_local, "step", None)
         if step is None:
-            return base(*args, **kwargs)
+            prefill = getattr(_local, "prefill", None)
+            if prefill is None:
+                return base(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return base(*args, **kwargs)
+            finally:
+                prefill[name] += time.perf_counter() - start
         start = time.perf_counter()
         if name == "async_eval" and "launch_at" not in step:
             step["launch_at"] = start
@@ -64,8 +79,9 @@ def _timed_eval(name: str, base: Callable) -> Callable:
 
 
 def install() -> None:
-    """Wrap ``GenerationBatch._step``, ``BatchGenerator.next`` and MLX's
-    ``eval`` / ``async_eval`` (once)."""
+    """Wrap ``GenerationBatch._step``, ``BatchGenerator.next``,
+    ``PromptProcessingBatch.prompt`` and MLX's ``eval`` / ``async_eval``
+    (once)."""
     import importlib
 
     import mlx.core as mx
@@ -97,9 +113,25 @@ def install() -> None:
             _record(_local.last_step, start, end, getattr(_local, "returned", None))
             _local.returned = end
 
+    base_prompt = generate.PromptProcessingBatch.prompt
+
+    def prompt(self, tokens: Any, *args: Any, **kwargs: Any):
+        record = {"at": time.time(), "rows": len(tokens), "tokens": sum(len(t) for t in tokens),
+                  "eval": 0.0, "async_eval": 0.0}
+        _local.prefill = record
+        start = time.perf_counter()
+        try:
+            return base_prompt(self, tokens, *args, **kwargs)
+        finally:
+            _local.prefill = None
+            record["seconds"] = time.perf_counter() - start
+            with _lock:
+                _prefills.append(record)
+
     _step._lily_split = True
     generate.GenerationBatch._step = _step
     generate.BatchGenerator.next = next_
+    generate.PromptProcessingBatch.prompt = prompt
 
 
 def _record(step: Any, start: float, end: float, previous_end: Any) -> None:
@@ -134,10 +166,19 @@ def summary() -> Dict[str, Dict[str, Any]]:
         }
 
 
+def prefills() -> List[Dict[str, Any]]:
+    """The prompt-processing calls kept: {at (wall clock s), rows, tokens, ms,
+    wait_ms (in eval), launch_ms (in async_eval)}, oldest first."""
+    with _lock:
+        return [{"at": r["at"], "rows": r["rows"], "tokens": r["tokens"], "ms": round(1e3 * r["seconds"], 2),
+                 "wait_ms": round(1e3 * r["eval"], 2), "launch_ms": round(1e3 * r["async_eval"], 2)}
+                for r in _prefills]
+
+
 def write(path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"ms_by_batch": summary(), "at": time.time()}, f)
+        json.dump({"ms_by_batch": summary(), "prefills": prefills(), "at": time.time()}, f)
     os.replace(tmp, path)
 
 

@@ -85,6 +85,12 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
         assert one["steps"] >= 3 * 4 and max(int(b) for b in by_batch) > 1
         for split in (one, *by_batch.values()):
             assert all(split[p] >= 0 for p in PARTS if p != "rest") and split["token"] > 0
+        # The three-stream wave's prompts, prefilled in the server's calls
+        # (however its admission grouped them), each call timed.
+        calls = engine["waves"]["3"]["prefill_split"]
+        # (each prompt but its last token, which the first decode step takes)
+        assert sum(c["rows"] for c in calls) == 3 and all(c["tokens"] >= 23 * c["rows"] for c in calls)
+        assert all(c["ms"] >= c["wait_ms"] >= 0 and c["launch_ms"] >= 0 for c in calls)
     assert "| lily | 1 (one-stream wave) |" in md_file.read_text()
     # mlx_lm.generate's own loop, split the same way in the generate check.
     for e in ("lily", "mlx"):
