@@ -280,7 +280,7 @@ class Server:
     def prefills_between(self, begin: float, end: float) -> List[Dict[str, Any]]:
         """The server's prompt-processing calls that began between the wall
         clock times ``begin`` and ``end`` (bench.serve_split: rows, tokens,
-        ms, of them ms waiting in eval and launching in async_eval)."""
+        ms, of them ms in eval and in async_eval)."""
         return [{k: v for k, v in p.items() if k != "at"} for p in self._split().get("prefills", [])
                 if begin <= p.get("at", 0.0) <= end]
 
@@ -460,6 +460,10 @@ def decode_pairs(port: int, check: "GenerateCheck", prompt: str, args, deadline:
     through the generate check's ``mlx_lm.stream_generate``; each pair's
     decode tok/s and ratio (the GPU serves one of them at a time)."""
     pairs = []
+    try:  # the server's first decode to that length, untimed (the generate check warmed up to it too)
+        stream(port, prompt, args.decode_pair_tokens, args.request_timeout_s)
+    except Exception as exc:  # recorded; the other figures stand
+        return [{"error": f"warm-up: {str(exc)[:300]}"}]
     for i in range(args.decode_pairs):
         if time.perf_counter() > deadline:
             break
@@ -1084,7 +1088,7 @@ def markdown(report: Dict[str, Any]) -> str:
                              f"{', '.join(str(r) for r in w['prefill_calls'])} rows.")
             if w.get("prefill_split"):
                 lines.append(f"{name}, {n} streams: prefill calls inside the server (rows, tokens: ms, of them "
-                             "waiting in eval / launching): " + "; ".join(
+                             "in eval / in async_eval): " + "; ".join(
                                  f"{c['rows']}, {c['tokens']}: {c['ms']:.1f} ({c['wait_ms']:.1f} / {c['launch_ms']:.1f})"
                                  for c in w["prefill_split"]) + ".")
             if (w.get("connect_max_s") or 0.0) >= SLOW_CONNECT_S:

@@ -23,10 +23,16 @@ it. Medians over the last ``KEEP`` steps of each B, written as JSON by
 ``write`` (the process's watcher calls it once a second).
 
 Each prompt-processing call of the generator (``PromptProcessingBatch.prompt``:
-one batch of prompts prefilled together) is recorded too, the last
+one batch of prompts prefilled together; the calls with no prompt, which the
+generator makes at every step, are not kept) is recorded too, the last
 ``KEEP_PREFILLS`` of them: when it began (wall clock, for the bench to find a
 wave's), its rows and tokens, its seconds, and how much of them MLX's
-``eval`` (waiting for the GPU) and ``async_eval`` took. It wraps mlx-lm's
+``eval`` and ``async_eval`` took. Stock's prompt loop only calls ``eval``
+(which launches a chunk's kernels and waits for them); lily's prefill pacing
+launches each layer with ``async_eval`` and waits for the one before with
+``eval``. The method wrapped is whatever the class holds when the server
+first steps its generator, so lily's own patch of it (prefix reuse's
+checkpoint recording) is inside the time. It wraps mlx-lm's
 methods and MLX's two eval functions for the process, which only a bench
 server runs; the wrappers add well under a microsecond a call.
 """
@@ -104,6 +110,7 @@ def install() -> None:
             _local.last_step = step
 
     def next_(self, *args: Any, **kwargs: Any):
+        _wrap_prompt(generate)
         start = time.perf_counter()
         _local.last_step = None
         try:
@@ -113,24 +120,42 @@ def install() -> None:
             _record(_local.last_step, start, end, getattr(_local, "returned", None))
             _local.returned = end
 
-    base_prompt = generate.PromptProcessingBatch.prompt
+    _step._lily_split = True
+    generate.GenerationBatch._step = _step
+    generate.BatchGenerator.next = next_
+    _wrap_prompt(generate)
+
+
+# The prompt wrappers made here: the outermost times a call, any inside it
+# (one made before a later patch wrapped it in turn) passes through.
+_PROMPT_WRAPPERS: set = set()
+
+
+def _wrap_prompt(generate: Any) -> None:
+    """Time ``PromptProcessingBatch.prompt`` as the class holds it now, unless
+    that is already one of these wrappers: called at install and before
+    each generator step, so a patch installed later (lily's backend loads
+    after this module installs) is timed too."""
+    base = generate.PromptProcessingBatch.prompt
+    if base in _PROMPT_WRAPPERS:
+        return
 
     def prompt(self, tokens: Any, *args: Any, **kwargs: Any):
+        if not tokens or getattr(_local, "prefill", None) is not None:
+            return base(self, tokens, *args, **kwargs)  # nothing to prefill, or timed outside
         record = {"at": time.time(), "rows": len(tokens), "tokens": sum(len(t) for t in tokens),
                   "eval": 0.0, "async_eval": 0.0}
         _local.prefill = record
         start = time.perf_counter()
         try:
-            return base_prompt(self, tokens, *args, **kwargs)
+            return base(self, tokens, *args, **kwargs)
         finally:
             _local.prefill = None
             record["seconds"] = time.perf_counter() - start
             with _lock:
                 _prefills.append(record)
 
-    _step._lily_split = True
-    generate.GenerationBatch._step = _step
-    generate.BatchGenerator.next = next_
+    _PROMPT_WRAPPERS.add(prompt)
     generate.PromptProcessingBatch.prompt = prompt
 
 
@@ -168,7 +193,8 @@ def summary() -> Dict[str, Dict[str, Any]]:
 
 def prefills() -> List[Dict[str, Any]]:
     """The prompt-processing calls kept: {at (wall clock s), rows, tokens, ms,
-    wait_ms (in eval), launch_ms (in async_eval)}, oldest first."""
+    wait_ms (in eval: stock's launches its chunk there too), launch_ms (in
+    async_eval)}, oldest first."""
     with _lock:
         return [{"at": r["at"], "rows": r["rows"], "tokens": r["tokens"], "ms": round(1e3 * r["seconds"], 2),
                  "wait_ms": round(1e3 * r["eval"], 2), "launch_ms": round(1e3 * r["async_eval"], 2)}

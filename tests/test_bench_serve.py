@@ -90,6 +90,8 @@ def test_serve_bench_on_the_demo_checkpoint(demo_checkpoint, tmp_path, monkeypat
         calls = engine["waves"]["3"]["prefill_split"]
         # (each prompt but its last token, which the first decode step takes)
         assert sum(c["rows"] for c in calls) == 3 and all(c["tokens"] >= 23 * c["rows"] for c in calls)
+        # ... and only those (the generator's calls with no prompt, one a step, are not kept).
+        assert 1 <= len(calls) <= 3 and all(c["rows"] > 0 for c in calls)
         assert all(c["ms"] >= c["wait_ms"] >= 0 and c["launch_ms"] >= 0 for c in calls)
     assert "| lily | 1 (one-stream wave) |" in md_file.read_text()
     # mlx_lm.generate's own loop, split the same way in the generate check.

@@ -574,6 +574,8 @@ def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, mon
     def wave(model, ids):
         seen.append(os.environ.get("MLX_LILY_PACE_PREFILL"))
         model_params[:] = [model.parameters()]
+        if os.environ.get("MLX_LILY_PACE_PREFILL") == "0":  # this arm's rounds hold 64 MB more at once
+            mx.eval(mx.zeros((16 * 2**20,), mx.float32) + 1)
         return real_wave(model, ids)
 
     monkeypatch.setattr(wave_profile, "wave", wave)
@@ -589,6 +591,9 @@ def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, mon
         assert arm["peak_gb"] * 2**30 >= sum(v.nbytes for _, v in tree_flatten(model_params[0]))
         # The host's profile finds the server's prefill of the rows together.
         assert any("prompt_rows" in line for line in arm["host_cumulative"])
+    # Each arm's peak is its own rounds' (reset before each): the default's
+    # rounds, which follow the other arm's, do not show its 64 MB.
+    assert (arms["pace off"]["peak_gb"] - arms["default"]["peak_gb"]) * 2**30 >= 60 * 2**20
     # Warm, timed, host-profiled: each arm's runs under its own settings, none after.
     assert seen == [None, "0", None, "0", None, "0"]
     assert "MLX_LILY_PACE_PREFILL" not in os.environ

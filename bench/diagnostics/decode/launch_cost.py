@@ -28,9 +28,13 @@ launches of a kernel that adds 1 to 32 floats, for several N:
   strides as kernel parameters and tracks it in its graph), as lily's
   launches are (a one-projection GEMV has 9 inputs, the MoE launches more);
 * with ``--lily-gemv``, lily's own decode GEMV (K = N = 2048, 4-bit, one
-  row of x, its output the next launch's x), as a decode step launches it:
-  its cost per launch against the rows above says how much of a decode
-  step's launch time is the launch itself and how much its inputs.
+  row of x, its output the next launch's x), as a decode step launches it.
+
+The alone and pipelined slopes include each kernel's GPU time (small for
+the tiny kernels, a few µs for the GEMV); the host column is the host's part
+of a pipelined step alone (building it and ``mx.async_eval``), so the GEMV's
+host µs a launch against the small-input rows' says how much of a decode
+step's launch half is the launch itself and how much its inputs.
 
 Each step is evaluated on its own (wall time to the result) and, as
 ``mlx_lm.generate`` runs decode, pipelined (the next step is built and
@@ -118,8 +122,10 @@ def chain(op: Callable[[mx.array], mx.array], n: int) -> Callable[[mx.array], mx
 
 
 def time_steps(step: Callable[[mx.array], mx.array], steps: int, x: Optional[mx.array] = None) -> Dict[str, float]:
-    """Median ms of a step evaluated alone, and ms per step pipelined, from
-    ``x`` (default WIDTH zeros)."""
+    """Median ms of a step evaluated alone, ms per step pipelined, and of
+    those the host's ms per step (building the step and ``mx.async_eval``,
+    not the waits: what a launch costs the host whatever the GPU's own time),
+    from ``x`` (default WIDTH zeros)."""
     x = mx.zeros((WIDTH,), mx.float32) if x is None else x
     mx.eval(step(x))  # builds (compiles) whatever the step needs
     alone: List[float] = []
@@ -130,14 +136,18 @@ def time_steps(step: Callable[[mx.array], mx.array], steps: int, x: Optional[mx.
     start = time.perf_counter()
     y = step(x)
     mx.async_eval(y)
+    host = time.perf_counter() - start
     for _ in range(steps - 1):
+        built = time.perf_counter()
         nxt = step(y)
         mx.async_eval(nxt)
+        host += time.perf_counter() - built
         mx.eval(y)
         y = nxt
     mx.eval(y)
     pipelined = (time.perf_counter() - start) / steps
-    return {"alone_ms": 1e3 * statistics.median(alone), "pipelined_ms": 1e3 * pipelined}
+    return {"alone_ms": 1e3 * statistics.median(alone), "pipelined_ms": 1e3 * pipelined,
+            "host_ms": 1e3 * host / steps}
 
 
 def main(argv=None) -> int:
@@ -184,17 +194,19 @@ def main(argv=None) -> int:
             starts[name] = mx.zeros((1, 1, GEMV_WIDTH), mx.bfloat16)
 
     settings = ", ".join(f"{k}={os.environ[k]}" for k in GRAPH_SETTINGS if k in os.environ) or "MLX's defaults"
-    lines = [f"Steps of N chained launches (x + 1 on {WIDTH} floats), {mx.default_device()}, "
-             f"median over {args.steps} steps; graph settings: {settings}", "",
+    lines = [f"Steps of N chained launches (x + 1 on {WIDTH} floats; the GEMV row: its own x), "
+             f"{mx.default_device()}, median over {args.steps} steps; graph settings: {settings}. "
+             "The slopes over N: alone and pipelined include the GPU's time; host is the host's "
+             "part of a pipelined step (its build and async_eval).", "",
              "| launch | " + " | ".join(f"N = {n}: alone / pipelined ms" for n in counts)
-             + " | µs per launch, alone / pipelined |",
+             + " | µs per launch, alone / pipelined / host |",
              "|---|" + "---:|" * (len(counts) + 1)]
     for name, make in rows.items():
         figures = [time_steps(make(n), args.steps, starts.get(name)) for n in counts]
         span = counts[-1] - counts[0]
-        slope = [1e3 * (figures[-1][k] - figures[0][k]) / span for k in ("alone_ms", "pipelined_ms")]
+        slope = [1e3 * (figures[-1][k] - figures[0][k]) / span for k in ("alone_ms", "pipelined_ms", "host_ms")]
         cells = [f"{f['alone_ms']:.2f} / {f['pipelined_ms']:.2f}" for f in figures]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {slope[0]:.1f} / {slope[1]:.1f} |")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {slope[0]:.1f} / {slope[1]:.1f} / {slope[2]:.1f} |")
         log(lines[-1])
     if not gpu:
         lines += ["", "No GPU: the custom-kernel rows need one."]
