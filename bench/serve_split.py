@@ -58,27 +58,26 @@ _local = threading.local()
 
 
 def _timed_eval(name: str, base: Callable) -> Callable:
-    """MLX's eval function ``name``, timing its calls made inside a step."""
+    """MLX's eval function ``name``, timing its calls made inside a decode
+    step (as the step's launch or wait) or a prefill call (by name)."""
 
     def call(*args: Any, **kwargs: Any):
         step = getattr(_local, "step", None)
-        if step is None:
-            prefill = getattr(_local, "prefill", None)
-            if prefill is None:
-                return base(*args, **kwargs)
-            start = time.perf_counter()
-            try:
-                return base(*args, **kwargs)
-            finally:
-                prefill[name] += time.perf_counter() - start
+        prefill = None if step is not None else getattr(_local, "prefill", None)
+        if step is None and prefill is None:
+            return base(*args, **kwargs)
         start = time.perf_counter()
-        if name == "async_eval" and "launch_at" not in step:
+        if step is not None and name == "async_eval" and "launch_at" not in step:
             step["launch_at"] = start
         try:
             return base(*args, **kwargs)
         finally:
-            part = "launch" if name == "async_eval" else "wait"
-            step[part] = step.get(part, 0.0) + time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if step is not None:
+                part = "launch" if name == "async_eval" else "wait"
+                step[part] = step.get(part, 0.0) + seconds
+            else:
+                prefill[name] += seconds
 
     call.__name__ = name
     return call
