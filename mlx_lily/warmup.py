@@ -317,7 +317,9 @@ def _prime_attention_decode(model: Any) -> None:
     """One attention decode call per form (``decode_contexts``) on stand-in
     keys: the chunks above reach only the shorter contexts. Each form also
     bounded, as the whole decode step calls it: over a cache of whole
-    capacity steps, its form set by the capacity, the length on the device."""
+    capacity steps, its form set by the capacity, the length on the device.
+    Each with the layer's output gate, which the decode steps hand the
+    attention op (a view of the query projection's halves, as theirs)."""
     from . import kernels as K
     from .kernels.attention.sdpa import decode_form
     from .layers.text_model import whole_capacity
@@ -327,16 +329,17 @@ def _prime_attention_decode(model: Any) -> None:
         return
     Hq, Hkv, D = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
     q = mx.zeros((1, Hq, 1, D), mx.bfloat16)
+    gate = mx.split(mx.zeros((1, 1, Hq, 2 * D), mx.bfloat16), 2, axis=-1)[1]
     bounded = set()
     for n in decode_contexts(Hkv):
         kv = mx.zeros((1, Hkv, n, D), mx.bfloat16)
-        mx.eval(K.attention(q, kv, kv, attn.scale, None))
+        mx.eval(K.attention(q, kv, kv, attn.scale, None, gate=gate))
         capacity = whole_capacity(n)
         form = decode_form(capacity, Hkv)
         if form not in bounded:
             bounded.add(form)
             kv = mx.zeros((1, Hkv, capacity, D), mx.bfloat16)
-            mx.eval(K.attention(q, kv, kv, attn.scale, None, length=mx.array([n], dtype=mx.int32)))
+            mx.eval(K.attention(q, kv, kv, attn.scale, None, length=mx.array([n], dtype=mx.int32), gate=gate))
 
 
 def _is_lily(model: Any) -> bool:

@@ -176,9 +176,9 @@ def test_a_bounded_decode_reads_only_the_filled_rows(monkeypatch, length, capaci
     want = A.attention_reference(q, k, v, scale, None, bound)
     assert A.attention_agree(got, want) is None
     # The launch passes the length only when bounded: a build of its own
-    # (and a start only when batched).
-    assert A._launch_decode(q, k, v, scale, None, bound).absent_set == ("start",)
-    assert A._launch_decode(q, k, v, scale, None).absent_set == ("length", "start")
+    # (a start only when batched, a gate only when gated).
+    assert A._launch_decode(q, k, v, scale, None, bound).absent_set == ("gate", "start")
+    assert A._launch_decode(q, k, v, scale, None).absent_set == ("gate", "length", "start")
 
 
 def test_the_op_takes_a_length_bound_for_decode_only(emulator_backend):

@@ -55,14 +55,14 @@ def _triple(linear) -> tuple:
     return (linear.weight, linear.scales, linear.biases)
 
 
-def _projected_onto(y: mx.array, linear: Any, x: mx.array, group: Any, gate: Optional[mx.array] = None) -> mx.array:
-    """x + linear(y) (y gated first where ``gate`` is given) on the GEMV. A
-    rank's slice of a sharded layer (``group``) gives a partial sum, summed
-    across the group before the residual, in stock's order."""
+def _projected_onto(y: mx.array, linear: Any, x: mx.array, group: Any) -> mx.array:
+    """x + linear(y) on the GEMV. A rank's slice of a sharded layer
+    (``group``) gives a partial sum, summed across the group before the
+    residual, in stock's order."""
     if group is None:
-        (h,) = K.decode_matvec(y, (_triple(linear),), gate=gate, residual=x)
+        (h,) = K.decode_matvec(y, (_triple(linear),), residual=x)
         return h
-    (partial,) = K.decode_matvec(y, (_triple(linear),), gate=gate)
+    (partial,) = K.decode_matvec(y, (_triple(linear),))
     return x + all_sum(partial, group)
 
 
@@ -406,8 +406,8 @@ class LilyDecoderLayer(DecoderLayer):
         queries, keys, values, gate = self._compiled("_lily_attention_in", self._attention_in, key)(x, position)
         touched.append(kv_position(cache))
         keys, values = cache.update_and_fetch(keys, values)
-        out = K.attention(queries, keys, values, sa.scale, mask)
-        return self._compiled("_lily_attention_out", self._attention_out, key)(out, gate, x)
+        out = K.attention(queries, keys, values, sa.scale, mask, gate=gate)
+        return self._compiled("_lily_attention_out", self._attention_out, key)(out, x)
 
     def _compiled(self, name: str, fn: Callable, key: Optional[int]) -> Callable:
         """``mx.compile(fn)`` held per layer and weights' version (``key``,
@@ -485,15 +485,18 @@ class LilyDecoderLayer(DecoderLayer):
         values_cache = write_row(values_cache, values, position)
         span = {} if starts is None else {"start": starts}
         length = position + 1 if length is None else length
-        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=length, **span)
-        return self._attention_out(out, gate, x), keys_cache, values_cache
+        out = K.attention(queries, keys_cache, values_cache, self.self_attn.scale, None, length=length, gate=gate,
+                          **span)
+        return self._attention_out(out, x), keys_cache, values_cache
 
-    def _attention_out(self, out: mx.array, gate: mx.array, x: mx.array) -> mx.array:
-        """Gated output projection + residual, then the MoE chain."""
+    def _attention_out(self, out: mx.array, x: mx.array) -> mx.array:
+        """The output projection of the gated attention output (the attention
+        op applies the gate where it writes its output, once an element) +
+        residual, then the MoE chain."""
         if out.shape[2] != 1:  # with one position [B, H, 1, D] is already [B, 1, H, D]'s order
             out = out.transpose(0, 2, 1, 3)
         out = out.reshape(x.shape[0], 1, -1)
-        return self._moe_step(_projected_onto(out, self.self_attn.o_proj, x, group_of(self.self_attn), gate))
+        return self._moe_step(_projected_onto(out, self.self_attn.o_proj, x, group_of(self.self_attn)))
 
     def _moe_step(self, h: mx.array) -> mx.array:
         mlp, norm = self.mlp, self.post_attention_layernorm

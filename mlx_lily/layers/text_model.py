@@ -142,8 +142,8 @@ class LilyTextModel(Qwen3_5TextModel):
             c = cache[last]
             touched.append(kv_position(c))
             keys, values = c.update_and_fetch(keys, values)
-            out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, fa_mask)
-            carry = [out, gate, x]
+            out = K.attention(queries, keys, values, self.layers[last].self_attn.scale, fa_mask, gate=gate)
+            carry = [out, x]
         for i, conv, state in new_states:
             cache[i][0], cache[i][1] = conv, state
             cache[i].advance(1)
@@ -176,8 +176,8 @@ class LilyTextModel(Qwen3_5TextModel):
             if first < 0:
                 h, rest = self.embed_tokens(args[0]), args[1:]
             else:
-                out, gate, x = args[:3]
-                h, rest = layers[first]._attention_out(out, gate, x), args[3:]
+                out, x = args[:2]
+                h, rest = layers[first]._attention_out(out, x), args[2:]
             mask = rest[2 * len(linear)] if masked else None
             states = []
             for j, i in enumerate(linear):

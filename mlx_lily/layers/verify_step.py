@@ -316,17 +316,15 @@ def _attention_rows(layer: Any, x: mx.array, keys_cache: mx.array, values_cache:
         shape = (P, *keys_cache.shape[1:])
         k = mx.broadcast_to(keys_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
         v = mx.broadcast_to(values_cache[..., : spans[0], :], shape[:2] + (spans[0], shape[3]))
-        out = K.attention(queries, k, v, scale, None, length=ends)
-        return layer._attention_out(out, gate, x), keys_cache, values_cache
+        out = K.attention(queries, k, v, scale, None, length=ends, gate=gate)
+        return layer._attention_out(out, x), keys_cache, values_cache
     outs = []
     for i in range(P):
         k, v = keys_cache[..., : spans[i], :], values_cache[..., : spans[i], :]
-        if form == "whole":
-            outs.append(K.attention(queries[i:i + 1], k, v, scale, None, length=ends[i:i + 1]))
-        else:
-            outs.append(K.attention(queries[i:i + 1], k, v, scale, None))
+        bound = {"length": ends[i:i + 1]} if form == "whole" else {}
+        outs.append(K.attention(queries[i:i + 1], k, v, scale, None, gate=gate[i:i + 1], **bound))
     out = mx.concatenate(outs, axis=0)
-    return layer._attention_out(out, gate, x), keys_cache, values_cache
+    return layer._attention_out(out, x), keys_cache, values_cache
 
 
 # -- the MTP head's positions ------------------------------------------------------

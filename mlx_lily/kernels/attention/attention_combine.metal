@@ -10,10 +10,16 @@
 // same arithmetic on its own blocks however many the grid had; a row with
 // one block takes that block's output as it is (the one-block decode's bits).
 //
-// Template: T (the output's dtype: bfloat16 or float16), D (head dim).
+// GATED: the layer's output gate applied as the output is written, as
+// attention_decode.metal applies it without the split (the output rounded to
+// T, times sigmoid(gate) as MLX computes it in T, rounded again).
+//
+// Template: T (the output's dtype: bfloat16 or float16), D (head dim), GATED
+//           (bool).
 // Inputs:   part_o [H, NB, D] float (each block's normalised output),
 //           part_lse [H, NB] float (each block's log2 of its sum of exp2);
-//           H = B * Hq (the batch's query heads, row-major).
+//           H = B * Hq (the batch's query heads, row-major); gate [B, 1, Hq,
+//           D] T (strided; read with GATED, left out of other launches).
 // Outputs:  out [H, D] T.
 // Grid: (D, H, 1), threadgroup (D, 1, 1).
 
@@ -44,5 +50,17 @@ if (d < D) {
       total = fma(w, part_o[(head * n_blocks + b) * D + d], total);
     }
   }
-  out[head * D + d] = static_cast<T>(seen == 1 ? part_o[(head * n_blocks + only) * D + d] : total / weight_sum);
+  const T o = static_cast<T>(seen == 1 ? part_o[(head * n_blocks + only) * D + d] : total / weight_sum);
+  if (GATED) {
+    const int heads = int(gate_shape[2]);  // Hq: head is row * Hq + its head in the row
+    const int row = head / heads;
+    const float gx = static_cast<float>(gate[int64_t(row) * gate_strides[0] + int64_t(head - row * heads) * gate_strides[2] +
+                                             int64_t(d) * gate_strides[3]]);
+    const float gate_exp = static_cast<float>(static_cast<T>(metal::precise::exp(metal::abs(gx))));
+    const float sigmoid_neg = 1.0f / (1.0f + gate_exp);
+    const float sig = static_cast<float>(static_cast<T>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+    out[head * D + d] = static_cast<T>(static_cast<float>(o) * sig);
+  } else {
+    out[head * D + d] = o;
+  }
 }

@@ -32,18 +32,27 @@
 // strides allow; the view itself must start 16-byte aligned, as MLX's buffers
 // and slices along the sequence or head axes do.
 //
+// GATED (the layer's output gate, applied where the output is written: once
+// an element, where the output projection's prologue would compute it once a
+// threadgroup): without SPLIT each output element is rounded to T, then
+// multiplied by sigmoid(gate) as MLX computes it in T and rounded again: the
+// bits stock's `out * mx.sigmoid(gate)` gives and the projection's prologue
+// gave. With SPLIT the combine applies it.
+//
 // Template: T (the activations' dtype: bfloat16 or float16), D (head dim), G
 //           (query heads per KV head), NSG (SIMD groups per
 //           threadgroup), SPLIT (bool), BLOCK (keys per threadgroup when SPLIT;
 //           BATCHED: the largest), BOUNDED (bool: the length input bounds the
 //           keys), BATCHED (bool), ROW_ENDS (bool), SPLIT_FROM_KEYS, MIN_BLOCK,
 //           SPLIT_TGS (BATCHED: a row's block size, above), PREFETCH (passes
-//           fetched ahead, at least 1).
+//           fetched ahead, at least 1), GATED (bool).
 // Inputs:   queries [B * Hq, D] T (contiguous), keys, values [B, Hkv, S, D] T
 //           (strided), scale [1] float (the softmax scale), length [1] or [B]
 //           int32 (with BOUNDED: the keys end at row length of the view; left
 //           out of unbounded launches), start [B] int32 (BATCHED: where each
-//           row's keys begin; left out otherwise). B is 1 unless BATCHED.
+//           row's keys begin; left out otherwise), gate [B, 1, Hq, D] T
+//           (strided; read with GATED, left out of other launches). B is 1 unless
+//           BATCHED or rows of one view.
 // Outputs:  out [B * Hq, D] T (without SPLIT), part_o [B * Hq, NB, D] float and
 //           part_lse [B * Hq, NB] float (with SPLIT); the unused ones have one element.
 // Grid: (NSG * 32 * NB, Hkv, B), threadgroup (NSG * 32, 1, 1).
@@ -274,6 +283,14 @@ for (int g = 0; g < G; ++g) {
       // A block that saw no key (past a bounded length) has sum 0: it writes
       // 0, which the combine weighs by exp2(-inf) = 0, not 0 / 0.
       part_o[(head * n_blocks + block) * D + d] = total_sum > 0.0f ? total / total_sum : 0.0f;
+    } else if (GATED) {
+      const int q_head = kv_head * G + g;  // within the row
+      const float gx = static_cast<float>(gate[int64_t(batch_row) * gate_strides[0] +
+                                               int64_t(q_head) * gate_strides[2] + int64_t(d) * gate_strides[3]]);
+      const float gate_exp = static_cast<float>(static_cast<T>(metal::precise::exp(metal::abs(gx))));
+      const float sigmoid_neg = 1.0f / (1.0f + gate_exp);
+      const float sig = static_cast<float>(static_cast<T>(gx < 0.0f ? sigmoid_neg : 1.0f - sigmoid_neg));
+      out[head * D + d] = static_cast<T>(static_cast<float>(static_cast<T>(total / total_sum)) * sig);
     } else {
       out[head * D + d] = static_cast<T>(total / total_sum);
     }

@@ -25,7 +25,7 @@ CUDA_PREFILL_REFERENCE_FROM = 2**18
 CUDA_REFERENCE_QUERIES = 64
 
 
-def attention_prefers_reference(backend, q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
+def attention_prefers_reference(backend, q, k, v, scale, mask, length=None, start=None, gate=None) -> Optional[str]:
     """Why a call the kernels take runs MLX's sdpa on this backend, or None."""
     L, S = q.shape[2], k.shape[2]
     if backend == "cuda" and L > 1 and (L * S >= CUDA_PREFILL_REFERENCE_FROM or L >= CUDA_REFERENCE_QUERIES):

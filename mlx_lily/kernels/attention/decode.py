@@ -115,7 +115,7 @@ def batch_check_inputs(Hq=4, Hkv=2, D=64, seed=12):
     return (*args, kwargs)
 
 
-def rows_of_one_view(q, k, v, scale, mask, length=None, start=None) -> bool:
+def rows_of_one_view(q, k, v, scale, mask, length=None, start=None, gate=None) -> bool:
     """B rows, no start, a length per row: a stream's positions over one
     view, each read as a one-row call bounded at its own length."""
     return start is None and length is not None and length.size > 1

@@ -39,14 +39,36 @@ from .decode import (MAX_BATCH, RowForm, batch_check_inputs, key_span_mask, rows
                      rows_of_one_view, span_reason)
 # The prologue (q/k norm + RoPE) lives in its own module; re-exported here.
 from .qk_norm_rope import qk_norm_rope, qk_norm_rope_reference  # noqa: F401
+# Self-check, sample and fuzz inputs (their own module; the old names stay).
+from .testing import (bounded_check_inputs as _bounded_check_inputs, decode_check_inputs as _decode_check_inputs,
+                      fuzz_attention as _fuzz_attention, output_gate,
+                      prefill_check_inputs as _prefill_check_inputs, sample_attention as _sample_attention)
 
 
-def attention_reference(q, k, v, scale, mask, length=None, start=None):
+def attention_reference(q, k, v, scale, mask, length=None, start=None, gate=None):
     """q [B, Hq, L, D], k/v [B, Hkv, S, D] -> [B, Hq, L, D]. ``length`` (an
     int32 array [1], with no mask) bounds the keys to rows [0, length) of k/v:
     a cache of fixed capacity filled that far. ``start`` (int32 [B]) makes row
     b's keys [start[b], length) (``length`` [1], or [B]: one end per row), the
-    left-padded rows of mlx-lm's BatchKVCache."""
+    left-padded rows of mlx-lm's BatchKVCache. ``gate`` [B, L, Hq, D] (the
+    layer's output gate, any strides): the output times its sigmoid, as
+    stock's layer computes it (``gated``)."""
+    return gated(_attention(q, k, v, scale, mask, length, start), gate)
+
+
+def gated(out: mx.array, gate: Optional[mx.array]) -> mx.array:
+    """``out`` [B, Hq, L, D] times sigmoid(``gate`` [B, L, Hq, D]): stock's
+    ``out * mx.sigmoid(gate)``, element by element, in the output's layout."""
+    if gate is None:
+        return out
+    B, Hq, L, D = out.shape
+    if tuple(gate.shape) != (B, L, Hq, D):
+        raise ValueError(f"attention: an output gate of shape {tuple(gate.shape)} for an output of {B} rows, "
+                         f"{L} queries and {Hq} heads of {D} (gate: [B, L, Hq, D])")
+    return out * mx.sigmoid(gate.transpose(0, 2, 1, 3) if L > 1 else gate.reshape(B, Hq, 1, D))
+
+
+def _attention(q, k, v, scale, mask, length=None, start=None):
     if length is not None or start is not None:
         if mask is not None:
             raise ValueError("attention: a length bound takes no mask (the bound is the mask)")
@@ -129,7 +151,7 @@ def _decode_dtypes_reason(q, k, v) -> Optional[str]:
     return None
 
 
-def decode_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
+def decode_supports(q, k, v, scale, mask, length=None, start=None, gate=None) -> Optional[str]:
     """None when the decode kernel takes this call, else why not."""
     why = span_reason(q, k, mask, length, start)
     if why is not None:
@@ -141,6 +163,8 @@ def decode_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[s
     Hq, Hkv = q.shape[1], k.shape[1]
     if Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return f"{Hq} query heads on {Hkv} KV heads (decode kernel: at most {MAX_GROUP} per KV head)"
+    if gate is not None and (tuple(gate.shape) != (q.shape[0], 1, Hq, q.shape[3]) or gate.dtype != q.dtype):
+        return f"an output gate {tuple(gate.shape)} {gate.dtype} (decode kernel: [B, 1, Hq, D] of q's dtype)"
     return None
 
 
@@ -166,7 +190,7 @@ def _whole_view(capacity: int) -> mx.array:
 
 
 def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_block: int = KEY_BLOCK,
-                   start=None, row_form: Optional[RowForm] = None) -> Launch:
+                   start=None, row_form: Optional[RowForm] = None, gate=None) -> Launch:
     B, Hq, _, D = q.shape
     _, Hkv, S, _ = k.shape
     batched = start is not None
@@ -181,6 +205,7 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
         groups = SPLIT_SIMD_GROUPS if split else SINGLE_PASS_SIMD_GROUPS
         blocks = math.ceil(S / key_block) if split else 1
     threads = groups * SIMD_WIDTH
+    gate = None if split else gate  # the split's combine applies it
     if split:
         shapes = [(1,), (B * Hq, blocks, D), (B * Hq, blocks)]
     else:
@@ -189,7 +214,8 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
         # The queries are tiny: made contiguous here, so the body indexes them
         # directly; K and V stay as they are (strided views of the cache).
         inputs=[contiguous(q.reshape(B * Hq, D)), k, v, _scale_array(float(scale)),
-                *(() if length is None else (length,)), *(() if start is None else (start,))],
+                *(() if length is None else (length,)), *(() if start is None else (start,)),
+                *(() if gate is None else (gate,))],
         grid=(threads * blocks, Hkv, B),
         threadgroup=(threads, 1, 1),
         output_shapes=shapes,
@@ -210,33 +236,36 @@ def _launch_decode(q, k, v, scale, mask, length=None, split: bool = False, key_b
             ("MIN_BLOCK", row_form.min_block if batched else 0),
             ("SPLIT_TGS", row_form.split_threadgroups if batched else 0),
             ("PREFETCH", int(DECODE_PREFETCH)),
+            ("GATED", gate is not None),
         ],
-        absent=(() if length is not None else ("length",)) + (() if batched else ("start",)),
+        absent=(() if length is not None else ("length",)) + (() if batched else ("start",))
+        + (() if gate is not None else ("gate",)),
     )
 
 
-def _launch_combine(part_o, part_lse, dtype=mx.bfloat16) -> Launch:
-    Hq, _, D = part_o.shape
+def _launch_combine(part_o, part_lse, dtype=mx.bfloat16, gate=None) -> Launch:
+    H, _, D = part_o.shape
     return Launch(
-        inputs=[part_o, part_lse],
-        grid=(D, Hq, 1),
+        inputs=[part_o, part_lse, *(() if gate is None else (gate,))],
+        grid=(D, H, 1),
         threadgroup=(D, 1, 1),
-        output_shapes=[(Hq, D)],
+        output_shapes=[(H, D)],
         output_dtypes=[dtype],
-        template=[("T", dtype), ("D", D)],
+        template=[("T", dtype), ("D", D), ("GATED", gate is not None)],
+        absent=() if gate is not None else ("gate",),
         finish=lambda outputs: outputs[0],
     )
 
 
 attention_decode_kernel = Kernel(
     name="attention_decode",
-    input_names=("queries", "keys", "values", "scale", "length", "start"),
+    input_names=("queries", "keys", "values", "scale", "length", "start", "gate"),
     output_names=("out", "part_o", "part_lse"),
     body=Path(__file__).with_name("attention_decode.metal"),
     launch=_launch_decode,
-    # Unbounded launches pass no length, unbatched ones no start; the body
-    # reads them only when BOUNDED and BATCHED.
-    stand_ins={"length": "auto length = scale;", "start": "auto start = scale;"},
+    # Unbounded launches pass no length, unbatched ones no start, ungated
+    # ones no gate; the body reads them only when BOUNDED, BATCHED and GATED.
+    stand_ins={"length": "auto length = scale;", "start": "auto start = scale;", "gate": "auto gate = queries; auto gate_strides = keys_strides;"},
     # For lily_tile_load16 / lily_tile_unpack (16-byte row reads); no tile products.
     tiles=True,
     # The KV cache slice is read in place, through its strides.
@@ -245,10 +274,14 @@ attention_decode_kernel = Kernel(
 
 attention_combine_kernel = Kernel(
     name="attention_combine",
-    input_names=("part_o", "part_lse"),
+    input_names=("part_o", "part_lse", "gate"),
     output_names=("out",),
     body=Path(__file__).with_name("attention_combine.metal"),
     launch=_launch_combine,
+    # Ungated launches pass no gate (the body reads it only when GATED);
+    # a gated one reads the gate through its strides.
+    stand_ins={"gate": "auto gate = part_o; auto gate_shape = part_lse_shape; auto gate_strides = part_lse_shape;"},
+    row_contiguous=False,
 )
 
 
@@ -260,13 +293,16 @@ def decode_form(keys: int, kv_heads: int) -> tuple[bool, int]:
 
 
 def run_decode(backend: str, q, k, v, scale, mask, length=None, split_from: Optional[int] = None,
-               key_block: Optional[int] = None, start=None, row_form: Optional[RowForm] = None) -> mx.array:
+               key_block: Optional[int] = None, start=None, row_form: Optional[RowForm] = None,
+               gate=None) -> mx.array:
     """The decode kernels on ``backend``: [B, Hq, 1, D] (the split and its
     block size default to ``SPLIT_FROM`` and ``decode_key_block``). With a
     ``length`` the form follows the view's rows (the cache's capacity), so
     one launch serves every length up to it. With a ``start`` (B rows) the
     launch splits from ``row_form.split_from`` rows of the view and each
-    row's blocks follow its own span (``row_form``, default ``batch_row_form``)."""
+    row's blocks follow its own span (``row_form``, default ``batch_row_form``).
+    ``gate`` [B, 1, Hq, D]: applied where the output is written (``gated``'s
+    bits)."""
     if start is not None:
         row_form = batch_row_form() if row_form is None else row_form
         split_from = row_form.split_from
@@ -274,10 +310,11 @@ def run_decode(backend: str, q, k, v, scale, mask, length=None, split_from: Opti
     split = k.shape[2] >= split_from
     key_block = decode_key_block(k.shape[2], k.shape[1]) if key_block is None else key_block
     out, part_o, part_lse = attention_decode_kernel.run_on(
-        backend, q, k, v, scale, mask, length, split=split, key_block=key_block, start=start, row_form=row_form
+        backend, q, k, v, scale, mask, length, split=split, key_block=key_block, start=start, row_form=row_form,
+        gate=gate,
     )
     if split:
-        out = attention_combine_kernel.run_on(backend, part_o, part_lse, q.dtype)
+        out = attention_combine_kernel.run_on(backend, part_o, part_lse, q.dtype, gate)
     return out.reshape(q.shape)
 
 
@@ -300,8 +337,9 @@ def _prefill_dtypes_reason(q, k, v) -> Optional[str]:
     return None
 
 
-def prefill_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
-    """None when the prefill kernel takes this call, else why not."""
+def prefill_supports(q, k, v, scale, mask, length=None, start=None, gate=None) -> Optional[str]:
+    """None when the prefill kernel takes this call, else why not (an output
+    gate is applied after it, as the reference applies it)."""
     if length is not None or start is not None:
         return "a length bound or key start (decode only)"
     why = _shapes_reason("prefill", q, k, v, mask, PREFILL_HEAD_DIMS, _prefill_dtypes_reason)
@@ -354,15 +392,6 @@ def run_prefill(backend: str, q, k, v, scale, mask) -> mx.array:
     return attention_prefill_kernel.run_on(backend, q, k, v, scale, mask)
 
 
-def _prefill_check_inputs(L, S, Hq=4, Hkv=2, D=64, seed=10):
-    """L queries against the first S rows of a longer cache."""
-    keys = mx.random.split(mx.random.key(seed), 3)
-    q = mx.random.normal((1, Hq, L, D), key=keys[0]).astype(mx.bfloat16)
-    k = mx.random.normal((1, Hkv, S + 3, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
-    v = mx.random.normal((1, Hkv, S + 3, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
-    return q, k, v, D**-0.5, "causal"
-
-
 # -- the op's kernels ----------------------------------------------------------
 
 
@@ -382,24 +411,6 @@ def attention_agree(got, want, *args, **kwargs) -> Optional[str]:
     scale = max(mx.abs(want).max().item(), 1e-3)
     err = mx.abs(got - want).max().item() / scale
     return None if err <= bound else f"max |kernel - reference| / max |reference| = {err:.3g}"
-
-
-def _decode_check_inputs(S, Hq=4, Hkv=2, D=64, seed=9):
-    """A decode call on a strided view: the first S rows of a longer cache."""
-    keys = mx.random.split(mx.random.key(seed), 3)
-    q = mx.random.normal((1, Hq, 1, D), key=keys[0]).astype(mx.bfloat16)
-    k = mx.random.normal((1, Hkv, S + 5, D), key=keys[1]).astype(mx.bfloat16)[:, :, :S, :]
-    v = mx.random.normal((1, Hkv, S + 5, D), key=keys[2]).astype(mx.bfloat16)[:, :, :S, :]
-    return q, k, v, D**-0.5, None
-
-
-def _bounded_check_inputs(length, capacity, Hq=4, Hkv=2, D=64, seed=11):
-    """A decode call on a whole cache of ``capacity`` rows filled to
-    ``length``; the rows past it are large, so reading one shows."""
-    q, k, v, scale, _ = _decode_check_inputs(capacity, Hq, Hkv, D, seed)
-    past = mx.arange(capacity)[None, None, :, None] >= length
-    k, v = mx.where(past, 64.0, k).astype(mx.bfloat16), mx.where(past, 64.0, v).astype(mx.bfloat16)
-    return q, k, v, scale, None, mx.array([length], dtype=mx.int32)
 
 
 KERNELS = (
@@ -441,6 +452,12 @@ class AttentionKernels(KernelGroup):
         def batch_split(backend, *args):
             return run_decode(backend, *args[:5], **args[5], row_form=RowForm(8, 4, 8, 8))
 
+        # The batched call again with the layer's output gate: applied by the
+        # one-block launch, and by the split's combine.
+        gated_batch = batch_check_inputs()
+        q = gated_batch[0]
+        gated_batch[5]["gate"] = output_gate(q.shape[0], 1, q.shape[1], q.shape[3])
+
         # Bounded: 19 of 45 rows, so the split has blocks with no key.
         # Batched: three left-padded rows, one of them split into blocks.
         # Rows of one view: three positions of a stream, 17 to 19 keys.
@@ -451,6 +468,8 @@ class AttentionKernels(KernelGroup):
             ("decode", split, _bounded_check_inputs(19, 45)),
             ("decode", batch_one_block, batch_check_inputs()),
             ("decode", batch_split, batch_check_inputs()),
+            ("decode", batch_one_block, gated_batch),
+            ("decode", batch_split, gated_batch),
             ("rows", single, rows_check_inputs([17, 18, 19], 45)),
             ("rows", split, rows_check_inputs([17, 18, 19], 45)),
             ("prefill", run_prefill, _prefill_check_inputs(11, 45)),
@@ -532,54 +551,23 @@ class AttentionKernels(KernelGroup):
             return "prefill"
         return None
 
-    def run_on(self, backend: str, q, k, v, scale, mask, length=None, start=None):
-        path = self._path(q, k, v, scale, mask, length, start)
+    def run_on(self, backend: str, q, k, v, scale, mask, length=None, start=None, gate=None):
+        path = self._path(q, k, v, scale, mask, length, start, gate)
         failed = self._failed(backend, path) or (self._failed(backend, "decode") if path == "rows" else None)
         if path in ("decode", "rows") and failed is None:
-            return run_decode(backend, q, k, v, scale, mask, length, start=start)
+            return run_decode(backend, q, k, v, scale, mask, length, start=start, gate=gate)
         if path == "prefill" and failed is None:
-            return run_prefill(backend, q, k, v, scale, mask)
-        return attention_reference(q, k, v, scale, mask, length, start)
+            return gated(run_prefill(backend, q, k, v, scale, mask), gate)
+        return attention_reference(q, k, v, scale, mask, length, start, gate)
 
 
-def attention_supports(q, k, v, scale, mask, length=None, start=None) -> Optional[str]:
+def attention_supports(q, k, v, scale, mask, length=None, start=None, gate=None) -> Optional[str]:
     """None when one of the attention kernels takes this call, else why not."""
-    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask, length, start) is None:
+    if q.ndim == 4 and q.shape[2] == 1 and decode_supports(q, k, v, scale, mask, length, start, gate) is None:
         return None
     if q.ndim == 4 and q.shape[2] == 1 and (start is not None or q.shape[0] > 1):
-        return decode_supports(q, k, v, scale, mask, length, start)
-    return prefill_supports(q, k, v, scale, mask, length, start)
-
-
-def _sample_attention():
-    # A decode step on a strided KV view (the first 9 rows of a 14-row cache),
-    # as mlx-lm's KVCache passes it: the decode kernel's single pass.
-    return _decode_check_inputs(9, Hq=4, Hkv=2, D=64, seed=8), {}
-
-
-def _fuzz_attention(rng):
-    """A random call a kernel takes: decode or a causal/unmasked prefill chunk,
-    GQA 1/3/8, head dims 32-128, K/V a strided view of a longer cache; decode
-    calls in bf16 or fp16 (prefill: bf16)."""
-    hkv = int(rng.integers(1, 3))
-    hq = hkv * int(rng.choice([1, 3, 8]))
-    D = int(rng.choice([32, 64, 128]))
-    length = None
-    if rng.random() < 0.5:
-        L, S, mask = 1, int(rng.integers(1, 300)), None
-        if rng.random() < 0.3:  # a cache of fixed capacity, filled part way
-            length = mx.array([int(rng.integers(1, S + 1))], dtype=mx.int32)
-    else:
-        L = int(rng.integers(1, 70))
-        S = L + int(rng.integers(0, 100))
-        mask = "causal" if rng.random() < 0.7 else None
-    spare = int(rng.integers(0, 9))
-    dtype = mx.float16 if L == 1 and rng.random() < 0.5 else mx.bfloat16
-    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)  # noqa: E731
-    q = normal(1, hq, L, D)
-    k = normal(1, hkv, S + spare, D)[:, :, :S, :]
-    v = normal(1, hkv, S + spare, D)[:, :, :S, :]
-    return (q, k, v, D**-0.5, mask), ({} if length is None else {"length": length})
+        return decode_supports(q, k, v, scale, mask, length, start, gate)
+    return prefill_supports(q, k, v, scale, mask, length, start, gate)
 
 
 attention_kernels = AttentionKernels()
