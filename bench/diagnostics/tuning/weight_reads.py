@@ -18,8 +18,9 @@ CALLS = {
     "deltanet in (qkv, z, b, a)": (2048, (8192, 4096, 32, 32), (4, 4, 4, 4), "norm", False),
     "attention in (q+gate, k, v)": (2048, (8192, 512, 512), (4, 4, 4), "norm", False),
     "router + shared gate": (2048, (256, 1), (8, 8), "norm", False),
+    # Also attention's output projection: the attention op applies the output
+    # gate, so o_proj is this call (no prologue) since 35c64a4.
     "deltanet out + residual": (4096, (2048,), (4,), "none", True),
-    "attention out (gated) + residual": (4096, (2048,), (4,), "gate", True),
     "lm_head": (2048, (248320,), (4,), "none", False),
 }
 
