@@ -265,7 +265,8 @@ attention_decode_kernel = Kernel(
     launch=_launch_decode,
     # Unbounded launches pass no length, unbatched ones no start, ungated
     # ones no gate; the body reads them only when BOUNDED, BATCHED and GATED.
-    stand_ins={"length": "auto length = scale;", "start": "auto start = scale;", "gate": "auto gate = queries; auto gate_strides = keys_strides;"},
+    stand_ins={"length": "auto length = scale;", "start": "auto start = scale;",
+               "gate": "auto gate = queries; auto gate_strides = keys_strides;"},
     # For lily_tile_load16 / lily_tile_unpack (16-byte row reads); no tile products.
     tiles=True,
     # The KV cache slice is read in place, through its strides.
@@ -280,7 +281,8 @@ attention_combine_kernel = Kernel(
     launch=_launch_combine,
     # Ungated launches pass no gate (the body reads it only when GATED);
     # a gated one reads the gate through its strides.
-    stand_ins={"gate": "auto gate = part_o; auto gate_shape = part_lse_shape; auto gate_strides = part_lse_shape;"},
+    stand_ins={"gate": "auto gate = part_o; auto gate_shape = part_lse_shape; "
+                       "auto gate_strides = part_lse_shape;"},
     row_contiguous=False,
 )
 
