@@ -12,7 +12,8 @@
 //
 // GATED: the layer's output gate applied as the output is written, as
 // attention_decode.metal applies it without the split (the output rounded to
-// T, times sigmoid(gate) as MLX computes it in T, rounded again).
+// T, times sigmoid(gate) computed in T as the GEMV's gate prologue computed
+// it, rounded again).
 //
 // Template: T (the output's dtype: bfloat16 or float16), D (head dim), GATED
 //           (bool).

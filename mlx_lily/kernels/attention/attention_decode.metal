@@ -35,9 +35,9 @@
 // GATED (the layer's output gate, applied where the output is written: once
 // an element, where the output projection's prologue would compute it once a
 // threadgroup): without SPLIT each output element is rounded to T, then
-// multiplied by sigmoid(gate) as MLX computes it in T and rounded again: the
-// bits stock's `out * mx.sigmoid(gate)` gives and the projection's prologue
-// gave. With SPLIT the combine applies it.
+// multiplied by sigmoid(gate) computed in T as that prologue computed it
+// (exp rounded to T, then 1 / (1 + e) or 1 minus that, rounded to T) and
+// rounded again: the prologue's bits. With SPLIT the combine applies it.
 //
 // Template: T (the activations' dtype: bfloat16 or float16), D (head dim), G
 //           (query heads per KV head), NSG (SIMD groups per
