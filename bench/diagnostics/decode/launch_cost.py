@@ -26,9 +26,13 @@ launches of a kernel that adds 1 to 32 floats, for several N:
 * with ``--inputs``, the smallest custom kernel also given that many small
   arrays whose strides its source names (MLX passes each one's pointer and
   strides as kernel parameters and tracks it in its graph), as lily's
-  launches are (a one-projection GEMV has 9 inputs, the MoE launches more);
+  launches are (a one-projection GEMV has 9 inputs, the MoE launches more):
+  op by op, through ``mx.compile``, and through ``mx.compile`` reading each
+  input by its pointer alone (no strides), as lily's kernels read weights;
 * with ``--lily-gemv``, lily's own decode GEMV (K = N = 2048, 4-bit, one
-  row of x, its output the next launch's x), as a decode step launches it.
+  row of x, its output the next launch's x), op by op (the Python op's
+  dispatch in every launch) and through ``mx.compile``, as a decode step
+  replays it.
 
 The alone and pipelined slopes include each kernel's GPU time (small for
 the tiny kernels, a few µs for the GEMV); the host column is the host's part
@@ -61,15 +65,17 @@ WIDTH = 32  # floats per launch: a kernel with nothing to do but be launched
 GRAPH_SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER")
 
 
-def custom_add(source_kb: float, input_mb: float = 0, inputs: int = 0) -> Callable[[mx.array], mx.array]:
+def custom_add(source_kb: float, input_mb: float = 0, inputs: int = 0,
+               strides: bool = True) -> Callable[[mx.array], mx.array]:
     """x + 1 through a custom kernel whose source is padded to source_kb,
     given also an unread array of input_mb MB when that is positive, and
-    ``inputs`` small arrays whose strides the source names (read only by a
-    thread past the grid: none)."""
+    ``inputs`` small arrays (read only by a thread past the grid: none) whose
+    strides the source names, or (``strides`` False) that it reads by
+    pointer alone, as lily's kernels read their weights."""
     backend = gpu_backend()
     index = "threadIdx.x" if backend == "cuda" else "thread_position_in_grid.x"
     small = [f"in{j}" for j in range(inputs)]
-    unread = " + ".join(f"{n}[{n}_strides[0]]" for n in small) or "0.0f"
+    unread = " + ".join(f"{n}[{n}_strides[0]]" if strides else f"{n}[1]" for n in small) or "0.0f"
     body = (f"unsigned int i = {index};\nfloat extra = 0.0f;\n"
             f"if (i >= 1000000u) {{ extra = {unread}; }}\nout[i] = inp[i] + 1.0f + extra;\n")
     padding = int(source_kb * 1024) - len(body)
@@ -78,7 +84,7 @@ def custom_add(source_kb: float, input_mb: float = 0, inputs: int = 0) -> Callab
         body = line * (padding // len(line)) + body
     make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
     names = (["inp", "unread"] if input_mb > 0 else ["inp"]) + small
-    kernel = make(name=f"launch_cost_{int(source_kb * 10)}_{len(names)}", input_names=names,
+    kernel = make(name=f"launch_cost_{int(source_kb * 10)}_{len(names)}{'' if strides else '_bare'}", input_names=names,
                   output_names=["out"], source=body)
     extra = [mx.zeros((int(input_mb * 2**20),), mx.uint8)] if input_mb > 0 else []
     extra += [mx.zeros((64,), mx.float32) for _ in small]
@@ -184,14 +190,23 @@ def main(argv=None) -> int:
                 rows[f"custom kernel, {sizes[0]:g} KB source, given {mb:g} MB"] = lambda n, op=op: chain(op, n)
         for count in sorted(int(c) for c in args.inputs.split(",")):
             if count > 0:
+                # Op by op, then compiled as a decode step is (no Python
+                # per launch: what MLX itself spends on each input), with
+                # and without the strides as kernel parameters.
                 op = custom_add(sizes[0], inputs=count)
-                rows[f"custom kernel, {sizes[0]:g} KB source, given {count} small inputs"] = \
-                    lambda n, op=op: chain(op, n)
+                name = f"custom kernel, {sizes[0]:g} KB source, given {count} small inputs"
+                rows[name] = lambda n, op=op: chain(op, n)
+                rows[name + ", mx.compile"] = lambda n, op=op: mx.compile(chain(op, n))
+                op = custom_add(sizes[0], inputs=count, strides=False)
+                rows[name + " (pointers only), mx.compile"] = lambda n, op=op: mx.compile(chain(op, n))
         if args.lily_gemv:
+            # Op by op, the Python op's dispatch is in each launch; compiled,
+            # as the decode step replays it, only MLX's work is.
             op = lily_gemv()
             name = f"lily's decode GEMV, {GEMV_WIDTH} x {GEMV_WIDTH}, 4-bit, one row"
             rows[name] = lambda n, op=op: chain(op, n)
-            starts[name] = mx.zeros((1, 1, GEMV_WIDTH), mx.bfloat16)
+            rows[name + ", mx.compile"] = lambda n, op=op: mx.compile(chain(op, n))
+            starts[name] = starts[name + ", mx.compile"] = mx.zeros((1, 1, GEMV_WIDTH), mx.bfloat16)
 
     settings = ", ".join(f"{k}={os.environ[k]}" for k in GRAPH_SETTINGS if k in os.environ) or "MLX's defaults"
     lines = [f"Steps of N chained launches (x + 1 on {WIDTH} floats; the GEMV row: its own x), "
