@@ -337,3 +337,75 @@ def test_generate_is_timed_as_the_servers_client_times_a_stream():
     # Too little to time: one token, or one piece of text.
     assert serve.text_decode_tps(1, 0.0, 1.0) is None
     assert serve.text_decode_tps(5, 0.3, 0.3) is None and serve.text_decode_tps(5, None, None) is None
+
+
+def test_a_spent_budget_still_runs_each_engines_largest_wave(tmp_path, monkeypatch):
+    """Past --budget-s the waves stop, but for the largest: the aggregate
+    against stock's that the report leads with (taking seconds) is never the
+    part a slow server start leaves out."""
+    ran = []
+    now = [0.0]  # the clock: 0 until the budget is spent, then 100
+
+    class FakeServer:
+        port, startup_s, cmd = 0, 1.0, ["python", "-m", "mlx_lm.server"]
+        log_path = tmp_path / "no-log"
+        paths_file = None
+
+        def __init__(self, *args):
+            pass
+
+        def log_size(self):
+            return 0
+
+        def built_since(self, at):
+            return []
+
+        def log_since(self, at):
+            return ""
+
+        def prefills_between(self, began, ended):
+            return []
+
+        def peak_memory_gb(self):
+            return 1.0
+
+        def host_split(self):
+            return {}
+
+        def stop(self):
+            pass
+
+    def fake_wave(port, prompts, max_tokens, timeout_s):
+        ran.append(len(prompts))
+        return {"streams": [], "aggregate_tps": 1.0, "ttft_median_s": 0.1, "errors": []}
+
+    def spending(part):
+        def run(*args):
+            now[0] = 100.0
+            return part(*args)
+        return run
+
+    monkeypatch.setattr(serve, "Server", FakeServer)
+    monkeypatch.setattr(serve, "singles", lambda *a: {"streams": [], "ttft_median_s": 0.1})
+    monkeypatch.setattr(serve, "stream", lambda *a: {"prompt_tokens": 8, "ttft_s": 0.1})
+    monkeypatch.setattr(serve, "check_greedy", lambda w, alone: w.update(same_as_single="0/0"))
+    monkeypatch.setattr(serve.time, "perf_counter", lambda: now[0])
+    args = serve.parse_args(["--concurrency", "1,4,8,16", "--out", str(tmp_path)])
+    args.prefill_prompt = "Prefill."
+
+    # Spent in the warmup: no wave is timed (the largest is no exception).
+    monkeypatch.setattr(serve, "wave", spending(fake_wave))
+    result = serve.run_engine("mlx", "model", ["p"] * 16, args, tmp_path, deadline=50.0)
+    assert ran == [1, 4, 8, 16] and result["waves"] == {}
+    assert result["skipped"] == ["all waves (time budget spent in startup and warmup)"]
+
+    # Spent in the single-stream runs: the prefill check and the waves of 4
+    # and 8 streams are skipped, the 16-stream wave runs.
+    ran.clear()
+    now[0] = 0.0
+    monkeypatch.setattr(serve, "wave", fake_wave)
+    monkeypatch.setattr(serve, "singles", spending(lambda *a: {"streams": [], "ttft_median_s": 0.1}))
+    result = serve.run_engine("mlx", "model", ["p"] * 16, args, tmp_path, deadline=50.0)
+    assert ran == [1, 4, 8, 16, 16]
+    assert result["skipped"] == ["prefill check (time budget)", "4 streams (time budget)", "8 streams (time budget)"]
+    assert set(result["waves"]) == {"1", "16"}
