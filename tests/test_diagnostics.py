@@ -58,6 +58,10 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     table = (tmp_path / "host_cost.txt").read_text()
     # The stubbed step took lily's default decode path, as on a GPU.
     assert "path: lily whole decode step" in table and "| whole step |" in table
+    # One step's launches by kernel and inputs (4 layers: three DeltaNet, one
+    # attention): a recurrence launch per DeltaNet layer with its 12 inputs,
+    # one attention launch with queries, keys, values, scale and the gate.
+    assert "| gated_delta_decode | 3 | 12.0 |" in table and "| attention_decode | 1 | 5.0 |" in table
     assert "without the weights checks" in table and "| in segments |" in table
     assert "in segments, without the attention ops" in table
 

@@ -18,7 +18,8 @@ result held fixed), so the difference is that part's cost: the weights check
 (one pass over every weight's identity); then the step in compiled segments
 (the path the whole step replaced, and the server's), and those segments
 without the attention steps between them (the KV cache write, the attention
-op's choice, its launches). The numbers are this machine's CPU; a faster
+op's choice, its launches). Then the step's launches by kernel, with their
+inputs (``launch_inputs``). The numbers are this machine's CPU; a faster
 host scales them down, not their proportions.
 """
 
@@ -26,13 +27,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
 from bench.common import write_report
+
+
+# While a list: each stubbed launch appends (kernel name, its input count).
+_launches: Optional[List[Tuple[str, int]]] = None
 
 
 @contextlib.contextmanager
@@ -43,6 +49,8 @@ def stubbed_kernels() -> Iterator[None]:
 
     def fake_build(self, backend, absent=()):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes, init_value=None, **kw):
+            if _launches is not None:
+                _launches.append((self.name, len(inputs)))
             # One cheap node that depends on an input, like a launch does.
             seed = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
             return [mx.broadcast_to(seed, s).astype(d) for s, d in zip(output_shapes, output_dtypes)]
@@ -81,6 +89,34 @@ def held(owner: Any, name: str, value: Any) -> Iterator[None]:
             delattr(owner, name)
         else:
             setattr(owner, name, before)
+
+
+def launch_inputs(model: Any, cache: Any) -> Dict[str, Tuple[int, int]]:
+    """{kernel: (launches, inputs)} of one decode step, under
+    ``stubbed_kernels``: the step made op by op (a compiled step's launches
+    run only while it is traced), the same launches with the same inputs.
+    MLX's host work per launch grows with its inputs (``launch_cost
+    --inputs``)."""
+    global _launches
+    from mlx_lily.layers.decoder import COMPILE_ENV
+
+    before = os.environ.get(COMPILE_ENV)
+    os.environ[COMPILE_ENV] = "0"
+    _launches = []
+    try:
+        host_ms(model, cache, 1)
+        seen = _launches
+    finally:
+        _launches = None
+        if before is None:
+            os.environ.pop(COMPILE_ENV)
+        else:
+            os.environ[COMPILE_ENV] = before
+    out: Dict[str, Tuple[int, int]] = {}
+    for name, n in seen:
+        calls, inputs = out.get(name, (0, 0))
+        out[name] = (calls + 1, inputs + n)
+    return out
 
 
 def host_ms(model: Any, cache: Any, steps: int) -> float:
@@ -166,6 +202,7 @@ def main(argv=None) -> int:
         host_ms(model, cache, 1)
         taken = ", ".join(sorted({r["path"] for r in paths.seen()}))
         paths.stop()
+        inputs = launch_inputs(model, cache)
         for _ in range(args.rounds):
             for name, variant in variants.items():
                 with variant():
@@ -186,6 +223,12 @@ def main(argv=None) -> int:
             part = f"{base.get(name, whole) - ms:.2f}"
         spread = (max(times[name]) - min(times[name])) / ms
         lines.append(f"| {name} | {ms:.2f} | {part} | {spread:.0%} |")
+    calls = sum(c for c, _ in inputs.values())
+    lines += ["", f"One step's launches and their inputs (MLX's host work per launch grows with its "
+                  f"inputs): {calls} launches, {sum(n for _, n in inputs.values())} inputs", "",
+              "| kernel | launches | inputs a launch |", "|---|---:|---:|"]
+    for name, (c, n) in sorted(inputs.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {name} | {c} | {n / c:.1f} |")
     write_report(args.out, "host_cost.txt", "\n".join(lines) + "\n")
     return 0
 
