@@ -318,3 +318,24 @@ def test_the_batched_step_advances_every_layer_s_counters_with_one_op():
     caches[1].offset = mx.array([0, 0])  # counters that differ advance one by one
     advance_together(held, "offset", caches, "offset", 1)
     assert [c.offset.tolist() for c in caches] == [[6, 10], [1, 1], [6, 10], [6, 10]] and "offset" not in held
+
+
+def test_the_batched_step_s_layer_kinds_follow_the_layer_list(models):
+    # Worked out once per layer list (the server asks at every token), and
+    # again for a new list: the attention and DeltaNet layers' indices.
+    from mlx_lily.layers.batch_step import layer_kinds
+
+    text = models[1].language_model.model
+    attention, linear = layer_kinds(text)
+    assert list(attention) == text._cuts() and attention and linear
+    assert sorted(attention + linear) == list(range(len(text.layers)))
+    assert all(text.layers[i].is_linear for i in linear)
+    assert layer_kinds(text) is layer_kinds(text)
+    layers = text.layers
+    k = attention[0] + 1
+    try:
+        text.layers = layers[:k]  # a new list: its own kinds
+        assert layer_kinds(text) == (tuple(i for i in attention if i < k), tuple(i for i in linear if i < k))
+    finally:
+        text.layers = layers
+    assert layer_kinds(text) == (attention, linear)

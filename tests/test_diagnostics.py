@@ -64,6 +64,11 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     assert "| gated_delta_decode | 3 | 12.0 |" in table and "| attention_decode | 1 | 5.0 |" in table
     assert "without the weights checks" in table and "| in segments |" in table
     assert "in segments, without the attention ops" in table
+    assert "| on the server's caches, one row |" in table
+    # Every variant ran its compiled form: none failed over to layer by layer
+    # (a stand-in attention that refused the output gate once did, silently
+    # timing another path).
+    assert "failed" not in capsys.readouterr().err
 
 
 def test_spec_host_cost_builds_a_round_s_parts_on_their_fast_paths(tmp_path, monkeypatch):

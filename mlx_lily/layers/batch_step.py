@@ -57,6 +57,20 @@ def batch_rows(cache: Any) -> Optional[int]:
     return None
 
 
+def layer_kinds(model: Any) -> tuple:
+    """(attention layers' indices, DeltaNet layers' indices), worked out once
+    per layer list: the server asks at every token, and walking 40 modules'
+    attributes each time is host time the step waits for."""
+    layers = model.layers
+    held = model.__dict__.get("_lily_layer_kinds")
+    if held is None or held[0] is not layers or held[1] != len(layers):
+        kinds = [bool(layer.is_linear) for layer in layers]
+        held = (layers, len(layers), (tuple(i for i, k in enumerate(kinds) if not k),
+                                      tuple(i for i, k in enumerate(kinds) if k)))
+        model.__dict__["_lily_layer_kinds"] = held
+    return held[2]
+
+
 def batch_step_takes(model: Any, cache: Any, ssm_mask: Any, rows: int) -> bool:
     """Whether the batched whole step takes this decode token: every
     attention layer's cache a filled bf16 BatchKVCache at one write index,
@@ -67,16 +81,20 @@ def batch_step_takes(model: Any, cache: Any, ssm_mask: Any, rows: int) -> bool:
         return False
     if embedding_dtype(model.embed_tokens) != mx.bfloat16:
         return False
-    kv = [cache[i] for i in model._cuts()]
+    attention, linear = layer_kinds(model)
+    kv = [cache[i] for i in attention]
     if not all(type(c) is BatchKVCache and (c.keys is None or c.keys.dtype == mx.bfloat16)
                and isinstance(c.offset, mx.array) and c.offset.size == rows for c in kv):
         return False
     if len({c._idx for c in kv}) != 1 or len({c.keys is None for c in kv}) != 1:
         return False
-    for layer, c in zip(model.layers, cache):
+    for i in linear:
+        c = cache[i]
+        if type(c) is not ArraysCache or c.lengths is not None:
+            return False
         # Both states, or neither (a request whose prompt was one token).
-        if layer.is_linear and not (type(c) is ArraysCache and c.lengths is None and (
-                (c[0] is None and c[1] is None) or (c[0] is not None and c[1] is not None and c[0].shape[0] == rows))):
+        conv, state = c.cache[0], c.cache[1]
+        if not ((conv is None and state is None) or (conv is not None and state is not None and conv.shape[0] == rows)):
             return False
     if ssm_mask is not None and not (isinstance(ssm_mask, mx.array) and ssm_mask.dtype == mx.bool_
                                      and tuple(ssm_mask.shape) == (rows, 1)):
@@ -130,11 +148,16 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
     first = cache[model.fa_idx]
     index = first._idx
     dtype = embedding_dtype(model.embed_tokens)
-    for i in model._cuts():
-        reserve_batch_rows(cache[i], index + 1, model.layers[i].self_attn, dtype)
+    layers = model.layers
+    attention, linear = layer_kinds(model)
+    for i in attention:
+        reserve_batch_rows(cache[i], index + 1, layers[i].self_attn, dtype)
+    is_linear = [False] * len(layers)
+    for i in linear:
+        is_linear[i] = True
     args = [one_token_dtype(inputs)]
-    for layer, c in zip(model.layers, cache):
-        args += (_states(layer.linear_attn, c, rows, dtype) if layer.is_linear else [c.keys, c.values])
+    for i, c in enumerate(cache):
+        args += (_states(layers[i].linear_attn, c, rows, dtype) if is_linear[i] else [c.keys, c.values])
     args += [mx.array([index], dtype=mx.int32), first.offset.astype(mx.int32), first.left_padding.astype(mx.int32)]
     masked = ssm_mask is not None
     if masked:
@@ -146,17 +169,17 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
         step = batch_step_fn(model, masked)
     outputs = step(*args)
     del args  # the old buffers: only the new graph holds them, so MLX writes the new rows in place
-    for layer, c, (a, b) in zip(model.layers, cache, zip(outputs[0::2], outputs[1::2])):
-        if layer.is_linear:
+    for linear_layer, c, (a, b) in zip(is_linear, cache, zip(outputs[0::2], outputs[1::2])):
+        if linear_layer:
             c[0], c[1] = a, b
         else:
             c.keys, c.values = a, b
             c._idx += 1
     held = model.__dict__.setdefault("_lily_batch_counters", {})
-    advance_together(held, "offset", [cache[i] for i in model._cuts()], "offset", 1)
-    linear = [c for layer, c in zip(model.layers, cache) if layer.is_linear]
-    if linear and linear[0].left_padding is not None:
-        advance_together(held, "left_padding", linear, "left_padding", -1)
+    advance_together(held, "offset", [cache[i] for i in attention], "offset", 1)
+    states = [cache[i] for i in linear]
+    if states and states[0].left_padding is not None:
+        advance_together(held, "left_padding", states, "left_padding", -1)
     return outputs[-1]
 
 
@@ -198,8 +221,9 @@ def _states(la: Any, cache: ArraysCache, rows: int, dtype: mx.Dtype) -> list:
     """A DeltaNet layer's (conv state, recurrent state); zeros, as stock
     starts them, for a request that had no prompt step (its prompt was one
     token), so that its first token takes this step as well."""
-    if cache[0] is not None:
-        return [cache[0], cache[1]]
+    conv, state = cache.cache[0], cache.cache[1]
+    if conv is not None:
+        return [conv, state]
     conv = mx.zeros((rows, la.conv_kernel_size - 1, la.conv_dim), dtype=dtype)
     state = mx.zeros((rows, la.num_v_heads, la.head_v_dim, la.head_k_dim), dtype=mx.float32)
     return [conv, state]

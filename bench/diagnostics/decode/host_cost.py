@@ -18,8 +18,9 @@ result held fixed), so the difference is that part's cost: the weights check
 (one pass over every weight's identity); then the step in compiled segments
 (the path the whole step replaced, and the server's), and those segments
 without the attention steps between them (the KV cache write, the attention
-op's choice, its launches). Then the step's launches by kernel, with their
-inputs (``launch_inputs``). The numbers are this machine's CPU; a faster
+op's choice, its launches); last, the step on the server's caches for one
+request (``mlx_lm.server``'s: the batched step). Then the step's launches by
+kernel, with their inputs (``launch_inputs``). The numbers are this machine's CPU; a faster
 host scales them down, not their proportions.
 """
 
@@ -91,6 +92,20 @@ def held(owner: Any, name: str, value: Any) -> Iterator[None]:
             setattr(owner, name, before)
 
 
+SERVER_ROW = "on the server's caches, one row"
+
+
+def server_cache(model: Any) -> list:
+    """The caches ``mlx_lm.server``'s generator holds for one request: a
+    left-padded ArraysCache per DeltaNet layer, a BatchKVCache per attention
+    layer (no padding), which the batched step takes."""
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache
+
+    text = model.language_model.model
+    return [ArraysCache(size=2, left_padding=[0]) if layer.is_linear else BatchKVCache([0])
+            for layer in text.layers]
+
+
 def launch_inputs(model: Any, cache: Any) -> Dict[str, Tuple[int, int]]:
     """{kernel: (launches, inputs)} of one decode step, under
     ``stubbed_kernels``: the step made op by op (a compiled step's launches
@@ -158,7 +173,7 @@ def main(argv=None) -> int:
             return getattr(text_model.K, name)
 
         @staticmethod
-        def attention(queries, keys, values, scale, mask):
+        def attention(queries, keys, values, scale, mask, **kwargs):
             return queries
 
     @contextlib.contextmanager
@@ -190,12 +205,17 @@ def main(argv=None) -> int:
             text_model.K = real
 
     variants = {"whole step": as_is, "without the weights checks": keys_held,
-                "in segments": segments, "in segments, without the attention ops": segments_without_attention}
+                "in segments": segments, "in segments, without the attention ops": segments_without_attention,
+                SERVER_ROW: as_is}
     times = {name: [] for name in variants}
     with stubbed_kernels():
+        prompt = mx.array([list(range(1, 65))])
         cache = make_prompt_cache(model)
-        mx.eval(model(mx.array([list(range(1, 65))]), cache=cache))
+        mx.eval(model(prompt, cache=cache))
+        server = server_cache(model)
+        mx.eval(model(prompt, cache=server))
         host_ms(model, cache, 3)  # compiles the whole step
+        host_ms(model, server, 3)  # the batched step
         with segments():
             host_ms(model, cache, 3)  # and the segments
         paths.start()
@@ -206,7 +226,7 @@ def main(argv=None) -> int:
         for _ in range(args.rounds):
             for name, variant in variants.items():
                 with variant():
-                    times[name].append(host_ms(model, cache, args.steps))
+                    times[name].append(host_ms(model, server if name == SERVER_ROW else cache, args.steps))
     median = {name: statistics.median(ts) for name, ts in times.items()}
     whole = median["whole step"]
     lines = [f"Host ms to build one decode step ({args.layers} layers, demo widths, kernels stubbed "
@@ -219,6 +239,8 @@ def main(argv=None) -> int:
             part = ""
         elif name == "in segments":
             part = f"the whole step saves {ms - whole:.2f}"
+        elif name == SERVER_ROW:
+            part = f"{ms - whole:+.2f} against the whole step"
         else:
             part = f"{base.get(name, whole) - ms:.2f}"
         spread = (max(times[name]) - min(times[name])) / ms
