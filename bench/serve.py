@@ -765,11 +765,11 @@ def run_engine(
 
 
 def wave_due(n: int, n_max: int, now: float, deadline: float) -> bool:
-    """Whether the wave of ``n`` streams runs: every wave before the budget's
-    deadline, and the largest after it too. That wave's aggregate against
-    stock's is the report's headline, and it takes seconds where a server's
-    start and warmup take minutes: a spent budget leaves it out of neither
-    engine."""
+    """Whether the wave of ``n`` streams runs, once an engine's waves have
+    begun (a budget spent in its start and warmup skips them all): every wave
+    before the budget's deadline, and the largest after it too. That wave's
+    aggregate against stock's is the report's headline, and it takes seconds
+    where a server's start and warmup take minutes."""
     return now <= deadline or n == n_max
 
 

@@ -339,3 +339,10 @@ def test_the_batched_step_s_layer_kinds_follow_the_layer_list(models):
     finally:
         text.layers = layers
     assert layer_kinds(text) == (attention, linear)
+    first = layers[attention[0]]
+    try:
+        layers[attention[0]] = layers[linear[0]]  # replaced in place: worked out again
+        assert attention[0] in layer_kinds(text)[1]
+    finally:
+        layers[attention[0]] = first
+    assert layer_kinds(text) == (attention, linear)

@@ -65,6 +65,7 @@ def test_host_cost_stubs_the_kernels_and_puts_them_back(tmp_path, capsys):
     assert "without the weights checks" in table and "| in segments |" in table
     assert "in segments, without the attention ops" in table
     assert "| on the server's caches, one row |" in table
+    assert "on the server's caches: lily batched decode step;" in table
     # Every variant ran its compiled form: none failed over to layer by layer
     # (a stand-in attention that refused the output gate once did, silently
     # timing another path).

@@ -59,16 +59,17 @@ def batch_rows(cache: Any) -> Optional[int]:
 
 def layer_kinds(model: Any) -> tuple:
     """(attention layers' indices, DeltaNet layers' indices), worked out once
-    per layer list: the server asks at every token, and walking 40 modules'
-    attributes each time is host time the step waits for."""
-    layers = model.layers
+    per list of layer objects (a new list, or a layer replaced or added in
+    place, works them out again): the server asks at every token, and walking
+    40 modules' attributes each time is host time the step waits for."""
+    members = tuple(map(id, model.layers))  # a layer replaced or added in place counts too
     held = model.__dict__.get("_lily_layer_kinds")
-    if held is None or held[0] is not layers or held[1] != len(layers):
-        kinds = [bool(layer.is_linear) for layer in layers]
-        held = (layers, len(layers), (tuple(i for i, k in enumerate(kinds) if not k),
-                                      tuple(i for i, k in enumerate(kinds) if k)))
+    if held is None or held[0] != members:
+        kinds = [bool(layer.is_linear) for layer in model.layers]
+        held = (members, (tuple(i for i, k in enumerate(kinds) if not k),
+                          tuple(i for i, k in enumerate(kinds) if k)))
         model.__dict__["_lily_layer_kinds"] = held
-    return held[2]
+    return held[1]
 
 
 def batch_step_takes(model: Any, cache: Any, ssm_mask: Any, rows: int) -> bool:
@@ -156,8 +157,8 @@ def decode_batch(model: Any, inputs: mx.array, cache: Any, ssm_mask: Optional[mx
     for i in linear:
         is_linear[i] = True
     args = [one_token_dtype(inputs)]
-    for i, c in enumerate(cache):
-        args += (_states(layers[i].linear_attn, c, rows, dtype) if is_linear[i] else [c.keys, c.values])
+    for layer, linear_layer, c in zip(layers, is_linear, cache):
+        args += (_states(layer.linear_attn, c, rows, dtype) if linear_layer else [c.keys, c.values])
     args += [mx.array([index], dtype=mx.int32), first.offset.astype(mx.int32), first.left_padding.astype(mx.int32)]
     masked = ssm_mask is not None
     if masked:

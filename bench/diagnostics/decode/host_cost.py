@@ -222,6 +222,10 @@ def main(argv=None) -> int:
         host_ms(model, cache, 1)
         taken = ", ".join(sorted({r["path"] for r in paths.seen()}))
         paths.stop()
+        paths.start()
+        host_ms(model, server, 1)
+        taken_server = ", ".join(sorted({r["path"] for r in paths.seen()}))
+        paths.stop()
         inputs = launch_inputs(model, cache)
         for _ in range(args.rounds):
             for name, variant in variants.items():
@@ -230,8 +234,8 @@ def main(argv=None) -> int:
     median = {name: statistics.median(ts) for name, ts in times.items()}
     whole = median["whole step"]
     lines = [f"Host ms to build one decode step ({args.layers} layers, demo widths, kernels stubbed "
-             f"as on CUDA; path: {taken}; median over {args.rounds} rounds of {args.steps} steps, "
-             "variants interleaved)", "",
+             f"as on CUDA; path: {taken}; on the server's caches: {taken_server}; median over "
+             f"{args.rounds} rounds of {args.steps} steps, variants interleaved)", "",
              "| step | host ms | part's cost | spread over rounds |", "|---|---:|---:|---:|"]
     base = {"in segments, without the attention ops": median["in segments"]}
     for name, ms in median.items():
