@@ -20,8 +20,8 @@ result held fixed), so the difference is that part's cost: the weights check
 without the attention steps between them (the KV cache write, the attention
 op's choice, its launches); last, the step on the server's caches for one
 request (``mlx_lm.server``'s: the batched step). Then the step's launches by
-kernel, with their inputs (``launch_inputs``). The numbers are this machine's CPU; a faster
-host scales them down, not their proportions.
+kernel, with their inputs (``launch_inputs``). The numbers are this
+machine's CPU; a faster host scales them down, not their proportions.
 """
 
 from __future__ import annotations
