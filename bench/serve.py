@@ -38,8 +38,8 @@ checkpoint memory (``bench/multi_turn.py``; the JSON's ``multi_turn`` section).
 
 Bounded: ``--budget-s`` stops starting new waves once spent, but for the
 largest (``wave_due``; what was skipped is recorded), every request has a
-timeout, every server is stopped. The lily server records the path its layers took (``MLX_LILY_TRACE_PATHS``) and the
-report includes it.
+timeout, every server is stopped. The lily server records the path its
+layers took (``MLX_LILY_TRACE_PATHS``) and the report includes it.
 """
 
 from __future__ import annotations
