@@ -20,6 +20,7 @@ from mlx_lm.generate import BatchGenerator
 import mlx_lily
 from mlx_lily import call_trace
 from mlx_lily.layers.batch_step import MAX_BATCH
+from mlx_lily.toolchain.registry import BACKEND_ENV
 
 # Prompts of different lengths (one token: no prompt step at all).
 PROMPTS = [[(37 * i + 11 * j) % 500 + 1 for j in range(1 + (5 * i) % 13)] for i in range(MAX_BATCH + 1)]
@@ -231,6 +232,41 @@ def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_
     for i in range(len(prompts)):
         assert_same(together[i], alone(model, i, steps, prompts), f"row {i}")
     assert not batches  # a request alone has nothing to share its call with
+
+
+def test_a_paced_packed_call_waits_for_each_layer_s_input_and_keeps_the_bits(demo_checkpoint, monkeypatch):
+    # On a GPU a long prefill call is paced (decoder.pace_prefill): each
+    # layer's output is queued and the host waits for the layer's input, the
+    # layer before's output, so two layers stay queued while the host builds
+    # the next. A packed call paces the same way (waiting for a layer's own
+    # mixer instead left the device idle through each build) and computes
+    # the same bits as unpaced.
+    from mlx_lily.layers import decoder, prompt_rows
+
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    prompts = [[(13 * i + 7 * j) % 500 + 1 for j in range(n)] for i, n in enumerate((120, 101, 90))]
+    assert sum(len(p) - 1 for p in prompts) >= decoder.PACE_MIN_ROWS
+    schedule, steps = {0: [0, 1, 2]}, {0: 2, 1: 2, 2: 2}
+    packed = []
+    real_call = prompt_rows.packed_call
+    monkeypatch.setattr(prompt_rows, "packed_call", lambda *a: packed.append(1) or real_call(*a))
+    unpaced = generate(model, schedule, steps, prompts)
+    assert packed == [1]
+    monkeypatch.setattr(decoder, "_queues_on_device", lambda: True)
+    waits = []
+    real_pace = decoder.pace_prefill
+
+    def pace(x, out):
+        waits.append((x, out))
+        real_pace(x, out)
+
+    monkeypatch.setattr(decoder, "pace_prefill", pace)
+    paced = generate(model, schedule, steps, prompts)
+    assert len(waits) == len(model.layers)
+    assert all(x is before for (x, _), (_, before) in zip(waits[1:], waits)), "a wait on other than the layer's input"
+    for i in range(len(prompts)):
+        assert_same(paced[i], unpaced[i], f"row {i}")
 
 
 def test_rows_joining_and_leaving_keep_their_bits(lily):

@@ -197,9 +197,14 @@ def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.
         mixer = layer.linear_attn if layer.is_linear else layer.self_attn
         masks = ssm if layer.is_linear else fa
         x = h + mixer.packed_rows(layer.input_layernorm(h), lengths, masks, [c[i] for c in caches])
-        h = x + layer.mlp(layer.post_attention_layernorm(x))
-        if h.shape[1] >= PACE_MIN_ROWS:
-            pace_prefill(x, h)
+        out = x + layer.mlp(layer.post_attention_layernorm(x))
+        if out.shape[1] >= PACE_MIN_ROWS:
+            # Wait for the layer's input (the layer before's output), as a
+            # layer alone paces: two layers stay queued while the host builds
+            # the next. Waiting for this layer's mixer left only its MoE
+            # queued, and the device idled through the host's next build.
+            pace_prefill(h, out)
+        h = out
     return split_rows(model.norm(h), lengths)
 
 

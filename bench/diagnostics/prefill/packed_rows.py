@@ -1,6 +1,7 @@
 """Whether a batch's prompts could share one prefill call, at the real shapes (a GPU run).
 
-    python3 -m bench.diagnostics.prefill.packed_rows --checkpoint-dir CKPT [--out DIR]
+    python3 -m bench.diagnostics.prefill.packed_rows --checkpoint-dir CKPT [--costs] [--out DIR]
+    python3 -m bench.diagnostics.prefill.packed_rows --checkpoint-dir CKPT --generator [--prefill-batch 16]
 
 The server prefills prompts that arrive together as one batch; lily runs
 such a batch row by row (``layers/prompt_rows.py``), so that each row's
@@ -17,12 +18,15 @@ once over all rows' tokens, packed one after another:
   graph of one prefill call (the model's call, before evaluation; lily's
   prefill waits for each layer's input, so this includes the GPU's work on
   all but the last layers) and the whole call, for 256 and 2,048 tokens
-  alone, for 8 rows of 256 run one after another, and for the same 8 rows
-  packed as the server's batch prefill packs them (``packed_call``).
+  alone, for 8 rows of 256 run one after another, for the same 8 rows
+  packed as the server's batch prefill packs them (``packed_call``), and
+  for 16 rows of 211 to 256 packed (a 16-stream wave's prompts). With
+  ``--costs`` only these.
 
 * **through mlx-lm's batch generator** (``--generator``): 16 prompts of 211
   to 256 tokens inserted together into a ``BatchGenerator`` (prefill batches
-  of 8, as ``mlx_lm.server``), timed until every request has its first token, with
+  of ``--prefill-batch``, 8 by default as ``mlx_lm.server``'s; lily's server
+  takes 16 where it packs), timed until every request has its first token, with
   packing on and off (``MLX_LILY_PACK_PROMPTS``), alternating; and whether
   each request's first log-probabilities are the same bits either way.
 
@@ -97,12 +101,13 @@ def prefill_costs(model, vocab: int, repeats: int = 3) -> List[dict]:
         t2 = time.perf_counter()
         return t1 - t0, t2 - t0
 
-    def packed(rows: int, tokens: int) -> tuple:
+    def packed(lengths: List[int]) -> tuple:
         from mlx_lily.layers.prompt_rows import packed_call
 
         text = model.language_model.model
-        caches = [make_prompt_cache(model) for _ in range(rows)]
-        ids = [mx.random.randint(0, vocab, (1, tokens), key=mx.random.key(r)).astype(mx.int32) for r in range(rows)]
+        caches = [make_prompt_cache(model) for _ in lengths]
+        ids = [mx.random.randint(0, vocab, (1, n), key=mx.random.key(r)).astype(mx.int32)
+               for r, n in enumerate(lengths)]
         mx.eval(ids)
         mx.synchronize()
         t0 = time.perf_counter()
@@ -114,11 +119,13 @@ def prefill_costs(model, vocab: int, repeats: int = 3) -> List[dict]:
         return t1 - t0, t2 - t0
 
     out = []
-    for _ in range(2):
-        packed(8, 256)
-    builds, totals = zip(*(packed(8, 256) for _ in range(repeats)))
-    out.append({"prefill": "8 rows of 256 packed (prompt_rows.packed_call)",
-                "build_ms": 1e3 * statistics.median(builds), "total_ms": 1e3 * statistics.median(totals)})
+    for label, lengths in (("8 rows of 256 packed (prompt_rows.packed_call)", [256] * 8),
+                           ("16 rows of 211 to 256 packed (as a 16-stream wave)", wave_lengths(16, 256))):
+        for _ in range(2):
+            packed(lengths)
+        builds, totals = zip(*(packed(lengths) for _ in range(repeats)))
+        out.append({"prefill": label, "build_ms": 1e3 * statistics.median(builds),
+                    "total_ms": 1e3 * statistics.median(totals)})
     for label, calls in (("256 tokens", [256]), ("2,048 tokens", [2048]), ("8 rows of 256, one after another", [256] * 8)):
         for n in calls:  # warm: each length's kernels built once
             one(n)
@@ -135,7 +142,13 @@ def prefill_costs(model, vocab: int, repeats: int = 3) -> List[dict]:
     return out
 
 
-def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tokens: int = 256) -> dict:
+def wave_lengths(prompts: int, tokens: int) -> List[int]:
+    """Lengths from ``tokens`` down by up to 45: rows padded unlike each other."""
+    return [tokens - (7 * r) % 46 for r in range(prompts)]
+
+
+def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tokens: int = 256,
+                      prefill_batch: int = 8) -> dict:
     """First-token time of ``prompts`` requests inserted together, packing on
     and off, and whether their first log-probabilities agree bit for bit."""
     import os
@@ -145,13 +158,12 @@ def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tok
 
     from mlx_lily.layers.prompt_rows import PACK_ENV
 
-    # Lengths from ``tokens`` down by up to 45: rows padded unlike each other.
-    lengths = [tokens - (7 * r) % 46 for r in range(prompts)]
+    lengths = wave_lengths(prompts, tokens)
     ids = [[int(t) for t in np.random.default_rng(r).integers(0, vocab, n)] for r, n in enumerate(lengths)]
 
     def run(packing: bool) -> tuple:
         os.environ[PACK_ENV] = "1" if packing else "0"
-        gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8)
+        gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=prefill_batch)
         start = time.perf_counter()
         uids = gen.insert(ids, max_tokens=[1] * prompts)
         first = {}
@@ -175,7 +187,7 @@ def through_generator(model, vocab: int, rounds: int = 2, prompts: int = 16, tok
     same = [bool(np.array_equal(a, b)) for a, b in zip(logprobs[True], logprobs[False])]
     return {"prompts": prompts, "tokens": tokens, "lengths": lengths, "first_token_s_packed": statistics.median(times[True]),
             "first_token_s_row_by_row": statistics.median(times[False]), "rounds": rounds,
-            "first_logprobs_same_bits": same}
+            "prefill_batch": prefill_batch, "first_logprobs_same_bits": same}
 
 
 def main() -> int:
@@ -184,6 +196,11 @@ def main() -> int:
     parser.add_argument("--out", default="bench/out")
     parser.add_argument("--generator", action="store_true",
                         help="only the batch generator's first-token times, packing on and off")
+    parser.add_argument("--prefill-batch", type=int, default=8,
+                        help="with --generator: prompts a prefill call (mlx_lm.server's default 8; "
+                             "lily's server takes 16 where it packs)")
+    parser.add_argument("--costs", action="store_true",
+                        help="only the prefill calls' times (no row-invariance check)")
     args = parser.parse_args()
     import mlx_lily
 
@@ -192,10 +209,10 @@ def main() -> int:
     dims = text.layers[0].input_layernorm.weight.shape[0]
     vocab = text.embed_tokens.weight.shape[0]  # rows: one per token, packed or not
     if args.generator:
-        result = through_generator(model, vocab)
+        result = through_generator(model, vocab, prefill_batch=args.prefill_batch)
         same = result["first_logprobs_same_bits"]
         text_out = (f"{result['prompts']} prompts of {min(result['lengths'])} to {result['tokens']} tokens inserted together "
-                    f"(BatchGenerator, prefill batches of 8), until each has its first token, median of "
+                    f"(BatchGenerator, prefill batches of {result['prefill_batch']}), until each has its first token, median of "
                     f"{result['rounds']}: packed {result['first_token_s_packed']:.3f} s, row by row "
                     f"{result['first_token_s_row_by_row']:.3f} s; first log-probabilities the same bits "
                     f"packed and row by row: {sum(same)}/{len(same)}\n")
@@ -203,10 +220,10 @@ def main() -> int:
         (Path(args.out) / "packed_rows_generator.json").write_text(json.dumps(
             {"machine": machine_info(), "software": software_info(), **result}, indent=1))
         return 0
-    invariance = row_invariance(model, dims)
+    invariance = [] if args.costs else row_invariance(model, dims)
     costs = prefill_costs(model, vocab)
-    lines = [f"Row lengths packed: {list(ROW_LENGTHS)}", "",
-             "| layer | module | each row's bits alone = packed | max abs diff |", "|---|---|---|---:|"]
+    lines = [] if args.costs else [f"Row lengths packed: {list(ROW_LENGTHS)}", "",
+                                   "| layer | module | each row's bits alone = packed | max abs diff |", "|---|---|---|---:|"]
     for r in invariance:
         lines.append(f"| {r['layer']} | {r['module']} | {''.join('=' if e else 'x' for e in r['rows_equal'])} "
                      f"| {r['max_abs_diff']:.3g} |")
