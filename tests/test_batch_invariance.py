@@ -237,10 +237,10 @@ def test_long_prompts_packed_run_their_recurrences_together_and_keep_each_row_s_
 def test_a_paced_packed_call_waits_for_each_layer_s_input_and_keeps_the_bits(demo_checkpoint, monkeypatch):
     # On a GPU a long prefill call is paced (decoder.pace_prefill): each
     # layer's output is queued and the host waits for the layer's input, the
-    # layer before's output, so two layers stay queued while the host builds
+    # layer before's output, so the whole layer runs while the host builds
     # the next. A packed call paces the same way (waiting for a layer's own
-    # mixer instead left the device idle through each build) and computes
-    # the same bits as unpaced.
+    # mixer left only its MoE to run through that build) and computes the
+    # same bits as unpaced.
     from mlx_lily.layers import decoder, prompt_rows
 
     monkeypatch.setenv(BACKEND_ENV, "reference")
@@ -264,6 +264,9 @@ def test_a_paced_packed_call_waits_for_each_layer_s_input_and_keeps_the_bits(dem
     monkeypatch.setattr(decoder, "pace_prefill", pace)
     paced = generate(model, schedule, steps, prompts)
     assert len(waits) == len(model.layers)
+    # The first layer's input: the rows' embeddings, packed (each prompt's
+    # last token held back by the generator).
+    assert waits[0][0].shape[:2] == (1, sum(len(p) - 1 for p in prompts))
     assert all(x is before for (x, _), (_, before) in zip(waits[1:], waits)), "a wait on other than the layer's input"
     for i in range(len(prompts)):
         assert_same(paced[i], unpaced[i], f"row {i}")

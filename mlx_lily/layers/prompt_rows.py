@@ -200,9 +200,9 @@ def packed_call(model: Any, ids: List[mx.array], caches: List[list]) -> List[mx.
         out = x + layer.mlp(layer.post_attention_layernorm(x))
         if out.shape[1] >= PACE_MIN_ROWS:
             # Wait for the layer's input (the layer before's output), as a
-            # layer alone paces: two layers stay queued while the host builds
-            # the next. Waiting for this layer's mixer left only its MoE
-            # queued, and the device idled through the host's next build.
+            # layer alone paces: this whole layer runs while the host builds
+            # the next. Waiting for this layer's mixer left only its MoE to
+            # run through that build.
             pace_prefill(h, out)
         h = out
     return split_rows(model.norm(h), lengths)

@@ -30,7 +30,8 @@ once over all rows' tokens, packed one after another:
   packing on and off (``MLX_LILY_PACK_PROMPTS``), alternating; and whether
   each request's first log-probabilities are the same bits either way.
 
-Prints a table and writes ``packed_rows.json`` to DIR.
+Prints a table and writes ``packed_rows.json`` to DIR (with ``--generator``,
+``packed_rows_generator.json``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def prefill_costs(model, vocab: int, repeats: int = 3) -> List[dict]:
 
     out = []
     for label, lengths in (("8 rows of 256 packed (prompt_rows.packed_call)", [256] * 8),
-                           ("16 rows of 211 to 256 packed (as a 16-stream wave)", wave_lengths(16, 256))):
+                           ("16 rows of 211 to 256 packed (like a 16-stream wave's prompts)", wave_lengths(16, 256))):
         for _ in range(2):
             packed(lengths)
         builds, totals = zip(*(packed(lengths) for _ in range(repeats)))
@@ -202,6 +203,10 @@ def main() -> int:
     parser.add_argument("--costs", action="store_true",
                         help="only the prefill calls' times (no row-invariance check)")
     args = parser.parse_args()
+    if args.costs and args.generator:
+        parser.error("--costs and --generator measure different things: give one")
+    if args.prefill_batch != 8 and not args.generator:
+        parser.error("--prefill-batch applies to --generator only")
     import mlx_lily
 
     model, _ = mlx_lily.load(args.checkpoint_dir, backend="lily")
@@ -233,7 +238,8 @@ def main() -> int:
     write_report(args.out, "packed_rows.md", "\n".join(lines) + "\n")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "packed_rows.json").write_text(json.dumps(
-        {"machine": machine_info(), "software": software_info(), "row_lengths": list(ROW_LENGTHS),
+        {"machine": machine_info(), "software": software_info(),
+         "row_lengths": None if args.costs else list(ROW_LENGTHS),
          "invariance": invariance, "prefill": costs}, indent=1))
     return 0
 
