@@ -25,7 +25,7 @@ from ..kernels.attention.sdpa import attention_kernels
 from ..kernels.dtypes import embedding_dtype, reference_notice
 from ..toolchain.registry import kernel_backend
 from .decode_tiers import MODEL_TIERS, DecodeCall, decode, kv_position
-from .batch_step import batch_rows, batch_step_takes, decode_batch
+from .batch_step import batch_rows, batch_step_takes, decode_batch, layer_kinds
 from .decoder import LilyDecoderLayer, compile_enabled, compiled_step, next_position, weights_version
 from .prompt_rows import prompt_rows
 from .stock_gate import record
@@ -107,7 +107,8 @@ class LilyTextModel(Qwen3_5TextModel):
     # -- the segments ---------------------------------------------------------------
 
     def _cuts(self) -> List[int]:
-        return [i for i, layer in enumerate(self.layers) if not layer.is_linear]
+        # The attention layers' indices, worked out once per list of layers.
+        return list(layer_kinds(self)[0])
 
     def _decode_segments(self, inputs: mx.array, cache: Any, touched: list, fa_mask: Any, ssm_mask: Any,
                          version: int) -> mx.array:
