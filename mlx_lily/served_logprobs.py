@@ -18,12 +18,27 @@ and nothing waits. (An index op on MLX's CPU stream, the first form of this,
 still waited: on the H200 the server's loop between two steps took about the
 next step's GPU time, 4.6 ms at one stream and 39.8 ms at 16, and on a CPU
 each read took 1.4 ms.) Installed by the lily backend when ``mlx_lm.server``
-loads a lily model (``install``)."""
+loads a lily model (``install``).
+
+On CUDA that host read still costs: the row (a megabyte at a 248K vocabulary)
+lives in managed memory, and the read took about 0.09 ms a token on an H100
+(py-spy, bench/results/2026-12-05-nvidia-h100-0d4712e), once per row: 16 times
+a step at 16 streams. ``MLX_LILY_STEP_PICKS=1`` tries the alternative: right
+behind each decode step the generator queues, lily also queues the log-probs
+of the tokens that step sampled, one small array for all its rows
+(``StepPicks``), and the rows' reads of their own token come from that array,
+read once a step. Any other index, a row that joined the batch since (its
+first token comes from the prompt batch's step) or a picks read that fails
+takes the host read above; the values are the same bits either way. It is off
+until a GPU has timed both (``python -m bench.diagnostics.serving.
+logprob_reads``; on a 2-core CPU the two cost about the same at one row, and
+the picks more at 16)."""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+import os
+from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -39,13 +54,18 @@ class RowLogprobs(mx.array):
     evaluated row on the host, queueing nothing. Where that read fails, it is
     made as stock makes it, after one notice."""
 
-    def __init__(self, row: mx.array):
+    def __init__(self, row: mx.array, picks: Optional["StepPicks"] = None):
         super().__init__(row)
         # mx.array(row) is a new, unevaluated node over the row (evaluating it
         # would queue behind the next step); the host reads the row itself.
         self._row = row
+        self._picks = picks
 
     def __getitem__(self, index: Any) -> mx.array:
+        if self._picks is not None and isinstance(index, int) and not isinstance(index, bool):
+            value = self._picks.value(self._row, index)
+            if value is not None:
+                return mx.array(value, dtype=self._row.dtype)
         if isinstance(index, (int, list)) and not isinstance(index, bool) and not _host_read_failed:
             try:
                 return _host_read(self._row, index)
@@ -74,6 +94,65 @@ def _host_read(row: mx.array, index: Any) -> mx.array:
 _host_read_failed = False
 
 
+# "1": the generator's steps also queue their sampled tokens' log-probs
+# (StepPicks), which the rows' reads of their tokens then take.
+STEP_PICKS_ENV = "MLX_LILY_STEP_PICKS"
+_picks_failed = False
+
+
+def _picks_wanted() -> bool:
+    return not _picks_failed and os.environ.get(STEP_PICKS_ENV, "0") == "1"
+
+
+class StepPicks:
+    """The log-probs of the tokens one decode step sampled, one per row,
+    queued right behind that step: ``value(row, token)`` answers a row's read
+    of its own token from them (None where it cannot: a row not of this
+    step, another index). The array is read on the host once, at the first
+    such read, when the step and this small launch behind it are done."""
+
+    def __init__(self, rows: list, tokens: mx.array):
+        self._rows = list(rows)  # held, so that each id below stays its row's
+        self._where = {id(r): i for i, r in enumerate(self._rows)}
+        self._tokens = tokens
+        picked = mx.take_along_axis(mx.stack(self._rows), tokens.reshape(-1, 1), axis=-1)
+        self._values = picked.reshape(-1)
+        self._read: Optional[tuple] = None
+        mx.async_eval(self._values)
+
+    @classmethod
+    def of_step(cls, rows: Any, tokens: Any) -> Optional["StepPicks"]:
+        """Picks for a step's rows and sampled tokens, or None where they do
+        not fit (no step queued, rows of several shapes or dtypes)."""
+        if not rows or not isinstance(tokens, mx.array) or tokens.ndim != 1 or tokens.shape[0] != len(rows):
+            return None
+        first = rows[0]
+        if not all(isinstance(r, mx.array) and r.ndim == 1 and r.shape == first.shape and r.dtype == first.dtype
+                   for r in rows):
+            return None
+        return cls(rows, tokens)
+
+    def value(self, row: mx.array, token: int) -> Optional[float]:
+        i = self._where.get(id(row))
+        if i is None or self._rows[i] is not row:
+            return None
+        try:
+            if self._read is None:
+                self._read = (self._tokens.tolist(), self._values.tolist())
+        except Exception as exc:  # noqa: BLE001 - the row's own read below always works
+            _picks_fail(exc)
+            return None
+        tokens, values = self._read
+        return values[i] if tokens[i] == token else None
+
+
+def _picks_fail(exc: Exception) -> None:
+    global _picks_failed
+    _picks_failed = True
+    notice_once("served-logprobs-picks", f"reading a step's sampled log-probs failed ({type(exc).__name__}: "
+                                         f"{str(exc)[:160]}); each row's value is read from the row instead")
+
+
 def _host_read_fails(exc: Exception) -> None:
     global _host_read_failed
     _host_read_failed = True
@@ -86,12 +165,23 @@ def _is_lily(model: Any) -> bool:
 
 
 def _next(self: Any):
-    """``GenerationBatch.next``; a lily model's rows as ``RowLogprobs``."""
+    """``GenerationBatch.next``; a lily model's rows as ``RowLogprobs``, and
+    (``_picks_wanted``) the sampled tokens' log-probs of the step it queued."""
+    picks = self.__dict__.pop("_lily_picks", None)  # the step whose rows this call answers
     responses = _stock["next"](self)
-    if responses and _is_lily(self.model):
-        for r in responses:
-            if type(r.logprobs) is mx.array:
-                r.logprobs = RowLogprobs(r.logprobs)
+    if not _is_lily(self.model):
+        return responses
+    for r in responses:
+        if type(r.logprobs) is mx.array:
+            r.logprobs = RowLogprobs(r.logprobs, picks)
+    if _picks_wanted() and self.uids:
+        try:
+            made = StepPicks.of_step(self._next_logprobs, self._next_tokens)
+        except Exception as exc:  # noqa: BLE001 - the rows' own reads always work
+            _picks_fail(exc)
+            made = None
+        if made is not None:
+            self.__dict__["_lily_picks"] = made
     return responses
 
 

@@ -610,3 +610,24 @@ def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, mon
     with pytest.raises(ValueError, match="NAME:VAR=VALUE"):
         wave_profile.parse_arm("no colon")
     assert wave_profile.parse_arm("off:A=1, B=2") == ("off", {"A": "1", "B": "2"})
+
+
+def test_logprob_reads_times_both_reads_and_checks_their_values(tmp_path):
+    from bench.diagnostics.serving import logprob_reads
+
+    assert logprob_reads.main(["--vocab", "64", "--batch", "1,3", "--steps", "2", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "logprob_reads.txt").read_text().splitlines()
+    rows = [line for line in table if line.startswith("| 1 ") or line.startswith("| 3 ")]
+    assert len(rows) == 2 and all(line.count("/") == 4 for line in rows), table
+    with pytest.raises(SystemExit):
+        logprob_reads.main(["--batch", "0"])
+
+
+def test_logprob_reads_notices_a_wrong_value(monkeypatch):
+    from bench.diagnostics.serving import logprob_reads
+    from mlx_lily import served_logprobs
+
+    monkeypatch.setattr(served_logprobs.StepPicks, "value", lambda self, row, token: -1.0)
+    weight = mx.random.normal((logprob_reads.HIDDEN, 32), key=mx.random.key(0)).astype(mx.bfloat16)
+    with pytest.raises(AssertionError, match="a read gave"):
+        logprob_reads.time_reads(weight, 2, 1, True)

@@ -135,3 +135,132 @@ def test_stock_models_and_uninstall_leave_mlx_lm_as_it_was(demo_checkpoint, inst
 
     assert server.stream_generate is not sl._stream_generate
     sl.install()  # the fixture uninstalls it again
+
+
+# -- the sampled tokens' log-probs queued with each step (StepPicks) ----------------------
+
+
+@pytest.fixture
+def picks_on(monkeypatch, installed):
+    monkeypatch.setenv(sl.STEP_PICKS_ENV, "1")
+    monkeypatch.setattr(sl, "_picks_failed", False)
+
+
+def _counting_host_reads(monkeypatch):
+    calls = []
+    real = sl._host_read
+
+    def counted(row, index):
+        calls.append(index)
+        return real(row, index)
+
+    monkeypatch.setattr(sl, "_host_read", counted)
+    return calls
+
+
+def _check_reads(rs):
+    for r in rs:
+        plain = mx.array.__getitem__(r.logprobs, slice(None))
+        value = r.logprobs[r.token]
+        assert value.dtype == plain.dtype and value.shape == ()
+        assert value.item() == plain[r.token].item()
+
+
+def test_with_step_picks_each_token_s_read_comes_from_its_step_s_picks(demo_checkpoint, picks_on, monkeypatch):
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    calls = _counting_host_reads(monkeypatch)
+    steps = 5
+    gen = BatchGenerator(model, max_tokens=steps)
+    gen.insert(PROMPTS)
+    seen = []
+    while len(seen) < steps * len(PROMPTS):
+        _, rs = gen.next()
+        _check_reads(rs)
+        seen += rs
+    gen.close()
+    # Only each row's first token (made by the prompt batch's step, before any
+    # picks) is read from its row; every later one from the step's picks.
+    assert len(calls) == len(PROMPTS), calls
+    assert all(type(r.logprobs) is sl.RowLogprobs for r in seen)
+
+
+def test_step_picks_follow_rows_that_leave_and_join(demo_checkpoint, picks_on, monkeypatch):
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    calls = _counting_host_reads(monkeypatch)
+    gen = BatchGenerator(model)
+    gen.insert(PROMPTS, max_tokens=[2, 6])  # the first row leaves after two tokens
+    late = None
+    got = {}
+    for step in range(12):
+        _, rs = gen.next()
+        _check_reads(rs)
+        for r in rs:
+            got.setdefault(r.uid, []).append(r.token)
+            # Another index than the row's token: the row's own read, exact.
+            other = (r.token + 1) % r.logprobs.shape[0]
+            assert r.logprobs[other].item() == mx.array.__getitem__(r.logprobs, slice(None))[other].item()
+        if step == 3:
+            (late,) = gen.insert([[4, 4, 6, 1]], max_tokens=[3])  # a row joins mid-decode
+    gen.close()
+    assert [len(v) for v in got.values()] == [2, 6, 3] and late in got
+    # Each row's first token, and the "other" index of every response, are
+    # read from rows; no token's own read is.
+    assert len(calls) == 3 + sum(len(v) for v in got.values()), calls
+
+
+def test_step_picks_are_exact_in_each_dtype():
+    rows = list((mx.random.normal((3, 300), key=mx.random.key(4)) * 9).astype(mx.bfloat16))
+    tokens = mx.array([5, 299, 0], dtype=mx.uint32)
+    mx.eval(rows, tokens)
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        cast = [r.astype(dtype) for r in rows]
+        mx.eval(cast)
+        picks = sl.StepPicks.of_step(cast, tokens)
+        for r, t in zip(cast, (5, 299, 0)):
+            got = sl.RowLogprobs(r, picks)[t]
+            assert got.dtype == dtype and got.item() == r[t].item()
+        assert picks.value(cast[0], 6) is None  # not the row's sampled token
+        assert picks.value(mx.zeros((300,), dtype=dtype), 5) is None  # not a row of this step
+
+
+def test_step_picks_refuse_what_does_not_fit():
+    rows = [mx.zeros((8,)), mx.zeros((8,))]
+    assert sl.StepPicks.of_step(rows, mx.array([1, 2, 3])) is None
+    assert sl.StepPicks.of_step([mx.zeros((8,)), mx.zeros((9,))], mx.array([1, 2])) is None
+    assert sl.StepPicks.of_step([], mx.array([], dtype=mx.uint32)) is None
+    assert sl.StepPicks.of_step(rows, None) is None
+
+
+def test_a_failing_picks_read_falls_back_to_the_rows_after_one_notice(monkeypatch, fresh_notices, capsys):
+    monkeypatch.setattr(sl, "_picks_failed", False)
+    rows = list(mx.log(mx.softmax(mx.random.normal((2, 16), key=mx.random.key(5)), axis=-1)))
+    tokens = mx.array([3, 9], dtype=mx.uint32)
+    mx.eval(rows, tokens)
+    picks = sl.StepPicks.of_step(rows, tokens)
+
+    class Broken:
+        def tolist(self):
+            raise RuntimeError("no picks here")
+
+    picks._values = Broken()
+    assert sl.RowLogprobs(rows[1], picks)[9].item() == rows[1][9].item()
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and "RuntimeError: no picks here" in said
+    assert not sl._picks_wanted()
+
+
+def test_step_picks_are_asked_for(demo_checkpoint, installed, monkeypatch):
+    monkeypatch.setattr(sl, "_picks_failed", False)
+    monkeypatch.delenv(sl.STEP_PICKS_ENV, raising=False)
+    assert not sl._picks_wanted()
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    gen = BatchGenerator(model, max_tokens=3)
+    gen.insert(PROMPTS)
+    for _ in range(3):
+        gen.next()
+        assert "_lily_picks" not in gen._generation_batch.__dict__
+    gen.close()
+    monkeypatch.setenv(sl.STEP_PICKS_ENV, "1")
+    assert sl._picks_wanted()
+    monkeypatch.setattr(sl, "_picks_failed", True)  # after a failed read, never again
+    assert not sl._picks_wanted()
