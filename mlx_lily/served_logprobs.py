@@ -20,19 +20,19 @@ next step's GPU time, 4.6 ms at one stream and 39.8 ms at 16, and on a CPU
 each read took 1.4 ms.) Installed by the lily backend when ``mlx_lm.server``
 loads a lily model (``install``).
 
-On CUDA that host read still costs: the row (a megabyte at a 248K vocabulary)
-lives in managed memory, and the read took about 0.09 ms a token on an H100
-(py-spy, bench/results/2026-12-05-nvidia-h100-0d4712e), once per row: 16 times
-a step at 16 streams. ``MLX_LILY_STEP_PICKS=1`` tries the alternative: right
+On CUDA that host read still costs: the row (half a megabyte of bf16 at a 248K
+vocabulary) lives in managed memory, and the read, with the array it answers,
+took about 0.09 ms a token on an H100 (py-spy in
+bench/results/2026-12-05-nvidia-h100-0d4712e), once per row: 16 times a step
+at 16 streams. ``MLX_LILY_STEP_PICKS=1`` tries the alternative: right
 behind each decode step the generator queues, lily also queues the log-probs
 of the tokens that step sampled, one small array for all its rows
 (``StepPicks``), and the rows' reads of their own token come from that array,
 read once a step. Any other index, a row that joined the batch since (its
 first token comes from the prompt batch's step) or a picks read that fails
 takes the host read above; the values are the same bits either way. It is off
-until a GPU has timed both (``python -m bench.diagnostics.serving.
-logprob_reads``; on a 2-core CPU the two cost about the same at one row, and
-the picks more at 16)."""
+until a GPU has timed both (``bench.diagnostics.serving.logprob_reads``; on a
+2-core CPU the picks saved nothing)."""
 
 from __future__ import annotations
 
@@ -185,6 +185,15 @@ def _next(self: Any):
     return responses
 
 
+def _filter(self: Any, keep: Any):
+    """``GenerationBatch.filter`` (rows leaving between steps: a request
+    removed, the batch emptied): the step's picks are dropped with it, so
+    that they hold no rows the batch no longer has; the rows left read
+    their next token from the row itself, once."""
+    self.__dict__.pop("_lily_picks", None)
+    return _stock["filter"](self, keep)
+
+
 def _stream_generate(model: Any, *args: Any, **kwargs: Any):
     """The server's ``stream_generate`` (its one-request path: a request with
     a seed, a draft model, a quantized KV cache), which reads each token's
@@ -197,12 +206,13 @@ def _stream_generate(model: Any, *args: Any, **kwargs: Any):
 
 
 def install() -> None:
-    """Wrap mlx-lm's ``GenerationBatch.next`` and the server's
-    ``stream_generate`` (idempotent)."""
+    """Wrap mlx-lm's ``GenerationBatch.next`` and ``filter`` and the
+    server's ``stream_generate`` (idempotent)."""
     if _stock:
         return
     gen = importlib.import_module("mlx_lm.generate")
     _stock.set("next", gen.GenerationBatch, "next", _next)
+    _stock.set("filter", gen.GenerationBatch, "filter", _filter)
     try:
         server = program_module("mlx_lm.server")
         _stock.set("stream_generate", server, "stream_generate", _stream_generate)

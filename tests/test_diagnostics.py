@@ -615,19 +615,25 @@ def test_wave_profile_times_each_arm_and_puts_its_environment_back(tmp_path, mon
 def test_logprob_reads_times_both_reads_and_checks_their_values(tmp_path):
     from bench.diagnostics.serving import logprob_reads
 
-    assert logprob_reads.main(["--vocab", "64", "--batch", "1,3", "--steps", "2", "--out", str(tmp_path)]) == 0
+    assert logprob_reads.main(["--vocab", "64", "--batch", "1,3", "--steps", "2", "--rounds", "2",
+                               "--out", str(tmp_path)]) == 0
     table = (tmp_path / "logprob_reads.txt").read_text().splitlines()
     rows = [line for line in table if line.startswith("| 1 ") or line.startswith("| 3 ")]
-    assert len(rows) == 2 and all(line.count("/") == 4 for line in rows), table
+    assert len(rows) == 4 and all(line.count("/") == 3 - line.count("| - |") for line in rows), table
+    assert [line.split("|")[2].strip() for line in rows] == ["host read", "picks"] * 2
     with pytest.raises(SystemExit):
         logprob_reads.main(["--batch", "0"])
 
 
-def test_logprob_reads_notices_a_wrong_value(monkeypatch):
+def test_logprob_reads_notices_a_wrong_value_or_a_picks_arm_without_picks(monkeypatch):
     from bench.diagnostics.serving import logprob_reads
     from mlx_lily import served_logprobs
 
-    monkeypatch.setattr(served_logprobs.StepPicks, "value", lambda self, row, token: -1.0)
     weight = mx.random.normal((logprob_reads.HIDDEN, 32), key=mx.random.key(0)).astype(mx.bfloat16)
-    with pytest.raises(AssertionError, match="a read gave"):
-        logprob_reads.time_reads(weight, 2, 1, True)
+    with monkeypatch.context() as m:
+        m.setattr(served_logprobs.StepPicks, "value", lambda self, row, token: -1.0)
+        with pytest.raises(AssertionError, match="a read gave"):
+            logprob_reads.run_arm(weight, 2, 1, True)
+    monkeypatch.setattr(served_logprobs.StepPicks, "of_step", classmethod(lambda cls, rows, tokens: None))
+    with pytest.raises(RuntimeError, match="took no picks"):
+        logprob_reads.run_arm(weight, 2, 1, True)

@@ -128,9 +128,10 @@ def test_stock_models_and_uninstall_leave_mlx_lm_as_it_was(demo_checkpoint, inst
     stock, _ = mlx_lily.load(str(demo_checkpoint), backend="mlx")
     assert all(type(r.logprobs) is mx.array for r in responses(stock, steps=2))
     sl.install()  # idempotent
-    wrapped = GenerationBatch.next
+    wrapped, wrapped_filter = GenerationBatch.next, GenerationBatch.filter
     sl.uninstall()
-    assert GenerationBatch.next is not wrapped and not sl.installed()
+    assert GenerationBatch.next is not wrapped and GenerationBatch.filter is not wrapped_filter
+    assert not sl.installed()
     from mlx_lm import server
 
     assert server.stream_generate is not sl._stream_generate
@@ -206,6 +207,36 @@ def test_step_picks_follow_rows_that_leave_and_join(demo_checkpoint, picks_on, m
     # Each row's first token, and the "other" index of every response, are
     # read from rows; no token's own read is.
     assert len(calls) == 3 + sum(len(v) for v in got.values()), calls
+
+
+def test_step_picks_go_with_rows_removed_between_steps(demo_checkpoint, picks_on, monkeypatch):
+    # A request removed between two steps (a client gone, the server's
+    # remove()): the batch drops the picks with its rows, holds none of the
+    # removed rows, and every later read is still its row's own value.
+    model, _ = mlx_lily.load(str(demo_checkpoint), backend="lily")
+    calls = _counting_host_reads(monkeypatch)
+    gen = BatchGenerator(model)
+    first, second = gen.insert(PROMPTS, max_tokens=[8, 8])
+    for _ in range(3):
+        _check_reads(gen.next()[1])
+    batch = gen._generation_batch
+    assert "_lily_picks" in batch.__dict__
+    gen.remove([first])
+    assert "_lily_picks" not in batch.__dict__
+    before = len(calls)
+    _, rs = gen.next()
+    _check_reads(rs)
+    assert [r.uid for r in rs] == [second] and len(calls) == before + 1  # its row, once
+    gen.remove([second])  # the batch empties: nothing held
+    assert "_lily_picks" not in batch.__dict__
+    (third,) = gen.insert([[4, 4, 6, 1]], max_tokens=[3])
+    seen = []
+    while len(seen) < 3:
+        _, rs = gen.next()
+        _check_reads(rs)
+        seen += rs
+    assert {r.uid for r in seen} == {third}
+    gen.close()
 
 
 def test_step_picks_are_exact_in_each_dtype():
